@@ -1,0 +1,65 @@
+"""`retrofit` command line: verbs over YAML recipes, like litgpt / torchtune.
+
+Each verb lives in its own module (``retrofit/cli/<verb>.py``) exposing
+``register(subparsers)``; heavy imports happen inside the verb's handler so that
+``retrofit --help`` stays instant.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from retrofit import __version__
+
+VERBS: tuple[tuple[str, str], ...] = (
+    ("convert", "model surgery: swap attention for a linear-time method and save a checkpoint"),
+    ("train", "continual pretraining of the new weights (DeepSpeed / torchrun / single process)"),
+    ("eval", "long-context perplexity, lm-eval few-shot benchmarks, passkey retrieval"),
+    ("generate", "constant-memory text generation from a converted checkpoint"),
+    ("bench", "speed and memory benchmarks (attention ops, decoding, whole model)"),
+    ("demo", "the end-to-end main job on the real Gemma 3 270M (convert, train, eval, generate)"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="retrofit",
+        description="Give pretrained LLMs linear-time attention and a longer usable context.",
+    )
+    parser.add_argument("--version", action="version", version=f"retrofit {__version__}")
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    for name, help_text in VERBS:
+        module = importlib.import_module(f"retrofit.cli.{name}")
+        module.register(sub, help_text)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "handler", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.handler(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # one clear message, non-zero exit; full trace with RETROFIT_DEBUG=1
+        from retrofit.errors import RetrofitError
+
+        if isinstance(exc, RetrofitError) and not _debug():
+            print(f"retrofit {args.verb}: error: {exc}", file=sys.stderr)
+            return 1
+        raise
+
+
+def _debug() -> bool:
+    import os
+
+    return os.environ.get("RETROFIT_DEBUG", "") not in ("", "0")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Pure attention math on tensors (no nn.Module state). See each module's docstring for shapes."""
+from retrofit.ops.exp_linear import exp_linear_attention, exp_linear_attention_reference, exp_linear_attention_step
+from retrofit.ops.latte import (
+    LatteState,
+    bidirectional_latte,
+    bidirectional_latte_reference,
+    causal_latte,
+    causal_latte_chunked,
+    causal_latte_recurrent,
+    causal_latte_reference,
+    causal_latte_step,
+)
+from retrofit.ops.macchiato import macchiato_attention, macchiato_attention_reference, repeat_kv_heads
+from retrofit.ops.sliding_window import sliding_window_attention, sliding_window_attention_reference
+
+__all__ = [
+    "LatteState",
+    "bidirectional_latte",
+    "bidirectional_latte_reference",
+    "causal_latte",
+    "causal_latte_chunked",
+    "causal_latte_recurrent",
+    "causal_latte_reference",
+    "causal_latte_step",
+    "exp_linear_attention",
+    "exp_linear_attention_reference",
+    "exp_linear_attention_step",
+    "macchiato_attention",
+    "macchiato_attention_reference",
+    "repeat_kv_heads",
+    "sliding_window_attention",
+    "sliding_window_attention_reference",
+]

@@ -1,0 +1,338 @@
+"""Latte: latent attention (Dutordoir et al., Definitions 1-2) in reference, chunked and recurrent forms.
+
+Notation per head: ``L`` latent states, ``D`` value dim, ``T`` tokens.
+
+* ``q_weights`` ``(B, H, T, L)``: non-negative mixing weights over latents, p(l|t) for plain
+  Latte (``softmax`` of the query logits). Macchiato passes the latent part of a softmax
+  over ``L + 1`` states, so the weights need not sum to one.
+* ``k_logits`` ``(B, H, T, L)``: a_{t,l}, the latent key logits; p(s|l,t) = softmax over s <= t.
+* ``v`` ``(B, H, T, D)``.
+
+Causal Latte output: ``o_t = sum_l q_{t,l} m_{t,l}`` with
+``m_{t,l} = sum_{s<=t} exp(a_{s,l}) v_s / sum_{s<=t} exp(a_{s,l})``. With the running
+log-normaliser ``z_t = logcumsumexp_s a_s`` this is the gated recurrence
+``m_t = exp(z_{t-1} - z_t) m_{t-1} + exp(a_t - z_t) v_t`` (paper eq. 19 in log space).
+
+Numerics: every exponent evaluated here is of the form ``a_s - z_t`` or ``z_s - z_t`` with
+``s <= t``, hence <= 0: nothing overflows whatever the logit spread, and terms that
+underflow are below fp32 resolution of the result. Internal math runs in at least fp32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "LatteState",
+    "causal_latte",
+    "causal_latte_reference",
+    "causal_latte_chunked",
+    "causal_latte_recurrent",
+    "causal_latte_step",
+    "bidirectional_latte",
+    "bidirectional_latte_reference",
+]
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class LatteState:
+    """Recurrent state of causal Latte for one layer.
+
+    m: ``(B, H, L, D)`` value mean per latent, normalised at z (bounded by max |v|).
+    z: ``(B, H, L)`` log-normaliser ``log sum_s exp(a_s)``; ``-inf`` before any token.
+    """
+
+    m: torch.Tensor
+    z: torch.Tensor
+
+    @classmethod
+    def empty(cls, batch: int, heads: int, latents: int, dim: int, *, device=None, dtype=torch.float32) -> "LatteState":
+        return cls(
+            m=torch.zeros(batch, heads, latents, dim, device=device, dtype=dtype),
+            z=torch.full((batch, heads, latents), NEG_INF, device=device, dtype=dtype),
+        )
+
+    def detach(self) -> "LatteState":
+        return LatteState(self.m.detach(), self.z.detach())
+
+    def index_select(self, batch_index: torch.Tensor) -> "LatteState":
+        return LatteState(self.m.index_select(0, batch_index), self.z.index_select(0, batch_index))
+
+
+def _compute_dtype(*xs: torch.Tensor) -> torch.dtype:
+    dtype = torch.float32
+    for x in xs:
+        dtype = torch.promote_types(dtype, x.dtype)
+    return dtype
+
+
+def _finite_or_zero(z: torch.Tensor) -> torch.Tensor:
+    """Replace -inf log-normalisers (empty state) by 0 so that ``x - z`` never is ``-inf - -inf``."""
+    return z.masked_fill(z == NEG_INF, 0.0)
+
+
+def _masked_logits(k_logits: torch.Tensor, key_padding_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    a = k_logits.to(dtype)
+    if key_padding_mask is not None:
+        a = a.masked_fill(~key_padding_mask.bool()[:, None, :, None], NEG_INF)
+    return a
+
+
+# --------------------------------------------------------------------------------------
+# reference
+
+
+def causal_latte_reference(
+    q_weights: torch.Tensor,
+    k_logits: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Direct O(T^2 L) evaluation of Definition 2 (tests only). Returns ``(B, H, T, D)``."""
+    dtype = _compute_dtype(q_weights, k_logits, v)
+    T = v.shape[-2]
+    a = _masked_logits(k_logits, key_padding_mask, dtype)  # (B,H,T,L)
+    causal = torch.ones(T, T, dtype=torch.bool, device=v.device).tril()  # [t, s]
+    logits = a.transpose(-1, -2)[..., None, :].expand(*a.shape[:2], a.shape[-1], T, T)  # (B,H,L,t,s)
+    logits = logits.masked_fill(~causal, NEG_INF)
+    p_s = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # rows with no valid key -> 0
+    out = torch.einsum("bhtl,bhlts,bhsd->bhtd", q_weights.to(dtype), p_s, v.to(dtype))
+    if key_padding_mask is not None:
+        out = out * key_padding_mask.bool()[:, None, :, None]
+    return out.to(v.dtype)
+
+
+# --------------------------------------------------------------------------------------
+# chunked
+
+
+class _IntraChunkWeights(torch.autograd.Function):
+    """W[n, t, s] = sum_l q[n,t,l] exp(a[n,s,l] - z[n,t,l]) for s <= t, else 0.
+
+    Evaluated pairwise in log space (exponents <= 0) in slices so the ``(N, C, C, L)``
+    intermediate is never held whole; backward recomputes it instead of storing it.
+    """
+
+    SLICE_ELEMENTS = 1 << 23
+
+    @staticmethod
+    def _exp_pairs(a: torch.Tensor, z: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
+        expo = a[:, None, :, :] - z[:, :, None, :]  # (n, t, s, l)
+        return torch.exp(expo.masked_fill(~causal[None, :, :, None], NEG_INF))
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, a: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        N, C, L = q.shape
+        causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        step = max(1, _IntraChunkWeights.SLICE_ELEMENTS // (C * C * L))
+        out = q.new_empty(N, C, C)
+        for i in range(0, N, step):
+            e = _IntraChunkWeights._exp_pairs(a[i : i + step], z[i : i + step], causal)
+            out[i : i + step] = torch.einsum("ntl,ntsl->nts", q[i : i + step], e)
+        ctx.save_for_backward(q, a, z)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_w: torch.Tensor):
+        q, a, z = ctx.saved_tensors
+        N, C, L = q.shape
+        causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+        step = max(1, _IntraChunkWeights.SLICE_ELEMENTS // (C * C * L))
+        dq, da, dz = torch.empty_like(q), torch.empty_like(a), torch.empty_like(z)
+        for i in range(0, N, step):
+            sl = slice(i, i + step)
+            e = _IntraChunkWeights._exp_pairs(a[sl], z[sl], causal)
+            ge = grad_w[sl][..., None] * e  # (n, t, s, l)
+            dq[sl] = ge.sum(2)
+            r = ge * q[sl][:, :, None, :]
+            da[sl] = r.sum(1)
+            dz[sl] = -r.sum(2)
+        return dq, da, dz
+
+
+def causal_latte_chunked(
+    q_weights: torch.Tensor,
+    k_logits: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    chunk_size: int = 64,
+    key_padding_mask: torch.Tensor | None = None,
+    initial_state: LatteState | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, LatteState | None]:
+    """Chunkwise-parallel causal Latte: O(T C L + T L D) time, linear memory in T.
+
+    Within a chunk of ``C`` tokens the token-to-token weights come from
+    :class:`_IntraChunkWeights`; across chunks a state normalised at the running
+    log-normaliser is carried (a scan over T / C chunks). Returns ``(out, state)`` with
+    ``out`` ``(B, H, T, D)`` in ``v.dtype`` and the final state if requested.
+    """
+    B, H, T, L = k_logits.shape
+    D = v.shape[-1]
+    dtype = _compute_dtype(q_weights, k_logits, v)
+    if T == 0:
+        state = initial_state if initial_state is not None else LatteState.empty(B, H, L, D, device=v.device, dtype=dtype)
+        return v.new_zeros(B, H, 0, D), (state if output_final_state else None)
+    C = max(1, min(chunk_size, T))
+    n = -(-T // C)
+    pad = n * C - T
+    a = _masked_logits(k_logits, key_padding_mask, dtype)
+    q = q_weights.to(dtype)
+    vv = v.to(dtype)
+    if pad:
+        a = torch.nn.functional.pad(a, (0, 0, 0, pad), value=NEG_INF)
+        q = torch.nn.functional.pad(q, (0, 0, 0, pad))
+        vv = torch.nn.functional.pad(vv, (0, 0, 0, pad))
+    a = a.view(B, H, n, C, L)
+    q = q.view(B, H, n, C, L)
+    vv = vv.view(B, H, n, C, D)
+
+    if initial_state is None:
+        z_init = a.new_full((B, H, 1, L), NEG_INF)
+        m_init = a.new_zeros(B, H, L, D)
+    else:
+        z_init = initial_state.z.to(dtype).unsqueeze(2)
+        m_init = initial_state.m.to(dtype)
+
+    z_local = torch.logcumsumexp(a, dim=3)  # (B,H,n,C,L) from the chunk start
+    z_bound = torch.logcumsumexp(torch.cat([z_init, z_local[:, :, :, -1]], dim=2), dim=2)  # (B,H,n+1,L)
+    z_start, z_end = z_bound[:, :, :-1], z_bound[:, :, 1:]
+    z = torch.logaddexp(z_start.unsqueeze(3), z_local)  # global z_t, (B,H,n,C,L)
+    z_safe = _finite_or_zero(z)
+
+    # intra-chunk token-to-token part
+    w_intra = _IntraChunkWeights.apply(
+        q.reshape(-1, C, L), a.reshape(-1, C, L), z_safe.reshape(-1, C, L)
+    ).view(B, H, n, C, C)
+    out = torch.matmul(w_intra, vv)
+
+    # chunk-start states by a scan over chunks: m_{c+1} = exp(z_start - z_end) m_c + U_c
+    z_end_safe = _finite_or_zero(z_end)
+    contrib = torch.matmul(torch.exp(a - z_end_safe.unsqueeze(3)).transpose(-1, -2), vv)  # (B,H,n,L,D)
+    decay = torch.exp(z_start - z_end_safe)  # (B,H,n,L), <= 1
+    states = []
+    m = m_init
+    for c in range(n):
+        states.append(m)
+        m = decay[:, :, c, :, None] * m + contrib[:, :, c]
+    m_start = torch.stack(states, dim=2)  # (B,H,n,L,D)
+
+    # inter-chunk part: sum_l q_tl exp(z_start - z_t) m_start[l]
+    q_inter = q * torch.exp(z_start.unsqueeze(3) - z_safe)
+    out = out + torch.matmul(q_inter, m_start)
+
+    out = out.view(B, H, n * C, D)[:, :, :T]
+    if key_padding_mask is not None:
+        out = out * key_padding_mask.bool()[:, None, :, None]
+    final = LatteState(m=m, z=z_end[:, :, -1]) if output_final_state else None
+    return out.to(v.dtype), final
+
+
+# --------------------------------------------------------------------------------------
+# recurrent
+
+
+def causal_latte_step(
+    q_weights: torch.Tensor,
+    k_logits: torch.Tensor,
+    v: torch.Tensor,
+    state: LatteState,
+    *,
+    valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, LatteState]:
+    """One token: q_weights/k_logits ``(B, H, L)``, v ``(B, H, D)``; O(L D) per head.
+
+    ``valid`` ``(B,)`` bool: rows marked False (padding) leave the state untouched and output 0.
+    """
+    dtype = _compute_dtype(q_weights, k_logits, v, state.m)
+    a = k_logits.to(dtype)
+    if valid is not None:
+        a = a.masked_fill(~valid.bool()[:, None, None], NEG_INF)
+    z_old = state.z.to(dtype)
+    z_new = torch.logaddexp(z_old, a)
+    z_new_safe = _finite_or_zero(z_new)
+    m = torch.exp(z_old - z_new_safe)[..., None] * state.m.to(dtype) + torch.exp(a - z_new_safe)[..., None] * v.to(dtype)[:, :, None, :]
+    out = torch.einsum("bhl,bhld->bhd", q_weights.to(dtype), m)
+    if valid is not None:
+        out = out * valid.bool()[:, None, None]
+    return out.to(v.dtype), LatteState(m=m, z=z_new)
+
+
+def causal_latte_recurrent(
+    q_weights: torch.Tensor,
+    k_logits: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    key_padding_mask: torch.Tensor | None = None,
+    initial_state: LatteState | None = None,
+) -> tuple[torch.Tensor, LatteState]:
+    """Token-by-token loop over :func:`causal_latte_step` (decoding path; also a second reference)."""
+    B, H, T, L = k_logits.shape
+    D = v.shape[-1]
+    state = initial_state or LatteState.empty(B, H, L, D, device=v.device, dtype=_compute_dtype(q_weights, k_logits, v))
+    outs = []
+    for t in range(T):
+        valid = None if key_padding_mask is None else key_padding_mask[:, t]
+        o, state = causal_latte_step(q_weights[:, :, t], k_logits[:, :, t], v[:, :, t], state, valid=valid)
+        outs.append(o)
+    return torch.stack(outs, dim=2), state
+
+
+def causal_latte(
+    q_logits: torch.Tensor,
+    k_logits: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    chunk_size: int = 64,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Plain causal Latte (Definition 2) from query logits: p(l|t) = softmax_l(q_logits)."""
+    p = torch.softmax(q_logits.to(_compute_dtype(q_logits)), dim=-1)
+    out, _ = causal_latte_chunked(p, k_logits, v, chunk_size=chunk_size, key_padding_mask=key_padding_mask)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# bidirectional (encoder) Latte, Definition 1
+
+
+def bidirectional_latte(
+    q_logits: torch.Tensor,
+    k_logits: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """softmax_L(Q) softmax_T(K)^T V in O(T L D). Shapes as the causal form; no causal mask."""
+    dtype = _compute_dtype(q_logits, k_logits, v)
+    a = _masked_logits(k_logits, key_padding_mask, dtype)
+    p_l = torch.softmax(q_logits.to(dtype), dim=-1)  # (B,H,T,L)
+    p_s = torch.softmax(a, dim=-2).nan_to_num(0.0)  # over T
+    summary = torch.matmul(p_s.transpose(-1, -2), v.to(dtype))  # (B,H,L,D)
+    out = torch.matmul(p_l, summary)
+    if key_padding_mask is not None:
+        out = out * key_padding_mask.bool()[:, None, :, None]
+    return out.to(v.dtype)
+
+
+def bidirectional_latte_reference(
+    q_logits: torch.Tensor,
+    k_logits: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The T x T attention matrix sum_l p(l|t) p(s|l), materialised (tests only)."""
+    dtype = _compute_dtype(q_logits, k_logits, v)
+    a = _masked_logits(k_logits, key_padding_mask, dtype)
+    p_l = torch.softmax(q_logits.to(dtype), dim=-1)
+    p_s = torch.softmax(a, dim=-2).nan_to_num(0.0)
+    attn = torch.einsum("bhtl,bhsl->bhts", p_l, p_s)
+    out = torch.matmul(attn, v.to(dtype))
+    if key_padding_mask is not None:
+        out = out * key_padding_mask.bool()[:, None, :, None]
+    return out.to(v.dtype)
