@@ -1,0 +1,179 @@
+"""Causal Latte: chunked and recurrent forms against the O(T^2) reference (Definition 2)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.autograd import gradcheck
+
+from retrofit.ops import (
+    LatteState,
+    causal_latte,
+    causal_latte_chunked,
+    causal_latte_recurrent,
+    causal_latte_reference,
+    causal_latte_step,
+)
+from tests.ops._inputs import latte_inputs, padding_mask
+
+
+def test_reference_matches_definition_by_hand():
+    # one head, one latent: m_t is the exp(a)-weighted mean of v_1..v_t
+    a = torch.tensor([0.0, 1.0, -2.0], dtype=torch.float64).view(1, 1, 3, 1)
+    v = torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64).view(1, 1, 3, 1)
+    q = torch.ones_like(a)
+    w = a.exp().flatten()
+    expected = torch.stack([(w[: t + 1] * v.flatten()[: t + 1]).sum() / w[: t + 1].sum() for t in range(3)])
+    out = causal_latte_reference(q, a, v)
+    torch.testing.assert_close(out.flatten(), expected)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    B=st.integers(1, 2),
+    H=st.integers(1, 3),
+    T=st.integers(1, 70),
+    L=st.integers(1, 6),
+    D=st.integers(1, 5),
+    chunk=st.sampled_from([1, 3, 8, 16, 64]),
+)
+def test_chunked_matches_reference(B, H, T, L, D, chunk):
+    q, k, v = latte_inputs(B, H, T, L, D)
+    ref = causal_latte_reference(q, k, v)
+    out, _ = causal_latte_chunked(q, k, v, chunk_size=chunk)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("T,chunk", [(1, 16), (17, 16), (64, 16), (100, 32)])
+def test_recurrent_and_final_state_match_chunked(T, chunk):
+    q, k, v = latte_inputs(2, 2, T, 4, 3)
+    mask = padding_mask(2, T, [0, min(5, T - 1)])
+    out_c, st_c = causal_latte_chunked(q, k, v, chunk_size=chunk, key_padding_mask=mask, output_final_state=True)
+    out_r, st_r = causal_latte_recurrent(q, k, v, key_padding_mask=mask)
+    ref = causal_latte_reference(q, k, v, key_padding_mask=mask)
+    torch.testing.assert_close(out_c, ref, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(out_r, ref, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(st_c.m, st_r.m, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(st_c.z, st_r.z)
+
+
+def test_prefill_then_steps_equals_full_sequence():
+    T, split = 50, 23
+    q, k, v = latte_inputs(2, 2, T, 5, 4)
+    full = causal_latte_reference(q, k, v)
+    pre, state = causal_latte_chunked(q[:, :, :split], k[:, :, :split], v[:, :, :split], chunk_size=8, output_final_state=True)
+    outs = [pre]
+    for t in range(split, T):
+        o, state = causal_latte_step(q[:, :, t], k[:, :, t], v[:, :, t], state)
+        outs.append(o[:, :, None])
+    torch.testing.assert_close(torch.cat(outs, dim=2), full, atol=1e-10, rtol=1e-10)
+    # and a second chunked call from a carried state
+    rest, _ = causal_latte_chunked(q[:, :, split:], k[:, :, split:], v[:, :, split:], chunk_size=7,
+                                   initial_state=causal_latte_chunked(q[:, :, :split], k[:, :, :split], v[:, :, :split], output_final_state=True)[1])
+    torch.testing.assert_close(rest, full[:, :, split:], atol=1e-10, rtol=1e-10)
+
+
+def test_left_padding_contributes_nothing():
+    T, pad = 30, 9
+    q, k, v = latte_inputs(1, 2, T - pad, 4, 3)
+    alone = causal_latte_reference(q, k, v)
+    # same sequence behind `pad` garbage positions with huge logits and values
+    qp = torch.cat([torch.rand(1, 2, pad, 4, dtype=q.dtype), q], dim=2)
+    kp = torch.cat([torch.full((1, 2, pad, 4), 80.0, dtype=k.dtype), k], dim=2)
+    vp = torch.cat([torch.full((1, 2, pad, 3), 1e4, dtype=v.dtype), v], dim=2)
+    mask = padding_mask(1, T, [pad])
+    out, _ = causal_latte_chunked(qp, kp, vp, chunk_size=8, key_padding_mask=mask)
+    torch.testing.assert_close(out[:, :, pad:], alone, atol=1e-10, rtol=1e-10)
+    assert torch.all(out[:, :, :pad] == 0)
+    out_r, _ = causal_latte_recurrent(qp, kp, vp, key_padding_mask=mask)
+    torch.testing.assert_close(out_r[:, :, pad:], alone, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("spread", [50.0, 200.0, 2000.0])
+def test_large_logit_spread_is_finite_and_exact_in_fp32(spread):
+    torch.manual_seed(1)
+    q, k, v = latte_inputs(2, 2, 150, 8, 16, dtype=torch.float64, spread=1.0)
+    k = k * spread / 2  # logits spread over ~[-spread, spread] inside each chunk
+    k[:, :, 40] += spread  # an abrupt jump of the running max mid-chunk
+    ref = causal_latte_reference(q, k, v)
+    out, state = causal_latte_chunked(q.float(), k.float(), v.float(), chunk_size=64, output_final_state=True)
+    assert torch.isfinite(out).all() and torch.isfinite(state.m).all()
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    out_r, _ = causal_latte_recurrent(q.float(), k.float(), v.float())
+    torch.testing.assert_close(out_r.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_fp32_matches_reference_to_1e5():
+    q, k, v = latte_inputs(2, 4, 333, 16, 32, dtype=torch.float32, spread=5.0)
+    mask = padding_mask(2, 333, [0, 17])
+    ref = causal_latte_reference(q.double(), k.double(), v.double(), key_padding_mask=mask)
+    out, _ = causal_latte_chunked(q, k, v, chunk_size=64, key_padding_mask=mask)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_inputs_within_bf16_tolerance():
+    q, k, v = latte_inputs(2, 2, 200, 8, 16, dtype=torch.float32, spread=4.0)
+    ref = causal_latte_reference(q.double(), k.double(), v.double())
+    out, _ = causal_latte_chunked(q.bfloat16(), k.bfloat16(), v.bfloat16(), chunk_size=32)
+    assert out.dtype == torch.bfloat16
+    # inputs are rounded to bf16 (8 bits of mantissa); the math runs in fp32
+    torch.testing.assert_close(out.double(), ref, atol=5e-2, rtol=5e-2)
+    ref_rounded = causal_latte_reference(q.bfloat16().double(), k.bfloat16().double(), v.bfloat16().double())
+    torch.testing.assert_close(out.double(), ref_rounded, atol=1e-2, rtol=1e-2)
+
+
+def test_gradcheck_chunked_float64():
+    q, k, v = latte_inputs(2, 2, 11, 3, 2, normalised=False)
+    mask = padding_mask(2, 11, [0, 3])
+    args = [x.clone().requires_grad_() for x in (q, k, v)]
+    assert gradcheck(lambda a, b, c: causal_latte_chunked(a, b, c, chunk_size=4, key_padding_mask=mask)[0], args)
+
+
+def test_gradcheck_through_initial_state():
+    q, k, v = latte_inputs(1, 2, 9, 3, 2, normalised=False)
+    state_m = torch.randn(1, 2, 3, 2, dtype=torch.float64, requires_grad=True)
+    state_z = torch.randn(1, 2, 3, dtype=torch.float64, requires_grad=True)
+    args = [x.clone().requires_grad_() for x in (q, k, v)]
+
+    def f(a, b, c, m, z):
+        out, fin = causal_latte_chunked(a, b, c, chunk_size=4, initial_state=LatteState(m, z), output_final_state=True)
+        return out, fin.m, fin.z
+
+    assert gradcheck(f, (*args, state_m, state_z))
+
+
+def test_gradients_match_reference_fp32():
+    q, k, v = latte_inputs(2, 3, 130, 8, 16, dtype=torch.float32, spread=4.0)
+    mask = padding_mask(2, 130, [0, 10])
+    g = torch.randn(2, 3, 130, 16)
+    grads = []
+    for fn in (
+        lambda a, b, c: causal_latte_reference(a.double(), b.double(), c.double(), key_padding_mask=mask),
+        lambda a, b, c: causal_latte_chunked(a, b, c, chunk_size=32, key_padding_mask=mask)[0],
+    ):
+        args = [x.clone().requires_grad_() for x in (q, k, v)]
+        (fn(*args).double() * g).sum().backward()
+        grads.append([x.grad for x in args])
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_causal_latte_from_logits_is_a_distribution_over_past_values():
+    # with v = 1 everywhere and p(l|t) summing to one, every output is exactly 1
+    q_logits = torch.randn(2, 2, 40, 5) * 10
+    k_logits = torch.randn(2, 2, 40, 5) * 10
+    v = torch.ones(2, 2, 40, 3)
+    out = causal_latte(q_logits, k_logits, v, chunk_size=16)
+    torch.testing.assert_close(out, torch.ones_like(out))
+
+
+def test_causality_future_tokens_do_not_change_the_past():
+    q, k, v = latte_inputs(1, 2, 40, 4, 3)
+    out, _ = causal_latte_chunked(q, k, v, chunk_size=16)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 25:] += 100.0
+    v2[:, :, 25:] = -v2[:, :, 25:]
+    out2, _ = causal_latte_chunked(q, k2, v2, chunk_size=16)
+    torch.testing.assert_close(out[:, :, :25], out2[:, :, :25])
+    assert not torch.allclose(out[:, :, 25:], out2[:, :, 25:])

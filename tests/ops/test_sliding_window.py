@@ -1,0 +1,109 @@
+"""Sliding-window attention: the O(T*w) blocked form against a per-query loop and the dense form."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.autograd import gradcheck
+
+from retrofit.ops import sliding_window_attention, sliding_window_attention_reference
+from tests.ops._inputs import padding_mask
+
+
+def _loop_reference(q, k, v, window, scaling, softcap, mask, num_past):
+    """Independent per-query evaluation of the definition (t - w < s <= t, padded keys skipped)."""
+    B, Hq, Tq, _ = q.shape
+    group = Hq // k.shape[1]
+    out = torch.zeros(B, Hq, Tq, v.shape[-1], dtype=torch.float64)
+    for b in range(B):
+        for h in range(Hq):
+            for t in range(Tq):
+                tp = t + num_past
+                if mask is not None and not mask[b, tp]:
+                    continue
+                keys = [s for s in range(max(0, tp - window + 1), tp + 1) if mask is None or mask[b, s]]
+                scores = (k[b, h // group, keys].double() @ q[b, h, t].double()) * scaling
+                if softcap:
+                    scores = torch.tanh(scores / softcap) * softcap
+                out[b, h, t] = torch.softmax(scores, 0) @ v[b, h // group, keys].double()
+    return out
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    T=st.integers(1, 45),
+    window=st.integers(1, 12),
+    num_past=st.integers(0, 14),
+    heads=st.sampled_from([(2, 2), (4, 2), (4, 1)]),
+    softcap=st.sampled_from([None, 5.0]),
+    pad=st.integers(0, 10),
+)
+def test_blocked_matches_loop(T, window, num_past, heads, softcap, pad):
+    Hq, Hkv = heads
+    q = torch.randn(2, Hq, T, 4, dtype=torch.float64) * 2
+    k = torch.randn(2, Hkv, num_past + T, 4, dtype=torch.float64) * 2
+    v = torch.randn(2, Hkv, num_past + T, 3, dtype=torch.float64)
+    mask = padding_mask(2, num_past + T, [0, pad])
+    out = sliding_window_attention(q, k, v, window, scaling=0.5, softcap=softcap, key_padding_mask=mask, num_past=num_past)
+    ref = _loop_reference(q, k, v, window, 0.5, softcap, mask, num_past)
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("T,window", [(300, 32), (257, 128), (128, 128), (1000, 7)])
+def test_blocked_matches_dense_long(T, window):
+    q = torch.randn(1, 4, T, 16)
+    k = torch.randn(1, 2, T, 16)
+    v = torch.randn(1, 2, T, 16)
+    mask = padding_mask(1, T, [5])
+    out = sliding_window_attention(q, k, v, window, key_padding_mask=mask)
+    ref = sliding_window_attention_reference(q.double(), k.double(), v.double(), window, key_padding_mask=mask)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_window_at_least_T_is_full_causal_attention():
+    q, k, v = (torch.randn(2, 2, 50, 8) for _ in range(3))
+    out = sliding_window_attention(q, k, v, 64)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, sdpa, atol=1e-5, rtol=1e-5)
+
+
+def test_large_logits_and_bf16():
+    q = torch.randn(1, 2, 300, 16) * 30
+    k = torch.randn(1, 2, 300, 16) * 30
+    v = torch.randn(1, 2, 300, 16)
+    ref = sliding_window_attention_reference(q.double(), k.double(), v.double(), 64, softcap=50.0)
+    out = sliding_window_attention(q, k, v, 64, softcap=50.0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+    out_bf16 = sliding_window_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), 64)
+    ref_bf16 = sliding_window_attention_reference(q.bfloat16().double(), k.bfloat16().double(), v.bfloat16().double(), 64)
+    assert out_bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(out_bf16.double(), ref_bf16, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_gradcheck(softcap):
+    q = torch.randn(1, 2, 13, 3, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 1, 13, 3, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 1, 13, 3, dtype=torch.float64, requires_grad=True)
+    mask = padding_mask(1, 13, [2])
+    assert gradcheck(lambda a, b, c: sliding_window_attention(a, b, c, 4, softcap=softcap, key_padding_mask=mask), (q, k, v))
+
+
+def test_gradients_blocked_vs_dense_fp32():
+    q, k, v = (torch.randn(2, 4, 200, 16) for _ in range(3))
+    g = torch.randn(2, 4, 200, 16)
+    grads = []
+    for fn in (sliding_window_attention, sliding_window_attention_reference):
+        args = [x.clone().requires_grad_() for x in (q, k, v)]
+        (fn(*args, 48) * g).sum().backward()
+        grads.append([x.grad for x in args])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_key_count_must_match():
+    q = torch.randn(1, 1, 4, 2)
+    with pytest.raises(ValueError, match="num_past"):
+        sliding_window_attention(q, torch.randn(1, 1, 5, 2), torch.randn(1, 1, 5, 2), 3)
