@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Shared set-up for scripts/main.sh and scripts/test.sh: a project venv with the CPU
+# PyTorch wheel installed first (an unpinned torch would pull gigabytes of CUDA wheels),
+# then the package with the extras the caller names. Idempotent; reuses an active venv.
+set -euo pipefail
+EXTRAS="${1:-dev}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+if [[ -z "${VIRTUAL_ENV:-}" ]]; then
+  VENV="${RETROFIT_VENV:-$ROOT/.venv}"
+  if [[ ! -x "$VENV/bin/python" ]]; then
+    echo "[setup] creating virtual environment $VENV"
+    python3 -m venv "$VENV"
+  fi
+  # shellcheck disable=SC1091
+  source "$VENV/bin/activate"
+fi
+PIP="python -m pip --disable-pip-version-check -q"
+if ! python -c "import torch" 2>/dev/null; then
+  echo "[setup] installing torch ${RETROFIT_TORCH:-2.13.0}"
+  $PIP install "torch==${RETROFIT_TORCH:-2.13.0}"
+fi
+echo "[setup] installing retrofit[$EXTRAS]"
+$PIP install -e "$ROOT[$EXTRAS]"
