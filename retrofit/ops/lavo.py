@@ -1,0 +1,523 @@
+"""LAVO: Linear Attention Via Orthogonal memory (paper sections 3.1-3.3), as pure tensor math.
+
+Per head, with ``r`` orthogonal bases ``B = [b_1 .. b_r]`` ``(r, d)`` (orthogonal at init;
+training may move them):
+
+* **Orthogonal memory** (eqs. 3-4). The memory inputs x_s ``(d,)`` are projected on the bases,
+  ``c_s = B x_s`` ``(r,)``, and averaged causally, ``H_t = mean_{s visible to t} c_s``. The
+  memory rows are the scaled bases ``X~_t = B * H_t`` (row i is ``H_{t,i} b_i``: mutually
+  orthogonal), read by a softmax over the ``r`` rows::
+
+      global_t = softmax_i(scaling * q_t . X~_{t,i}) X~_t
+               = sum_i p_{t,i} H_{t,i} b_i,   p_{t,i} = softmax_i(scaling * H_{t,i} (q_t . b_i))
+
+  Cost O(T r d) in parallel (cumulative sums), O(r d) per decoded token; the state is the
+  running sum of ``c_s`` and a token count (:class:`LavoState`), never the tokens.
+  ``block=None`` is eq. 4 (token t sees s <= t). ``block=w`` is context dissection (sec. 3.2):
+  tokens are cut into windows of ``w``; token t sees only the *complete* windows before its
+  own, i.e. the first ``w * floor(rank_t / w)`` tokens. A token with nothing visible reads 0.
+* **Local attention with a relative position bias** (secs. 3.2-3.3): causal sliding-window
+  softmax attention over the last ``w`` tokens (t - w < s <= t, same convention as
+  :mod:`retrofit.ops.sliding_window`) plus a learned bias by distance. The paper's
+  ``P in R^{2w-1}`` adds ``P_{j-i+w-1}`` to score (i, j); under the causal mask only the ``w``
+  entries with ``j <= i`` are reachable, so ``rel_bias[h, delta]`` (``(H, w)``) is stored by
+  distance ``delta = i - j`` (paper ``P_{w-1-delta}``), added after scaling and soft-capping.
+* **LAVO** (sec. 3.2): the local outputs are the memory inputs ("local attention on the tokens
+  in each window before compressing the global context ... to reduce the variance"), the
+  dissected memory is read with the queries, and the two are averaged. ``global_weight`` g
+  generalises the average: ``out = (1 - g) local + g global`` (paper: g = 1/2); tokens whose
+  memory is still empty (the first window) get ``out = local``.
+
+Token positions for the window grid are ranks among a row's real tokens (``key_padding_mask``
+True), so a left-padded batch row equals the same row alone. Shapes: q ``(B, Hq, T, d)``,
+k ``(B, Hkv, Tk, d)``, v ``(B, Hkv, Tk, D)`` (GQA: ``Hq % Hkv == 0``), bases ``(Hq, r, D)``.
+Internal math of the memory runs in at least fp32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from retrofit.ops.sliding_window import sliding_window_attention, sliding_window_attention_reference
+
+__all__ = [
+    "LavoState",
+    "lavo_attention",
+    "lavo_attention_reference",
+    "local_attention",
+    "local_attention_reference",
+    "orthogonal_memory_attention",
+    "orthogonal_memory_attention_reference",
+    "orthogonal_memory_recurrent",
+    "orthogonal_memory_step",
+]
+
+
+def _compute_dtype(*xs: torch.Tensor) -> torch.dtype:
+    dtype = torch.float32
+    for x in xs:
+        dtype = torch.promote_types(dtype, x.dtype)
+    return dtype
+
+
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _softcap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    if softcap is None or softcap <= 0:
+        return scores
+    return torch.tanh(scores / softcap) * softcap
+
+
+# --------------------------------------------------------------------------------------
+# orthogonal memory
+
+
+@dataclass
+class LavoState:
+    """Recurrent state of the orthogonal memory for one layer.
+
+    committed: ``(B, H, r)`` sum of ``B x_s`` over the tokens the next token can read;
+    count: ``(B,)`` long, how many tokens that is (a multiple of the block when dissected);
+    pending: ``(B, H, r)`` sum over the current, still incomplete block (zeros when undissected);
+    pending_count: ``(B,)`` long, tokens in that block. ``count + pending_count`` = real tokens seen.
+    """
+
+    committed: torch.Tensor
+    count: torch.Tensor
+    pending: torch.Tensor
+    pending_count: torch.Tensor
+
+    @classmethod
+    def empty(cls, batch: int, heads: int, bases: int, *, device=None, dtype=torch.float32) -> "LavoState":
+        return cls(
+            committed=torch.zeros(batch, heads, bases, device=device, dtype=dtype),
+            count=torch.zeros(batch, dtype=torch.long, device=device),
+            pending=torch.zeros(batch, heads, bases, device=device, dtype=dtype),
+            pending_count=torch.zeros(batch, dtype=torch.long, device=device),
+        )
+
+    @property
+    def seen(self) -> torch.Tensor:
+        return self.count + self.pending_count
+
+    def detach(self) -> "LavoState":
+        return LavoState(self.committed.detach(), self.count, self.pending.detach(), self.pending_count)
+
+    def index_select(self, batch_index: torch.Tensor) -> "LavoState":
+        return LavoState(
+            self.committed.index_select(0, batch_index), self.count.index_select(0, batch_index),
+            self.pending.index_select(0, batch_index), self.pending_count.index_select(0, batch_index),
+        )
+
+
+def _check_block(block: int | None) -> None:
+    if block is not None and block < 1:
+        raise ValueError(f"memory block must be >= 1 or None, got {block}")
+
+
+def _read(q: torch.Tensor, h: torch.Tensor, bases: torch.Tensor, scaling: float) -> torch.Tensor:
+    """softmax_i(scaling * H_i (q . b_i)) weighted sum of H_i b_i. q ``(B,H,T,d)``, h ``(B,H,T,r)``."""
+    qb = torch.einsum("bhtd,hrd->bhtr", q, bases)
+    p = torch.softmax(scaling * h * qb, dim=-1)
+    return torch.einsum("bhtr,hrd->bhtd", p * h, bases)
+
+
+def _orthogonal_memory(
+    q: torch.Tensor,
+    x: torch.Tensor,
+    bases: torch.Tensor,
+    block: int | None,
+    scaling: float,
+    valid: torch.Tensor | None,
+    state: LavoState | None,
+) -> tuple[torch.Tensor, torch.Tensor, LavoState]:
+    """Parallel memory: returns ``(out (B,H,T,d) compute dtype, visible count (B,T) long, final state)``."""
+    _check_block(block)
+    Bsz, H, T, d = x.shape
+    r = bases.shape[1]
+    dtype = _compute_dtype(q, x, bases)
+    if state is None:
+        state = LavoState.empty(Bsz, H, r, device=x.device, dtype=dtype)
+    if valid is None:
+        valid = torch.ones(Bsz, T, dtype=torch.bool, device=x.device)
+    valid = valid.bool()
+    bb = bases.to(dtype)
+    coef = torch.einsum("bhtd,hrd->bhtr", x.to(dtype), bb) * valid[:, None, :, None]
+    committed0, pending0 = state.committed.to(dtype), state.pending.to(dtype)
+    count0, seen0 = state.count, state.seen
+    cv = torch.cumsum(valid.long(), dim=1)  # (B, T) real tokens up to and including t
+    rank = seen0[:, None] + cv - 1
+    if T == 0:
+        return q.new_zeros(Bsz, H, 0, d, dtype=dtype), cv, state
+    cum = torch.cumsum(coef, dim=2)
+
+    if block is None:
+        vis_count = seen0[:, None] + cv
+        vis_sum = (committed0 + pending0)[:, :, None] + cum
+    else:
+        vis_count = block * torch.div(rank, block, rounding_mode="floor")  # (B, T)
+        j = vis_count - seen0[:, None]  # visible new tokens; < 0 only when vis_count == count0
+        # cum at the j-th real new token (first t with cv >= j); j <= cv - 1 so it lies at or before t
+        pos = torch.searchsorted(cv.contiguous(), j.clamp(min=1).contiguous()).clamp(max=T - 1)  # padding rows: masked below
+        new_part = cum.gather(2, pos[:, None, :, None].expand(-1, H, -1, r)) * (j >= 1)[:, None, :, None]
+        old = torch.where((j >= 0)[:, None, :, None], (committed0 + pending0)[:, :, None], committed0[:, :, None])
+        vis_sum = old + new_part
+    vis_count = vis_count.masked_fill(~valid, 0)
+    h = vis_sum / vis_count.clamp(min=1)[:, None, :, None].to(dtype)
+    out = _read(q.to(dtype), h, bb, scaling) * valid[:, None, :, None]
+
+    total = seen0 + cv[:, -1]
+    if block is None:
+        final = LavoState(committed0 + pending0 + cum[:, :, -1], total, torch.zeros_like(pending0), torch.zeros_like(total))
+    else:
+        new_count = block * torch.div(total, block, rounding_mode="floor")
+        to_commit = (valid & (rank < new_count[:, None])).to(dtype)[:, None, :, None]
+        commit_new = (coef * to_commit).sum(dim=2)
+        pend_new = (coef * (1 - to_commit)).sum(dim=2)
+        flushed = (new_count > count0)[:, None, None]  # the old pending block completed
+        final = LavoState(
+            committed0 + torch.where(flushed, pending0, torch.zeros_like(pending0)) + commit_new,
+            new_count,
+            torch.where(flushed, torch.zeros_like(pending0), pending0) + pend_new,
+            total - new_count,
+        )
+    return out, vis_count, final
+
+
+def orthogonal_memory_attention(
+    q: torch.Tensor,
+    x: torch.Tensor,
+    bases: torch.Tensor,
+    *,
+    block: int | None = None,
+    scaling: float = 1.0,
+    key_padding_mask: torch.Tensor | None = None,
+    initial_state: LavoState | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, LavoState | None]:
+    """Causal orthogonal-memory attention in O(T r d); continues ``initial_state`` if given.
+
+    q ``(B, H, T, d)`` queries, x ``(B, H, T, d)`` memory inputs, bases ``(H, r, d)``,
+    key_padding_mask ``(B, T)`` (padding is neither stored nor read; its output is 0).
+    ``scaling`` multiplies the read logits (the paper's eq. 4 has none: 1.0).
+    Returns ``(out (B, H, T, d) in x.dtype, final state or None)``.
+    """
+    out, _, state = _orthogonal_memory(q, x, bases, block, scaling, key_padding_mask, initial_state)
+    return out.to(x.dtype), (state if output_final_state else None)
+
+
+def orthogonal_memory_attention_reference(
+    q: torch.Tensor,
+    x: torch.Tensor,
+    bases: torch.Tensor,
+    *,
+    block: int | None = None,
+    scaling: float = 1.0,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Direct O(T^2 r d) evaluation of eqs. 3-4 (tests only): an explicit visibility matrix,
+    the mean ``H_t``, the memory ``X~_t = B * H_t`` ``(r, d)`` and ``softmax(q X~^T) X~``."""
+    _check_block(block)
+    Bsz, H, T, d = x.shape
+    dtype = _compute_dtype(q, x, bases)
+    valid = torch.ones(Bsz, T, dtype=torch.bool, device=x.device) if key_padding_mask is None else key_padding_mask.bool()
+    rank = torch.cumsum(valid.long(), dim=1) - 1
+    rt, rs = rank[:, :, None], rank[:, None, :]
+    if block is None:
+        visible = rs <= rt
+    else:
+        visible = rs < block * torch.div(rt, block, rounding_mode="floor")
+    visible = visible & valid[:, None, :] & valid[:, :, None]  # (B, t, s)
+    weights = visible.to(dtype) / visible.sum(-1, keepdim=True).clamp(min=1).to(dtype)
+    coef = torch.einsum("bhsd,hrd->bhsr", x.to(dtype), bases.to(dtype))
+    h = torch.einsum("bts,bhsr->bhtr", weights, coef)
+    memory = h[..., None] * bases.to(dtype)[None, :, None]  # (B, H, T, r, d)
+    scores = torch.einsum("bhtd,bhtrd->bhtr", q.to(dtype), memory) * scaling
+    out = torch.einsum("bhtr,bhtrd->bhtd", torch.softmax(scores, dim=-1), memory)
+    return (out * valid[:, None, :, None]).to(x.dtype)
+
+
+def orthogonal_memory_step(
+    q: torch.Tensor,
+    x: torch.Tensor,
+    bases: torch.Tensor,
+    state: LavoState,
+    *,
+    block: int | None = None,
+    scaling: float = 1.0,
+    valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, LavoState]:
+    """One token: q/x ``(B, H, d)``; O(r d) per head. ``valid`` ``(B,)`` False = padding (state untouched, output 0)."""
+    _check_block(block)
+    dtype = _compute_dtype(q, x, bases, state.committed)
+    Bsz = x.shape[0]
+    ok = torch.ones(Bsz, dtype=torch.bool, device=x.device) if valid is None else valid.bool()
+    bb = bases.to(dtype)
+    coef = torch.einsum("bhd,hrd->bhr", x.to(dtype), bb) * ok[:, None, None]
+    committed, pending = state.committed.to(dtype), state.pending.to(dtype)
+    count, pcount = state.count, state.pending_count
+    if block is None:
+        committed = committed + pending + coef
+        count = count + pcount + ok.long()
+        pending, pcount = torch.zeros_like(pending), torch.zeros_like(pcount)
+        h = committed / count.clamp(min=1)[:, None, None].to(dtype)
+    else:
+        h = committed / count.clamp(min=1)[:, None, None].to(dtype)  # read complete blocks only
+        pending = pending + coef
+        pcount = pcount + ok.long()
+        full = pcount >= block
+        committed = torch.where(full[:, None, None], committed + pending, committed)
+        pending = torch.where(full[:, None, None], torch.zeros_like(pending), pending)
+        count = torch.where(full, count + pcount, count)
+        pcount = torch.where(full, torch.zeros_like(pcount), pcount)
+    out = _read(q.to(dtype)[:, :, None], h[:, :, None], bb, scaling)[:, :, 0] * ok[:, None, None]
+    return out.to(x.dtype), LavoState(committed, count, pending, pcount)
+
+
+def orthogonal_memory_recurrent(
+    q: torch.Tensor,
+    x: torch.Tensor,
+    bases: torch.Tensor,
+    *,
+    block: int | None = None,
+    scaling: float = 1.0,
+    key_padding_mask: torch.Tensor | None = None,
+    initial_state: LavoState | None = None,
+) -> tuple[torch.Tensor, LavoState]:
+    """Token-by-token loop over :func:`orthogonal_memory_step` (decoding path; a second reference)."""
+    Bsz, H, T, _ = x.shape
+    state = initial_state or LavoState.empty(Bsz, H, bases.shape[1], device=x.device, dtype=_compute_dtype(q, x, bases))
+    outs = []
+    for t in range(T):
+        valid = None if key_padding_mask is None else key_padding_mask[:, t]
+        o, state = orthogonal_memory_step(q[:, :, t], x[:, :, t], bases, state, block=block, scaling=scaling, valid=valid)
+        outs.append(o)
+    out = torch.stack(outs, dim=2) if outs else x.new_zeros(x.shape)
+    return out, state
+
+
+# --------------------------------------------------------------------------------------
+# local windowed attention with a relative position bias
+
+
+def _check_bias(rel_bias: torch.Tensor, heads: int, window: int) -> None:
+    if rel_bias.dim() != 2 or rel_bias.shape[1] != window or rel_bias.shape[0] not in (1, heads):
+        raise ValueError(f"rel_bias must be (heads={heads} or 1, window={window}), got {tuple(rel_bias.shape)}")
+
+
+def local_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    *,
+    rel_bias: torch.Tensor | None = None,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    num_past: int = 0,
+) -> torch.Tensor:
+    """Dense O(Tq * Tk) form (reference and short query blocks); keys ``Tk = num_past + Tq``.
+
+    ``rel_bias`` ``(Hq or 1, window)``: added to the score of the key at distance ``delta`` from
+    the query. Without it this is exactly :func:`sliding_window_attention_reference`.
+    """
+    if rel_bias is None:
+        return sliding_window_attention_reference(
+            q, k, v, window, scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask, num_past=num_past
+        )
+    B, Hq, Tq, d = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    if Tk != num_past + Tq:
+        raise ValueError(f"keys ({Tk}) must be num_past ({num_past}) + queries ({Tq})")
+    _check_bias(rel_bias, Hq, window)
+    group = Hq // Hkv
+    scaling = d**-0.5 if scaling is None else scaling
+    scores = _upcast(torch.matmul(q.reshape(B, Hkv, group * Tq, d), k.transpose(-1, -2))) * scaling
+    scores = _softcap(scores, softcap).view(B, Hkv, group, Tq, Tk)
+    q_pos = torch.arange(Tq, device=q.device)[:, None] + num_past
+    k_pos = torch.arange(Tk, device=q.device)[None, :]
+    delta = q_pos - k_pos
+    bias = rel_bias.to(scores.dtype).expand(Hq, window)[:, delta.clamp(0, window - 1)]  # (Hq, Tq, Tk)
+    scores = scores + bias.view(1, Hkv, group, Tq, Tk)
+    allowed = ((delta >= 0) & (delta < window)).view(1, 1, 1, Tq, Tk)
+    q_valid = None
+    if key_padding_mask is not None:
+        kv_valid = key_padding_mask.view(B, 1, 1, 1, Tk).bool()
+        q_valid = key_padding_mask[:, num_past:].view(B, 1, 1, Tq, 1).bool()
+        allowed = (allowed & kv_valid) | (~q_valid & (delta == 0).view(1, 1, 1, Tq, Tk))
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype).view(B, Hkv, group * Tq, Tk), v).view(B, Hq, Tq, -1)
+    if q_valid is not None:
+        out = out * q_valid.view(B, 1, Tq, 1).to(out.dtype)
+    return out
+
+
+def local_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    *,
+    rel_bias: torch.Tensor | None = None,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    num_past: int = 0,
+) -> torch.Tensor:
+    """Blocked O(Tq * 2w) sliding-window attention with a relative position bias.
+
+    Without ``rel_bias`` this is :func:`retrofit.ops.sliding_window_attention`. With it, the
+    same blocking (queries in blocks of ``w`` against their own and the previous key block)
+    with the bias folded into a float SDPA mask (differentiable w.r.t. ``rel_bias``).
+    Returns ``(B, Hq, Tq, Dv)``.
+    """
+    if rel_bias is None:
+        return sliding_window_attention(
+            q, k, v, window, scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask, num_past=num_past
+        )
+    B, Hq, Tq, d = q.shape
+    Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    if Tk != num_past + Tq:
+        raise ValueError(f"keys ({Tk}) must be num_past ({num_past}) + queries ({Tq})")
+    _check_bias(rel_bias, Hq, window)
+    if num_past > window:
+        drop = num_past - window
+        k, v = k[:, :, drop:], v[:, :, drop:]
+        key_padding_mask = None if key_padding_mask is None else key_padding_mask[:, drop:]
+        num_past = window
+    if Tq <= window:
+        return local_attention_reference(
+            q, k, v, window, rel_bias=rel_bias, scaling=scaling, softcap=softcap,
+            key_padding_mask=key_padding_mask, num_past=num_past,
+        )
+    w, group = window, Hq // Hkv
+    scaling = d**-0.5 if scaling is None else scaling
+    n = -(-Tq // w)
+    tail = n * w - Tq
+    front = w - num_past
+    kp = F.pad(k, (0, 0, front, tail))
+    vp = F.pad(v, (0, 0, front, tail))
+    valid = torch.ones(B, Tk, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask.bool()
+    valid = F.pad(valid, (front, tail), value=False)
+
+    def two_blocks(x: torch.Tensor) -> torch.Tensor:  # (..., (n+1) w, c) -> (..., n, 2w, c)
+        prev = x[..., : n * w, :].unflatten(-2, (n, w))
+        cur = x[..., w:, :].unflatten(-2, (n, w))
+        return torch.cat([prev, cur], dim=-2)
+
+    kb, vb = two_blocks(kp), two_blocks(vp)
+    vmask = two_blocks(valid.unsqueeze(-1)).squeeze(-1)  # (B, n, 2w)
+    qb = F.pad(q, (0, 0, 0, tail)).view(B, Hkv, group, n, w, d).permute(0, 1, 3, 2, 4, 5).reshape(B, Hkv, n, group * w, d)
+
+    a = torch.arange(w, device=q.device)
+    j = torch.arange(2 * w, device=q.device)
+    delta = a[:, None] + w - j[None, :]  # (w, 2w) distance query - key
+    band = (delta >= 0) & (delta < w)
+    q_valid = valid[:, w:].view(B, n, w)
+    allowed = (band & vmask[:, :, None, :]) | (~q_valid[..., None] & (delta == 0))  # (B, n, w, 2w)
+    score_dtype = torch.promote_types(q.dtype, torch.float32) if softcap else q.dtype
+    bias = rel_bias.to(score_dtype).expand(Hq, w)[:, delta.clamp(0, w - 1)].view(1, Hkv, 1, group, w, 2 * w)
+    mask = bias.masked_fill(~allowed[:, None, :, None], float("-inf")).reshape(B, Hkv, n, group * w, 2 * w)
+
+    if softcap is None or softcap <= 0:
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scaling)
+    else:
+        scores = _softcap(_upcast(torch.matmul(qb, kb.transpose(-1, -2))) * scaling, softcap) + mask
+        out = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), vb)
+    out = out.view(B, Hkv, n, group, w, Dv).permute(0, 1, 3, 2, 4, 5).reshape(B, Hq, n * w, Dv)[:, :, :Tq]
+    if key_padding_mask is not None:
+        out = out * q_valid.reshape(B, 1, n * w, 1)[:, :, :Tq].to(out.dtype)
+    return out
+
+
+# --------------------------------------------------------------------------------------
+# LAVO = local + dissected orthogonal memory
+
+
+def _gate(global_weight: float | torch.Tensor, heads: int, dtype: torch.dtype, device) -> torch.Tensor:
+    g = torch.as_tensor(global_weight, dtype=dtype, device=device)
+    if g.dim() == 0:
+        return g.view(1, 1, 1, 1)
+    if g.numel() != heads:
+        raise ValueError(f"global_weight must be a scalar or one value per query head ({heads}), got {tuple(g.shape)}")
+    return g.reshape(1, heads, 1, 1)
+
+
+def lavo_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bases: torch.Tensor,
+    *,
+    window: int,
+    rel_bias: torch.Tensor | None = None,
+    global_query: torch.Tensor | None = None,
+    global_weight: float | torch.Tensor = 0.5,
+    dissect: bool = True,
+    scaling: float | None = None,
+    memory_scaling: float = 1.0,
+    softcap: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    num_past: int = 0,
+    initial_state: LavoState | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, LavoState | None]:
+    """LAVO in O(T (w d + r d)): local windowed attention mixed with the orthogonal memory of
+    the local outputs. Also the decoding / chunked-prefill form: pass ``num_past`` cached
+    keys/values in front of k/v (``key_padding_mask`` then covers ``num_past + Tq``) and the
+    memory state of the tokens before.
+
+    q ``(B, Hq, Tq, d)``; k, v ``(B, Hkv, num_past + Tq, .)``; bases ``(Hq, r, D)``;
+    ``global_query`` ``(B, Hq, Tq, D)`` reads the memory (default: q, which then needs d = D);
+    ``global_weight`` scalar or ``(Hq,)`` (may carry gradients); ``dissect`` False uses eq. 4
+    (memory of all s <= t) instead of complete windows only. Returns ``(out (B, Hq, Tq, D)``
+    in v.dtype, ``final state or None)``.
+    """
+    Hq = q.shape[1]
+    local = local_attention(
+        q, k, v, window, rel_bias=rel_bias, scaling=scaling, softcap=softcap,
+        key_padding_mask=key_padding_mask, num_past=num_past,
+    )
+    qg = q if global_query is None else global_query
+    q_valid = None if key_padding_mask is None else key_padding_mask[:, num_past:]
+    glob, count, state = _orthogonal_memory(qg, local, bases, window if dissect else None, memory_scaling, q_valid, initial_state)
+    g = _gate(global_weight, Hq, glob.dtype, glob.device) * (count > 0)[:, None, :, None].to(glob.dtype)
+    local_c = local.to(glob.dtype)
+    out = local_c + g * (glob - local_c)
+    return out.to(v.dtype), (state if output_final_state else None)
+
+
+def lavo_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bases: torch.Tensor,
+    *,
+    window: int,
+    rel_bias: torch.Tensor | None = None,
+    global_query: torch.Tensor | None = None,
+    global_weight: float | torch.Tensor = 0.5,
+    dissect: bool = True,
+    scaling: float | None = None,
+    memory_scaling: float = 1.0,
+    softcap: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dense references of both branches and the gated average (tests only)."""
+    B, Hq, T, _ = q.shape
+    local = local_attention_reference(q, k, v, window, rel_bias=rel_bias, scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask)
+    qg = q if global_query is None else global_query
+    block = window if dissect else None
+    glob = orthogonal_memory_attention_reference(qg, local, bases, block=block, scaling=memory_scaling, key_padding_mask=key_padding_mask)
+    valid = torch.ones(B, T, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask.bool()
+    rank = torch.cumsum(valid.long(), dim=1) - 1
+    nonempty = (rank >= 0) if block is None else (rank >= block)
+    dtype = torch.float64
+    g = _gate(global_weight, Hq, dtype, q.device) * (nonempty & valid)[:, None, :, None].to(dtype)
+    out = local.to(dtype) + g * (glob.to(dtype) - local.to(dtype))
+    return out.to(v.dtype)
