@@ -154,6 +154,103 @@ class _IntraChunkWeights(torch.autograd.Function):
         return dq, da, dz
 
 
+def _running_log_normaliser(z_start: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """z_t = log(exp(z_start) + sum_{s<=t in chunk} exp(a_s)) for every chunk position.
+
+    Fast form: shift by the chunk maximum M and take one cumsum (6x faster than
+    logcumsumexp on CPU); M cancels exactly, so it is detached. Where a prefix sum falls
+    below 1e-30 (a logit spread of ~70 nats inside the chunk) fp32 would lose it, and the
+    exact logcumsumexp form is used instead. z_start ``(B,H,n,L)``, a ``(B,H,n,C,L)``.
+    """
+    with torch.no_grad():
+        m = torch.maximum(z_start, a.amax(dim=3))
+        m = _finite_or_zero(m).unsqueeze(3)
+    s = torch.exp(z_start.unsqueeze(3) - m) + torch.cumsum(torch.exp(a - m), dim=3)
+    with torch.no_grad():
+        seen = (torch.cumsum(torch.isfinite(a), dim=3) > 0) | torch.isfinite(z_start).unsqueeze(3)
+        lossy = bool((seen & (s < 1e-30)).any())
+    if lossy:
+        return torch.logaddexp(z_start.unsqueeze(3), torch.logcumsumexp(a, dim=3))
+    return m + torch.log(s)
+
+
+# Largest growth (nats) of the log-normaliser inside one chunk for which the factorised
+# matmul form is used; the dropped terms are then below exp(FACTORISED_MAX_RANGE - 87) in fp32,
+# far under fp32 resolution. Chunks above it (abrupt huge logits) take the pairwise form.
+FACTORISED_MAX_RANGE = 40.0
+
+
+def _intra_chunk_weights(
+    q: torch.Tensor, a: torch.Tensor, z: torch.Tensor, z_safe: torch.Tensor, z_end_safe: torch.Tensor
+) -> torch.Tensor:
+    """W[b,h,c,t,s] = sum_l q_tl exp(a_sl - z_tl) for s <= t inside chunk c, shapes (B,H,n,C,.).
+
+    Factorised around the chunk-end log-normaliser r = z_end >= z_t >= a_s:
+    exp(a_s - z_t) = exp(r - z_t) * exp(a_s - r), a (C, L) @ (L, C) matmul per chunk. The key
+    factor is <= 1 (never overflows); the query factor is <= exp(range of z in the chunk).
+    """
+    B, H, n, C, L = q.shape
+    r = z_end_safe.unsqueeze(3)
+    growth = (r - z_safe).masked_fill(z == NEG_INF, 0.0)  # >= 0; 0 where nothing seen yet
+    q_f = q * torch.exp(growth.clamp(max=FACTORISED_MAX_RANGE))
+    k_f = torch.exp(a - r)
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    w = torch.matmul(q_f, k_f.transpose(-1, -2)).masked_fill(~causal, 0.0)
+    unsafe = (growth > FACTORISED_MAX_RANGE).any(dim=-1).any(dim=-1)  # (B,H,n)
+    if bool(unsafe.any()):
+        idx = unsafe.reshape(-1).nonzero().squeeze(-1)
+        exact = _IntraChunkWeights.apply(
+            q.reshape(-1, C, L).index_select(0, idx),
+            a.reshape(-1, C, L).index_select(0, idx),
+            z_safe.reshape(-1, C, L).index_select(0, idx),
+        )
+        w = w.reshape(-1, C, C).index_copy(0, idx, exact).view(B, H, n, C, C)
+    return w
+
+
+def _chunk_start_states(
+    contrib: torch.Tensor, z_start: torch.Tensor, z_end: torch.Tensor, m_init: torch.Tensor, group: int = 16
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """States at every chunk start, m_start[c] = sum_{c' < c} exp(z_end[c'] - z_start[c]) contrib[c']
+    + exp(z_start[0] - z_start[c]) m_init, and the final state.
+
+    contrib ``(B,H,n,L,D)`` is each chunk's value sum normalised at its own z_end. Two levels:
+    inside groups of ``group`` chunks a masked (G x G) weight matmul, across groups a scan of
+    n / G steps; every exponent is z_earlier - z_later <= 0.
+    """
+    B, H, n, L, D = contrib.shape
+    G = max(1, min(group, n))
+    ng = -(-n // G)
+    pad = ng * G - n
+    if pad:  # empty chunks: nothing added, log-normaliser unchanged
+        contrib = torch.nn.functional.pad(contrib, (0, 0, 0, 0, 0, pad))
+        z_start = torch.cat([z_start, z_end[:, :, -1:].expand(B, H, pad, L)], dim=2)
+        z_end = torch.cat([z_end, z_end[:, :, -1:].expand(B, H, pad, L)], dim=2)
+    zs = z_start.view(B, H, ng, G, L)
+    ze = z_end.view(B, H, ng, G, L)
+    zs_safe = _finite_or_zero(zs)
+    strict = torch.ones(G, G, dtype=torch.bool, device=contrib.device).tril(-1)  # [i, j]: j < i
+    expo = (ze[:, :, :, None, :, :] - zs_safe[:, :, :, :, None, :]).masked_fill(~strict[:, :, None], NEG_INF)
+    weights = torch.exp(expo).permute(0, 1, 2, 5, 3, 4)  # (B,H,ng,L,G_i,G_j)
+    cg = contrib.view(B, H, ng, G, L, D).transpose(3, 4)  # (B,H,ng,L,G,D)
+    local = torch.matmul(weights, cg)  # (B,H,ng,L,G,D): within-group part of m_start
+
+    group_first = zs[:, :, :, 0]  # (B,H,ng,L) log-normaliser at each group start
+    group_last = _finite_or_zero(ze[:, :, :, -1])
+    into_end = torch.exp(ze - group_last.unsqueeze(3))  # (B,H,ng,G,L), weight of each chunk at group end
+    group_contrib = (into_end.unsqueeze(-1) * contrib.view(B, H, ng, G, L, D)).sum(3)  # (B,H,ng,L,D)
+    group_decay = torch.exp(group_first - group_last).unsqueeze(-1)
+    carried, m = [], m_init
+    for g in range(ng):
+        carried.append(m)
+        m = group_decay[:, :, g] * m + group_contrib[:, :, g]
+    carried = torch.stack(carried, dim=2)  # (B,H,ng,L,D)
+    carry_w = torch.exp(group_first.unsqueeze(3) - zs_safe).transpose(3, 4)  # (B,H,ng,L,G)
+    m_start = local + carry_w.unsqueeze(-1) * carried.unsqueeze(4)
+    m_start = m_start.transpose(3, 4).reshape(B, H, ng * G, L, D)[:, :, :n]
+    return m_start, m
+
+
 def causal_latte_chunked(
     q_weights: torch.Tensor,
     k_logits: torch.Tensor,
@@ -166,8 +263,8 @@ def causal_latte_chunked(
 ) -> tuple[torch.Tensor, LatteState | None]:
     """Chunkwise-parallel causal Latte: O(T C L + T L D) time, linear memory in T.
 
-    Within a chunk of ``C`` tokens the token-to-token weights come from
-    :class:`_IntraChunkWeights`; across chunks a state normalised at the running
+    Within a chunk of ``C`` tokens the token-to-token weights are a factorised matmul
+    (:func:`_intra_chunk_weights`, exact pairwise fallback for extreme chunks); across chunks a state normalised at the running
     log-normaliser is carried (a scan over T / C chunks). Returns ``(out, state)`` with
     ``out`` ``(B, H, T, D)`` in ``v.dtype`` and the final state if requested.
     """
@@ -198,28 +295,20 @@ def causal_latte_chunked(
         z_init = initial_state.z.to(dtype).unsqueeze(2)
         m_init = initial_state.m.to(dtype)
 
-    z_local = torch.logcumsumexp(a, dim=3)  # (B,H,n,C,L) from the chunk start
-    z_bound = torch.logcumsumexp(torch.cat([z_init, z_local[:, :, :, -1]], dim=2), dim=2)  # (B,H,n+1,L)
+    chunk_total = torch.logsumexp(a, dim=3)  # (B,H,n,L)
+    z_bound = torch.logcumsumexp(torch.cat([z_init, chunk_total], dim=2), dim=2)  # (B,H,n+1,L)
     z_start, z_end = z_bound[:, :, :-1], z_bound[:, :, 1:]
-    z = torch.logaddexp(z_start.unsqueeze(3), z_local)  # global z_t, (B,H,n,C,L)
+    z = _running_log_normaliser(z_start, a)  # global z_t, (B,H,n,C,L)
     z_safe = _finite_or_zero(z)
 
     # intra-chunk token-to-token part
-    w_intra = _IntraChunkWeights.apply(
-        q.reshape(-1, C, L), a.reshape(-1, C, L), z_safe.reshape(-1, C, L)
-    ).view(B, H, n, C, C)
+    z_end_safe = _finite_or_zero(z_end)
+    w_intra = _intra_chunk_weights(q, a, z, z_safe, z_end_safe)
     out = torch.matmul(w_intra, vv)
 
     # chunk-start states by a scan over chunks: m_{c+1} = exp(z_start - z_end) m_c + U_c
-    z_end_safe = _finite_or_zero(z_end)
     contrib = torch.matmul(torch.exp(a - z_end_safe.unsqueeze(3)).transpose(-1, -2), vv)  # (B,H,n,L,D)
-    decay = torch.exp(z_start - z_end_safe)  # (B,H,n,L), <= 1
-    states = []
-    m = m_init
-    for c in range(n):
-        states.append(m)
-        m = decay[:, :, c, :, None] * m + contrib[:, :, c]
-    m_start = torch.stack(states, dim=2)  # (B,H,n,L,D)
+    m_start, m = _chunk_start_states(contrib, z_start, z_end, m_init)
 
     # inter-chunk part: sum_l q_tl exp(z_start - z_t) m_start[l]
     q_inter = q * torch.exp(z_start.unsqueeze(3) - z_safe)
