@@ -1,0 +1,242 @@
+"""LAVO (Linear Attention Via Orthogonal memory) as a drop-in replacement for a pretrained
+attention module (``--method lavo``)::
+
+    local_t  = pretrained attention over the last w tokens + relative position bias
+    global_t = softmax_i(c * H_{t,i} (q~_t . b_i)) weighted sum of H_{t,i} b_i,
+               H_t = mean of B local_s over the complete w-windows before t's own
+    o_t      = (1 - g) local_t + g global_t      (tokens of the first window: local_t)
+    then the pretrained o_proj
+
+Choices the paper (``retrofit.ops.lavo``) leaves open, made here for a retrofit:
+
+* **Local branch** = the pretrained attention (q/k/v, q/k norms, RoPE, scaling, Gemma 2
+  soft-capping) restricted to ``window`` tokens, plus the paper's relative position bias
+  ``rel_bias`` ``(Hq, w)`` (one value per query head and distance), initialised to 0 so the
+  branch starts as exactly the pretrained sliding-window attention. RoPE stays: removing it
+  (as the paper does for GPT-2's absolute embeddings) would break the pretrained weights.
+* **Global branch** = new bases ``B`` ``(Hq, r, d)`` per query head, each head's rows
+  orthonormal at conversion (Saxe et al. orthogonal init; the paper then trains them freely,
+  so does this). Memory inputs are the local outputs (paper: "local attention on the tokens
+  in each window before compressing"), which live in value space, so ``global_t`` lands where
+  ``o_proj`` expects. Context dissection: only complete windows before the query's own window
+  are in the memory (the window itself is the local branch's).
+* **Global query** q~ = the pretrained query *before* RoPE (after the q norm): the memory has
+  no positions, and a rotated query would see the bases turn with t. It is recovered by
+  rotating the RoPE'd query back (``rotary_fn(q, k, cos, -sin)``), so the family patch stays
+  the single place that knows how q is built.
+* **Read temperature** ``c`` = the pretrained attention scaling (``memory_scaling`` option to
+  override; the paper's eq. 4 has none, but its q is not a pretrained one).
+* **Combination**: the paper averages (g = 1/2). Here g = sigmoid(gate) per query head,
+  initialised at ``global_weight`` (default 1/2, the paper) and trainable unless
+  ``learn_global_weight`` is off. ``global_weight = 0`` (fixed) with the zero bias is exactly
+  the pretrained model with a w-token sliding window: a testable anchor.
+
+New weights (trainable after conversion): ``lavo.bases``, ``lavo.rel_bias``, ``lavo.gate``.
+Decoding keeps the last ``w - 1`` keys/values and a :class:`~retrofit.ops.lavo.LavoState`
+(sums of ``B x`` and token counts): memory constant in the context length.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from retrofit.cache import RetrofitLayerCache, layer_cache
+from retrofit.layers.base import RetrofitAttention
+from retrofit.ops.lavo import LavoState, lavo_attention
+
+__all__ = ["LAVO_METHOD", "LavoAttention", "LavoLayerCache", "LavoParameters", "build_lavo", "register"]
+
+DEFAULT_BASES = 64  # the paper's num_bases for language modelling (Table 1); capped at head_dim
+
+
+class LavoParameters(nn.Module):
+    """The new weights of one LAVO layer: bases ``(Hq, r, d)``, rel_bias ``(Hq, w)``, gate ``(Hq,)``."""
+
+    def __init__(self, heads: int, bases: int, head_dim: int, window: int, *, relative_bias: bool, learn_gate: bool, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.bases = nn.Parameter(torch.empty(heads, bases, head_dim, **kw))
+        self.rel_bias = nn.Parameter(torch.zeros(heads, window, **kw)) if relative_bias else None
+        gate = torch.zeros(heads, **kw)
+        if learn_gate:
+            self.gate = nn.Parameter(gate)
+        else:
+            self.register_buffer("gate", gate)
+
+    @torch.no_grad()
+    def reset_parameters(self, global_weight: float, generator: torch.Generator | None = None) -> None:
+        for h in range(self.bases.shape[0]):
+            w = torch.empty(self.bases.shape[1:], dtype=torch.float32)
+            nn.init.orthogonal_(w, generator=generator)
+            self.bases[h].copy_(w)
+        if self.rel_bias is not None:
+            self.rel_bias.zero_()
+        self.gate.fill_(_logit(global_weight))
+
+    def global_weight(self) -> torch.Tensor:
+        """g per query head ``(Hq,)`` in fp32."""
+        return torch.sigmoid(self.gate.float())
+
+
+def _logit(p: float) -> float:
+    if p <= 0.0:
+        return -math.inf  # only reachable with a fixed gate: sigmoid(-inf) = 0 exactly
+    if p >= 1.0:
+        return math.inf
+    return math.log(p / (1.0 - p))
+
+
+class LavoLayerCache(RetrofitLayerCache):
+    """Rolling window of the last ``w - 1`` keys/values + the orthogonal memory's :class:`LavoState`."""
+
+    def memory_bytes(self) -> int:
+        tensors = [self.keys, self.values, self.valid]
+        if self.state is not None:
+            s = self.state
+            tensors += [s.committed, s.count, s.pending, s.pending_count]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.keys = None if self.keys is None else fn(self.keys)
+        self.values = None if self.values is None else fn(self.values)
+        self.valid = None if self.valid is None else fn(self.valid)
+        if self.state is not None:
+            s = self.state
+            self.state = LavoState(fn(s.committed), fn(s.count), fn(s.pending), fn(s.pending_count))
+
+
+class LavoAttention(RetrofitAttention):
+    """Pretrained attention as LAVO's local branch + a new orthogonal-memory global branch."""
+
+    method = "lavo"
+    new_module_names = ("lavo",)
+
+    def __init__(
+        self,
+        original: nn.Module,
+        patch: Any,
+        *,
+        window: int = 128,
+        bases: int | None = None,
+        global_weight: float = 0.5,
+        learn_global_weight: bool = True,
+        relative_bias: bool = True,
+        dissect: bool = True,
+        memory_scaling: float | None = None,
+        generator: torch.Generator | None = None,
+    ):
+        super().__init__(original, patch)
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        r = min(DEFAULT_BASES, self.head_dim) if bases is None else int(bases)
+        if not 1 <= r <= self.head_dim:
+            raise ValueError(
+                f"bases={r}: LAVO needs 1 <= bases <= head_dim ({self.head_dim}) orthogonal vectors per head"
+            )
+        global_weight = float(global_weight)
+        if not 0.0 <= global_weight < 1.0 or (learn_global_weight and global_weight == 0.0):
+            raise ValueError(
+                f"global_weight={global_weight}: use 0 < g < 1 (0.5 = the paper's average); "
+                "g = 0 only with learn_global_weight=false (the sliding-window anchor)"
+            )
+        self.window = int(window)
+        self.num_bases = r
+        self.init_global_weight = global_weight
+        self.dissect = bool(dissect)
+        self.memory_scaling = float(self.scaling if memory_scaling is None else memory_scaling)
+        ref = self._weight_ref
+        self.lavo = LavoParameters(
+            self.num_heads, r, self.head_dim, self.window, relative_bias=relative_bias,
+            learn_gate=learn_global_weight, device=ref.device, dtype=ref.dtype,
+        )
+        self.lavo.reset_parameters(global_weight, generator)
+
+    def new_cache_layer(self) -> LavoLayerCache:
+        return LavoLayerCache(window=self.window)
+
+    def global_query(self, q: torch.Tensor, k: torch.Tensor, position_embeddings) -> torch.Tensor:
+        """The query before RoPE ``(B, Hq, T, d)``: the rotation undone (cos, -sin)."""
+        cos, sin = position_embeddings
+        return self.patch.rotary_fn(q, k, cos, -sin)[0]
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        B, T, _ = hidden_states.shape
+        q, k, v = self.patch.project_qkv(self, hidden_states, position_embeddings)
+        qg = self.global_query(q, k, position_embeddings)
+        valid = self.key_padding(attention_mask, T)
+        cache = layer_cache(past_key_values, self.layer_idx, self.new_cache_layer)
+        params = self.lavo
+        kw = dict(
+            window=self.window, rel_bias=params.rel_bias, global_query=qg, global_weight=params.global_weight(),
+            dissect=self.dissect, scaling=self.scaling, memory_scaling=self.memory_scaling, softcap=self.softcap,
+        )
+        if cache is None:
+            out, _ = lavo_attention(q, k, v, params.bases, key_padding_mask=valid, **kw)
+            return self.patch.project_out(self, out), None
+
+        if valid is None:
+            valid = torch.ones(B, T, dtype=torch.bool, device=q.device)
+        k_all, v_all, valid_all, num_past = k, v, valid, 0
+        if cache.keys is not None:
+            pk, pv, pvalid = cache.past_kv()
+            num_past = pk.shape[-2]
+            k_all, v_all = torch.cat([pk, k], dim=-2), torch.cat([pv, v], dim=-2)
+            valid_all = torch.cat([pvalid, valid], dim=-1)
+        out, state = lavo_attention(
+            q, k_all, v_all, params.bases, key_padding_mask=valid_all, num_past=num_past,
+            initial_state=cache.state, output_final_state=True, **kw,
+        )
+        cache.store(k_all, v_all, valid_all, state, T)
+        return self.patch.project_out(self, out), None
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, window={self.window}, bases={self.num_bases}, "
+            f"global_weight={self.init_global_weight}, dissect={self.dissect}, "
+            f"relative_bias={self.lavo.rel_bias is not None}"
+        )
+
+
+# ---------------------------------------------------------------------- method registration
+LAVO_METHOD: dict[str, Any] = dict(
+    uses=("window",),
+    options={
+        "bases": None,  # r per head; None = min(64, head_dim)
+        "global_weight": 0.5,  # initial g of out = (1-g) local + g global (paper: 0.5)
+        "learn_global_weight": True,
+        "relative_bias": True,  # the paper's embedded position encoding on the local branch
+        "dissect": True,  # memory of complete windows before the query's own (paper 3.2); False = eq. 4
+        "memory_scaling": None,  # read temperature; None = the pretrained attention scaling
+    },
+    description="LAVO: pretrained attention in a w-token window + trainable orthogonal memory of the past windows",
+)
+
+
+def build_lavo(original: nn.Module, patch: Any, spec: Any, layer_idx: int, generator: torch.Generator | None) -> LavoAttention:
+    """Method-registry builder: a :class:`LavoAttention` from ``spec.window`` and ``spec.options``."""
+    opts = {**LAVO_METHOD["options"], **(spec.options or {})}
+    return LavoAttention(
+        original, patch, window=spec.window, bases=opts["bases"], global_weight=opts["global_weight"],
+        learn_global_weight=bool(opts["learn_global_weight"]), relative_bias=bool(opts["relative_bias"]),
+        dissect=bool(opts["dissect"]), memory_scaling=opts["memory_scaling"], generator=generator,
+    )
+
+
+def register() -> None:
+    """Register ``lavo`` with the surgery method registry (idempotent)."""
+    from retrofit.surgery.methods import register_method
+
+    try:
+        register_method("lavo", build_lavo, **LAVO_METHOD)
+    except ValueError:
+        pass  # already registered

@@ -1,0 +1,122 @@
+"""LLP (Long-LoRA-inspired PerceiverAR) as a drop-in replacement for a pretrained attention
+module (``--method llp``, option ``segment``, default 512).
+
+Each query attends causally to its own half-segment of ``segment / 2`` tokens and to all of the
+previous half-segment (``retrofit.ops.llp``); the first half-segment sees only itself. As a
+retrofit the layer adds **no weights**: q/k/v/o, q/k norms, RoPE (absolute positions, as
+pretrained), scaling and Gemma 2 soft-capping are the pretrained ones. Information beyond one
+segment travels only across layers (as in LongLoRA's shifted groups), so the model has to
+learn to use that; what trains is the recipe's choice. The natural default, as in LongLoRA, is
+LoRA on the attention projections (PEFT) plus the norms and embeddings; conversion itself
+marks nothing trainable.
+
+Decoding keeps an :class:`~retrofit.ops.llp.LLPState`: the keys/values of the previous and
+the current half-segment (at most ``segment - 1`` tokens per row), constant in context length.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from retrofit.cache import RetrofitLayerCache, layer_cache
+from retrofit.layers.base import RetrofitAttention
+from retrofit.ops.llp import LLPState, llp_attention, llp_attention_cached
+
+__all__ = ["LLP_METHOD", "LLPAttention", "LLPLayerCache", "build_llp", "register"]
+
+DEFAULT_SEGMENT = 512
+
+
+class LLPLayerCache(RetrofitLayerCache):
+    """The keys/values an LLP layer's next query can still see (:class:`LLPState`)."""
+
+    @property
+    def buffered(self) -> int:
+        return 0 if self.state is None else self.state.length
+
+    def store_state(self, state: LLPState, num_new: int) -> None:
+        self.state = state
+        self.cumulative_length += int(num_new)
+        if not self.is_initialized:
+            self.dtype, self.device = state.k.dtype, state.k.device
+            self.is_initialized = True
+
+    def memory_bytes(self) -> int:
+        if self.state is None:
+            return 0
+        s = self.state
+        return sum(t.numel() * t.element_size() for t in (s.k, s.v, s.rank, s.seen))
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.state is not None:
+            s = self.state
+            self.state = LLPState(fn(s.k), fn(s.v), fn(s.rank), fn(s.seen))
+
+
+class LLPAttention(RetrofitAttention):
+    """Pretrained attention restricted to the LLP overlapping half-segment pattern."""
+
+    method = "llp"
+    new_module_names = ()
+
+    def __init__(self, original: nn.Module, patch: Any, *, segment: int = DEFAULT_SEGMENT):
+        super().__init__(original, patch)
+        segment = int(segment)
+        if segment < 2 or segment % 2:
+            raise ValueError(f"segment={segment}: LLP needs an even segment length >= 2 (two half-segments)")
+        self.segment = segment
+
+    def new_cache_layer(self) -> LLPLayerCache:
+        return LLPLayerCache(window=0)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        T = hidden_states.shape[1]
+        q, k, v = self.patch.project_qkv(self, hidden_states, position_embeddings)
+        valid = self.key_padding(attention_mask, T)
+        cache = layer_cache(past_key_values, self.layer_idx, self.new_cache_layer)
+        kw = dict(scaling=self.scaling, softcap=self.softcap, key_padding_mask=valid)
+        if cache is None:
+            out = llp_attention(q, k, v, self.segment, **kw)
+        else:
+            out, state = llp_attention_cached(q, k, v, self.segment, cache.state, **kw)
+            cache.store_state(state, T)
+        return self.patch.project_out(self, out), None
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, segment={self.segment}"
+
+
+# ---------------------------------------------------------------------- method registration
+LLP_METHOD: dict[str, Any] = dict(
+    uses=(),
+    options={"segment": DEFAULT_SEGMENT},
+    description="LLP: pretrained attention over overlapping half-segments (own + previous half), no new weights",
+)
+
+
+def build_llp(original: nn.Module, patch: Any, spec: Any, layer_idx: int, generator: torch.Generator | None) -> LLPAttention:
+    """Method-registry builder: an :class:`LLPAttention` with ``spec.options['segment']``."""
+    opts = {**LLP_METHOD["options"], **(spec.options or {})}
+    segment = opts["segment"]
+    if isinstance(segment, bool) or not isinstance(segment, int):
+        raise ValueError(f"segment must be an integer, got {segment!r}")
+    return LLPAttention(original, patch, segment=segment)
+
+
+def register() -> None:
+    """Register ``llp`` with the surgery method registry (idempotent)."""
+    from retrofit.surgery.methods import register_method
+
+    try:
+        register_method("llp", build_llp, **LLP_METHOD)
+    except ValueError:
+        pass  # already registered

@@ -1,0 +1,124 @@
+"""Tiny models of every supported family and an independent pattern reference for method tests.
+
+The reference runs the ORIGINAL (unconverted) attention modules through a registered eager
+attention function that applies a dense mask given as a predicate over real-token ranks
+(``allowed(q_rank, k_rank)``); no retrofit layer or op is involved.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+import transformers
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3")
+VOCAB = 256
+
+_COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+)
+_FAMILY = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16)),
+    "gemma2": (
+        "Gemma2Config", "Gemma2ForCausalLM",
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
+             attn_logit_softcapping=3.0, final_logit_softcapping=20.0, sliding_window=24,
+             layer_types=["sliding_attention", "full_attention"]),
+    ),
+    "gemma3": (
+        "Gemma3TextConfig", "Gemma3ForCausalLM",
+        dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=24,
+             sliding_window=24, layer_types=["sliding_attention", "full_attention"]),
+    ),
+}
+
+
+def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
+    """A random fp32 ``*ForCausalLM`` in eval mode with weights large enough that attention is peaked."""
+    cfg_name, model_name, kw = _FAMILY[family]
+    cfg = getattr(transformers, cfg_name)(**{**_COMMON, **kw})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(cfg).eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+            elif "bias" in name:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.mul_(5.0)
+    return model
+
+
+def batch(B: int = 2, T: int = 30, left_pad: tuple[int, ...] = (0, 5), seed: int = 0):
+    """``(input_ids, attention_mask, position_ids)`` with left padding; positions count real tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    for b, p in enumerate(left_pad[:B]):
+        mask[b, :p] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    return ids, mask, (mask.cumsum(1) - 1).clamp(min=0)
+
+
+# ---------------------------------------------------------------------- pattern reference
+_NAME = "retrofit_test_rank_pattern"
+_PATTERNS: dict[int, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
+
+
+def _mask_fn(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None, **kw):
+    return attention_mask
+
+
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, softcap=None, **kw):
+    B, H, T, _ = query.shape
+    K = key.shape[2]
+    group = H // key.shape[1]
+    k = key.repeat_interleave(group, dim=1).double()
+    v = value.repeat_interleave(group, dim=1).double()
+    scores = torch.matmul(query.double(), k.transpose(-1, -2)) * scaling
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    valid = torch.ones(B, K, dtype=torch.bool) if attention_mask is None else attention_mask[:, -K:].bool()
+    rank = valid.long().cumsum(1) - 1
+    qr, kr = rank[:, -T:, None], rank[:, None, :]
+    allowed = _PATTERNS[id(module.config)](qr, kr) & valid[:, None, :]
+    self_key = torch.arange(K)[None, :] == torch.arange(T)[:, None] + (K - T)
+    allowed = allowed | (~valid[:, -T:, None] & self_key[None])  # padded queries: finite rows
+    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def pattern_reference(model: torch.nn.Module, allowed: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.nn.Module:
+    """A deep copy of the base ``model`` whose every layer attends where ``allowed(q_rank, k_rank)``."""
+    AttentionInterface.register(_NAME, _attention)
+    AttentionMaskInterface.register(_NAME, _mask_fn)
+    ref = copy.deepcopy(model)
+    _PATTERNS[id(ref.config)] = allowed
+    ref.set_attn_implementation(_NAME)
+    return ref
+
+
+def decode_logits(model, ids, mask, pos, prefill: int) -> torch.Tensor:
+    """Logits of a prefill of ``prefill`` tokens then one token at a time through the model's cache."""
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        out = model(input_ids=ids[:, :prefill], attention_mask=mask[:, :prefill], position_ids=pos[:, :prefill],
+                    past_key_values=DynamicCache(config=model.config), use_cache=True)
+        logits, cache = [out.logits], out.past_key_values
+        for t in range(prefill, ids.shape[1]):
+            out = model(input_ids=ids[:, t : t + 1], attention_mask=mask[:, : t + 1], position_ids=pos[:, t : t + 1],
+                        past_key_values=cache, use_cache=True)
+            logits.append(out.logits)
+            cache = out.past_key_values
+    return torch.cat(logits, dim=1), cache
