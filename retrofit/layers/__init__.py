@@ -1,0 +1,8 @@
+"""nn.Modules that replace a pretrained attention module (keeping its projections by name) and
+hold a method's new weights. See ``base.py`` for the forward contract."""
+from retrofit.layers.base import RetrofitAttention
+from retrofit.layers.conv import CausalDepthwiseConv
+from retrofit.layers.exp_linear import ExpLinearAttention
+from retrofit.layers.macchiato import MacchiatoAttention, swa_bias
+
+__all__ = ["RetrofitAttention", "CausalDepthwiseConv", "ExpLinearAttention", "MacchiatoAttention", "swa_bias"]

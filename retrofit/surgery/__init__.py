@@ -1,0 +1,32 @@
+"""Model surgery: conversion specs, the method registry, ``convert``, checkpoints and loading.
+
+    import retrofit
+    model, tok = retrofit.surgery.load_any("gemma3-270m")
+    retrofit.convert(model, retrofit.ConversionSpec(method="macchiato", window=128, latents=128))
+    retrofit.surgery.save(model, "out/g270-mac", tokenizer=tok)
+    model = retrofit.load("out/g270-mac")
+"""
+from retrofit.surgery.checkpoint import load, load_delta, save, save_delta
+from retrofit.surgery.convert import convert, converted_layers, is_converted, new_parameter_names, retrofit_record
+from retrofit.surgery.methods import MethodInfo, available_methods, get_method, register_method
+from retrofit.surgery.loading import load_any
+from retrofit.surgery.spec import DEFAULT_INIT_SWA_SHARE, ConversionSpec
+
+__all__ = [
+    "ConversionSpec",
+    "DEFAULT_INIT_SWA_SHARE",
+    "MethodInfo",
+    "available_methods",
+    "convert",
+    "converted_layers",
+    "get_method",
+    "is_converted",
+    "load",
+    "load_any",
+    "load_delta",
+    "new_parameter_names",
+    "register_method",
+    "retrofit_record",
+    "save",
+    "save_delta",
+]

@@ -1,0 +1,81 @@
+"""exp(Q) exp(K)^T causal linear attention over the pretrained projections (no new weights).
+
+    o_t = sum_{s<=t} (phi(q_t) . phi(k_s)) v_s / sum_{s<=t} phi(q_t) . phi(k_s),
+    phi(q) = exp(sqrt(c) q),  phi(k) = exp(sqrt(c) k)
+
+RoPE and scaling, the explicit choice made here:
+
+* q and k are exactly what the pretrained layer feeds its softmax: after q/k norms (Gemma 3)
+  and after RoPE. Keeping RoPE keeps the pretrained q/k statistics; position then enters
+  through the rotated feature values only (the kernel is no longer a function of the
+  relative position alone, unlike softmax attention with RoPE).
+* the pretrained softmax scaling ``c`` (``d**-0.5``, or ``query_pre_attn_scalar**-0.5`` for
+  Gemma 2/3) is split evenly between the two sides, ``sqrt(c)`` each, so that for small
+  logits ``phi(q).phi(k) = sum_i exp(sqrt(c) (q_i + k_i))`` has the same overall temperature
+  budget as ``exp(c q.k)``.
+* Gemma 2 attention-logit soft-capping has no counterpart (there are no q.k logits) and is
+  dropped.
+* GQA: k and v are repeated over their query group (``repeat_kv_heads``); the state is per
+  query head, ``d x D`` (+ a ``d`` log-normaliser), stabilised as in ``retrofit.ops.exp_linear``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from retrofit.cache import RetrofitLayerCache, layer_cache
+from retrofit.layers.base import RetrofitAttention
+from retrofit.ops import exp_linear_attention, exp_linear_attention_step, repeat_kv_heads
+
+__all__ = ["ExpLinearAttention"]
+
+
+class ExpLinearAttention(RetrofitAttention):
+    """Pretrained attention with the softmax kernel replaced by exp feature maps."""
+
+    method = "exp-linear"
+    new_module_names = ()
+
+    def __init__(self, original: nn.Module, patch: Any, *, chunk_size: int = 32):
+        super().__init__(original, patch)
+        self.chunk_size = int(chunk_size)
+        self.feature_scale = float(self.scaling) ** 0.5
+
+    def new_cache_layer(self) -> RetrofitLayerCache:
+        return RetrofitLayerCache(window=0)
+
+    def features(self, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-features ``sqrt(c) q``, ``sqrt(c) k`` ``(B, Hq, T, d)`` and values ``(B, Hq, T, D)``."""
+        q, k, v = self.patch.project_qkv(self, hidden_states, position_embeddings)
+        s = self.feature_scale
+        return q * s, repeat_kv_heads(k, self.num_heads) * s, repeat_kv_heads(v, self.num_heads)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        B, T, _ = hidden_states.shape
+        q, k, v = self.features(hidden_states, position_embeddings)
+        valid = self.key_padding(attention_mask, T)
+        cache = layer_cache(past_key_values, self.layer_idx, self.new_cache_layer)
+        if cache is None:
+            out, _ = exp_linear_attention(q, k, v, chunk_size=self.chunk_size, key_padding_mask=valid)
+        elif T == 1 and cache.state is not None:
+            out, state = exp_linear_attention_step(
+                q[:, :, 0], k[:, :, 0], v[:, :, 0], cache.state, valid=None if valid is None else valid[:, 0]
+            )
+            out = out.unsqueeze(2)
+            cache.store(None, None, None, state, T)
+        else:
+            out, state = exp_linear_attention(
+                q, k, v, chunk_size=self.chunk_size, key_padding_mask=valid,
+                initial_state=cache.state, output_final_state=True,
+            )
+            cache.store(None, None, None, state, T)
+        return self.patch.project_out(self, out.to(v.dtype)), None

@@ -1,0 +1,185 @@
+"""Latte Macchiato attention as a drop-in replacement for a pretrained attention module.
+
+    o_t = p(0|t) * SWA_t(q, k, v) + sum_{l=1..L_h} p(l|t) m_{t,l}      then the pretrained o_proj
+
+* SWA_t: the pretrained attention (q/k/v, q/k norms, RoPE, scaling, soft-capping all from the
+  family patch) restricted to the last ``window`` tokens (keys ``t - w < s <= t``).
+* ``p(.|t) = softmax(latent_q(u_t))`` over ``L_h + 1`` states per query head; state 0 is SWA.
+* ``m_{t,l}``: causal Latte over the pretrained values (shared across a GQA group) with latent
+  key logits ``latent_k(u_s)``.
+* ``u = x`` or a short causal depthwise conv of ``x`` (``conv_size > 1``, paper Sec. 2.4).
+
+New weights: ``latent_q`` Linear(hidden, Hq (L_h + 1), bias) and ``latent_k`` Linear(hidden,
+Hq L_h, no bias: a per-latent constant would cancel in p(s|l, t)), optional ``conv``.
+Initialisation: ``latent_q.weight = 0`` and bias ``[b0, 0, ..., 0]`` per head with
+``b0 = log(share / (1 - share) * L_h)``, so ``p(0|t) = share`` exactly for every token at
+conversion (``share = 1`` saturates: p(0|t) = 1 in floating point and the layer equals
+w-token sliding-window attention); ``latent_k.weight ~ N(0, initializer_range^2)`` breaks the
+symmetry between latents; the conv starts as the identity.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from retrofit.cache import RetrofitLayerCache, layer_cache
+from retrofit.layers.base import RetrofitAttention
+from retrofit.layers.conv import CausalDepthwiseConv
+from retrofit.ops import (
+    LatteState,
+    causal_latte_chunked,
+    causal_latte_step,
+    macchiato_attention,
+    repeat_kv_heads,
+    sliding_window_attention,
+)
+
+__all__ = ["MacchiatoAttention", "swa_bias"]
+
+SATURATED_LOGIT = 1.0e4  # exp(-1e4) underflows to 0 in every float dtype: p(0|t) = 1 exactly
+
+
+def swa_bias(share: float, latents_per_head: int) -> float:
+    """State-0 bias that gives ``p(0|t) = share`` when all other mixing logits are 0."""
+    if not 0.0 < share <= 1.0:
+        raise ValueError(f"init_swa_share must be in (0, 1], got {share}")
+    if share >= 1.0 or latents_per_head == 0:
+        return SATURATED_LOGIT
+    return math.log(share / (1.0 - share)) + math.log(latents_per_head)
+
+
+class MacchiatoAttention(RetrofitAttention):
+    """Pretrained attention as a ``window``-token SWA state mixed with ``latents`` latent states."""
+
+    method = "macchiato"
+    new_module_names = ("latent_q", "latent_k", "conv")
+
+    def __init__(
+        self,
+        original: nn.Module,
+        patch: Any,
+        *,
+        window: int = 128,
+        latents: int = 128,
+        init_swa_share: float = 0.9,
+        conv_size: int = 0,
+        chunk_size: int = 64,
+        generator: torch.Generator | None = None,
+    ):
+        super().__init__(original, patch)
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        if latents < 0 or latents % self.num_heads:
+            raise ValueError(f"latents ({latents}) must be a non-negative multiple of the {self.num_heads} query heads")
+        self.window = int(window)
+        self.latents = int(latents)
+        self.latents_per_head = self.latents // self.num_heads
+        self.init_swa_share = float(init_swa_share)
+        self.conv_size = int(conv_size)
+        self.chunk_size = int(chunk_size)
+        ref = self._weight_ref
+        kw = dict(device=ref.device, dtype=ref.dtype)
+        H, Lh = self.num_heads, self.latents_per_head
+        self.conv = CausalDepthwiseConv(self.hidden_size, self.conv_size, **kw) if self.conv_size > 1 else None
+        self.latent_path_closed = False  # True: p(0|t) = 1 (pure w-token SWA), for anchors / probes
+        self.latent_q = nn.Linear(self.hidden_size, H * (Lh + 1), bias=True, **kw)
+        self.latent_k = nn.Linear(self.hidden_size, H * Lh, bias=False, **kw) if Lh else None
+        self.reset_new_parameters(generator)
+
+    @torch.no_grad()
+    def reset_new_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Initial values described in the module docstring (``generator`` for reproducibility)."""
+        H, Lh = self.num_heads, self.latents_per_head
+        self.latent_q.weight.zero_()
+        bias = torch.zeros(H, Lh + 1)
+        bias[:, 0] = swa_bias(self.init_swa_share, Lh)
+        self.latent_q.bias.copy_(bias.flatten())
+        if self.latent_k is not None:
+            std = float(getattr(self.config, "initializer_range", 0.02))
+            w = torch.randn(self.latent_k.weight.shape, generator=generator, dtype=torch.float32) * std
+            self.latent_k.weight.copy_(w)
+        if self.conv is not None:
+            self.conv.reset_parameters()
+
+    def new_cache_layer(self) -> RetrofitLayerCache:
+        return RetrofitLayerCache(window=self.window, conv_size=self.conv_size if self.conv is not None else 0)
+
+    # ------------------------------------------------------------------ forward
+    def _mixing(self, x: torch.Tensor, valid: torch.Tensor | None, tail: torch.Tensor | None):
+        """``mix_logits (B, H, T, L_h+1)``, ``latent_logits (B, H, T, L_h)`` or None, new conv tail."""
+        B, T, _ = x.shape
+        H, Lh = self.num_heads, self.latents_per_head
+        u, new_tail = x, None
+        if self.conv is not None:
+            xin = x if valid is None else x * valid[..., None].to(x.dtype)  # padding never leaks in
+            u, new_tail = self.conv(xin, tail)
+        mix = self.latent_q(u).view(B, T, H, Lh + 1).transpose(1, 2)
+        if self.latent_path_closed:
+            mix = torch.zeros_like(mix)
+            mix[..., 0] = SATURATED_LOGIT
+        lat = self.latent_k(u).view(B, T, H, Lh).transpose(1, 2) if self.latent_k is not None else None
+        return mix, lat, new_tail
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        B, T, _ = hidden_states.shape
+        q, k, v = self.patch.project_qkv(self, hidden_states, position_embeddings)
+        valid = self.key_padding(attention_mask, T)
+        cache = layer_cache(past_key_values, self.layer_idx, self.new_cache_layer)
+        mix, lat, tail = self._mixing(hidden_states, valid, cache.conv_tail if cache is not None else None)
+
+        if cache is None and lat is not None:
+            out, _ = macchiato_attention(
+                q, k, v, mix, lat, window=self.window, scaling=self.scaling, softcap=self.softcap,
+                key_padding_mask=valid, chunk_size=self.chunk_size,
+            )
+            return self.patch.project_out(self, out), None
+
+        p = torch.softmax(mix.float() if mix.dtype in (torch.float16, torch.bfloat16) else mix, dim=-1)
+        if valid is None and cache is not None:
+            valid = torch.ones(B, T, dtype=torch.bool, device=q.device)
+        k_all, v_all, valid_all, num_past = k, v, valid, 0
+        if cache is not None and cache.keys is not None:
+            pk, pv, pvalid = cache.past_kv()
+            num_past = pk.shape[-2]
+            k_all, v_all = torch.cat([pk, k], dim=-2), torch.cat([pv, v], dim=-2)
+            valid_all = torch.cat([pvalid, valid], dim=-1)
+        swa = sliding_window_attention(
+            q, k_all, v_all, self.window, scaling=self.scaling, softcap=self.softcap,
+            key_padding_mask=valid_all, num_past=num_past,
+        )
+        out = p[..., :1] * swa
+        state = None
+        if lat is not None:
+            vq = repeat_kv_heads(v, self.num_heads)
+            state = cache.state
+            if T == 1:
+                if state is None:
+                    state = LatteState.empty(B, self.num_heads, self.latents_per_head, v.shape[-1], device=v.device)
+                latent, state = causal_latte_step(p[:, :, 0, 1:], lat[:, :, 0], vq[:, :, 0], state, valid=valid[:, 0])
+                latent = latent.unsqueeze(2)
+            else:
+                latent, state = causal_latte_chunked(
+                    p[..., 1:], lat, vq, chunk_size=self.chunk_size, key_padding_mask=valid,
+                    initial_state=state, output_final_state=True,
+                )
+            out = out + latent
+        out = out.to(v.dtype)
+        if cache is not None:
+            cache.store(k_all, v_all, valid_all, state, T, tail)
+        return self.patch.project_out(self, out), None
+
+    def extra_repr(self) -> str:
+        return (
+            f"{super().extra_repr()}, window={self.window}, latents={self.latents} "
+            f"({self.latents_per_head}/head), init_swa_share={self.init_swa_share}, conv_size={self.conv_size}"
+        )

@@ -1,0 +1,324 @@
+"""Checkpoints of converted models: full folders and deltas, safetensors only, written atomically.
+
+Full checkpoint (``save`` / ``load``): an ordinary ``save_pretrained`` folder (config.json with a
+``retrofit`` section, ``*.safetensors``, generation config, tokenizer). ``load`` rebuilds the
+base architecture from config.json with plain transformers (no ``trust_remote_code``), converts
+it with the recorded spec and loads the new weights, checking both directions: every weight
+the spec creates must be in the files and every tensor in the files must belong to the model,
+else ``CheckpointError``.
+
+Delta (``save_delta`` / ``load_delta``): ``retrofit_delta.json`` (record + parameter names) and
+``delta.safetensors`` holding only the new (and any other trainable) weights; it re-attaches to
+its base model (a hub id, a local folder, a GGUF file or an alias such as ``gemma3-270m``,
+resolved by ``load_any``).
+
+Every writer builds the folder under a temporary name next to the target and renames it into
+place at the end: a failure leaves nothing partial behind.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from retrofit.errors import CheckpointError, SpecError
+from retrofit.surgery.convert import convert, converted_layers, is_converted, new_parameter_names, retrofit_record
+from retrofit.surgery.spec import ConversionSpec
+
+__all__ = [
+    "DELTA_MANIFEST",
+    "DELTA_WEIGHTS",
+    "atomic_directory",
+    "is_delta",
+    "load",
+    "load_delta",
+    "save",
+    "save_delta",
+    "spec_from_record",
+]
+
+DELTA_MANIFEST = "retrofit_delta.json"
+DELTA_WEIGHTS = "delta.safetensors"
+DELTA_FORMAT = "retrofit-delta/1"
+
+
+# ---------------------------------------------------------------------- helpers
+@contextlib.contextmanager
+def atomic_directory(out_dir: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a fresh temporary folder next to ``out_dir``; rename it to ``out_dir`` on success."""
+    out = Path(out_dir)
+    if out.exists() and not overwrite:
+        raise CheckpointError(f"{out} already exists; choose another output folder or pass overwrite (--overwrite)")
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out} exists and is not a folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o755)
+        if out.exists():
+            trash = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(out, trash)
+            os.rename(tmp, out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' info/warning logs (e.g. the expected 'unused weights' notice)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def spec_from_record(record: Any, where: str = "checkpoint") -> ConversionSpec:
+    try:
+        spec = ConversionSpec.from_dict(record, allow_record_keys=True)
+    except SpecError as exc:
+        raise CheckpointError(f"{where}: its retrofit section is invalid: {exc}") from None
+    return dataclasses.replace(spec, dtype=None)  # weights are loaded in the caller's dtype
+
+
+def _safetensors_keys(files: Iterable[Path]) -> dict[str, Path]:
+    from safetensors import safe_open
+
+    where: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                where[k] = f
+    return where
+
+
+def _copy_tensors(model: nn.Module, names: Iterable[str], where: dict[str, Path], origin: str) -> None:
+    from safetensors import safe_open
+
+    params = dict(model.named_parameters())
+    by_file: dict[Path, list[str]] = {}
+    for n in names:
+        by_file.setdefault(where[n], []).append(n)
+    with torch.no_grad():
+        for f, keys in by_file.items():
+            with safe_open(str(f), framework="pt") as fh:
+                for k in keys:
+                    t = fh.get_tensor(k)
+                    p = params[k]
+                    if tuple(t.shape) != tuple(p.shape):
+                        raise CheckpointError(
+                            f"{origin}: {k} has shape {tuple(t.shape)} in the files but the retrofit section "
+                            f"builds {tuple(p.shape)}; the weights do not match their config"
+                        )
+                    p.copy_(t.to(device=p.device, dtype=p.dtype))
+
+
+def _sample(names: Iterable[str], n: int = 4) -> str:
+    names = sorted(names)
+    return ", ".join(names[:n]) + (f" (+{len(names) - n} more)" if len(names) > n else "")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from None
+
+
+def is_delta(path: str | os.PathLike) -> bool:
+    return (Path(path) / DELTA_MANIFEST).is_file()
+
+
+# ---------------------------------------------------------------------- full checkpoints
+def save(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    tokenizer: Any = None,
+    *,
+    overwrite: bool = False,
+    max_shard_size: str | int = "5GB",
+) -> Path:
+    """Write a converted model (and tokenizer) as a safetensors ``save_pretrained`` folder, atomically."""
+    if not is_converted(model):
+        raise CheckpointError("model is not converted (no config.retrofit); run retrofit.convert first")
+    out = Path(out_dir)
+    with atomic_directory(out, overwrite=overwrite) as tmp:
+        model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        pickles = [p.name for p in tmp.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl")]
+        if pickles or not list(tmp.glob("*.safetensors")):
+            raise CheckpointError(f"save_pretrained did not write safetensors only (found {pickles or 'no weights'})")
+    return out
+
+
+def load(
+    path: str | os.PathLike,
+    dtype: torch.dtype | str | None = None,
+    *,
+    device_map: Any = None,
+) -> nn.Module:
+    """Load a converted checkpoint folder (full or delta) and return the model in eval mode.
+
+    ``dtype`` (e.g. ``torch.bfloat16``) defaults to the dtype the checkpoint was saved in.
+    """
+    path = Path(path)
+    if is_delta(path):
+        return load_delta(path, dtype=dtype)[0]
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path} is not a checkpoint folder (no config.json)")
+    raw = _read_json(cfg_file)
+    record = raw.get("retrofit")
+    if not isinstance(record, dict):
+        raise CheckpointError(
+            f"{path} has no 'retrofit' section in config.json: it is not a converted checkpoint "
+            "(load base models with retrofit.surgery.load_any and convert them)"
+        )
+    spec = spec_from_record(record, str(path))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickled = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
+        hint = f" (found pickled weights {pickled}, which retrofit never loads)" if pickled else ""
+        raise CheckpointError(f"{path} holds no *.safetensors weights{hint}")
+    where = _safetensors_keys(files)
+
+    from transformers import AutoModelForCausalLM
+
+    with quiet_transformers():
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype if dtype is not None else "auto", output_loading_info=True, device_map=device_map,
+            )
+        except (OSError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"cannot rebuild the base architecture from {path}: {exc}") from None
+    missing = sorted(info.get("missing_keys") or [])
+    mismatched = info.get("mismatched_keys") or []
+    if missing:
+        raise CheckpointError(f"{path} lacks pretrained weights: {_sample(missing)}")
+    if mismatched:
+        raise CheckpointError(f"{path} has weights of the wrong shape: {_sample(str(m) for m in mismatched)}")
+
+    del model.config.retrofit  # from config.json; convert writes it again
+    convert(model, spec, base_model=record.get("base_model"))
+    new = new_parameter_names(model)
+    model_keys = set(model.state_dict().keys())
+    extra = set(where) - model_keys
+    absent = set(new) - set(where)
+    if extra or absent:
+        msg = [f"{path}: its retrofit section ({spec.describe()}) and its weights disagree"]
+        if absent:
+            msg.append(f"weights the section needs but the files lack: {_sample(absent)}")
+        if extra:
+            msg.append(f"tensors in the files the section does not explain: {_sample(extra)}")
+        raise CheckpointError("; ".join(msg))
+    recorded_layers = record.get("converted_layers")
+    if recorded_layers is not None and list(recorded_layers) != converted_layers(model):
+        raise CheckpointError(
+            f"{path}: recorded converted_layers {recorded_layers} but the spec converts {converted_layers(model)}"
+        )
+    _copy_tensors(model, new, where, str(path))
+    model.config.retrofit = dict(record)  # the checkpoint's record, verbatim
+    return model.eval()
+
+
+# ---------------------------------------------------------------------- deltas
+def save_delta(
+    model: nn.Module,
+    out_dir: str | os.PathLike,
+    *,
+    names: Iterable[str] | None = None,
+    base_model: str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write only the new weights (default: new + every ``requires_grad`` weight) and the record."""
+    from safetensors.torch import save_file
+
+    record = retrofit_record(model)
+    if record is None:
+        raise CheckpointError("model is not converted (no config.retrofit); nothing to save as a delta")
+    record = dict(record)
+    if base_model is not None:
+        record["base_model"] = base_model
+    if not record.get("base_model"):
+        raise CheckpointError("the delta must name its base model: pass base_model= (a hub id, folder, GGUF or alias)")
+    params = dict(model.named_parameters())
+    if names is None:
+        chosen = list(dict.fromkeys([*new_parameter_names(model), *(n for n, p in params.items() if p.requires_grad)]))
+    else:
+        chosen = list(dict.fromkeys(names))
+        unknown = [n for n in chosen if n not in params]
+        if unknown:
+            raise CheckpointError(f"not parameters of this model: {_sample(unknown)}")
+    tensors = {n: params[n].detach().to("cpu").contiguous().clone() for n in chosen}
+    manifest = {"format": DELTA_FORMAT, "retrofit": record, "parameters": chosen}
+    out = Path(out_dir)
+    with atomic_directory(out, overwrite=overwrite) as tmp:
+        save_file(tensors, str(tmp / DELTA_WEIGHTS), metadata={"format": "pt", "retrofit": DELTA_FORMAT})
+        (tmp / DELTA_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def load_delta(
+    path: str | os.PathLike,
+    base: str | os.PathLike | None = None,
+    *,
+    dtype: torch.dtype | str | None = None,
+) -> tuple[nn.Module, Any]:
+    """Re-attach a delta to its base (``base`` or the recorded ``base_model``); returns ``(model, tokenizer)``."""
+    from retrofit.surgery.loading import load_any
+
+    path = Path(path)
+    manifest = _read_json(path / DELTA_MANIFEST)
+    if manifest.get("format") != DELTA_FORMAT:
+        raise CheckpointError(f"{path}: unknown delta format {manifest.get('format')!r} (expected {DELTA_FORMAT})")
+    record = manifest.get("retrofit")
+    if not isinstance(record, dict):
+        raise CheckpointError(f"{path}: the delta manifest has no retrofit section")
+    spec = spec_from_record(record, str(path))
+    base = base if base is not None else record.get("base_model")
+    if not base:
+        raise CheckpointError(f"{path}: the delta names no base model; pass base=")
+    weights = path / DELTA_WEIGHTS
+    if not weights.is_file():
+        raise CheckpointError(f"{path} lacks {DELTA_WEIGHTS}")
+    where = _safetensors_keys([weights])
+    listed = list(manifest.get("parameters") or [])
+    if set(listed) != set(where):
+        raise CheckpointError(f"{path}: manifest lists {_sample(listed)} but the file holds {_sample(where)}")
+
+    model, tokenizer = load_any(base, dtype=dtype)
+    if is_converted(model):
+        raise CheckpointError(f"the base {base} is itself converted; a delta attaches to a base model")
+    convert(model, spec, base_model=str(base))
+    params = dict(model.named_parameters())
+    new = set(new_parameter_names(model))
+    absent = new - set(where)
+    foreign = set(where) - set(params)
+    if absent or foreign:
+        msg = [f"{path}: the delta does not fit its base {base} converted with {spec.describe()}"]
+        if absent:
+            msg.append(f"new weights missing from the delta: {_sample(absent)}")
+        if foreign:
+            msg.append(f"delta tensors the model does not have: {_sample(foreign)}")
+        raise CheckpointError("; ".join(msg))
+    _copy_tensors(model, list(where), where, str(path))
+    model.config.retrofit = dict(record)
+    return model.eval(), tokenizer

@@ -1,0 +1,118 @@
+"""``convert(model, spec)``: swap attention modules for a linear-time method, in place.
+
+* finds the attention modules through the family patch (``retrofit.patches``; unsupported
+  families raise ``UnsupportedModelError`` naming the supported ones),
+* builds every replacement first, then swaps (a failure leaves the model untouched),
+* the replacement holds the SAME pretrained submodule objects (no copies; state-dict keys
+  unchanged) plus the method's new weights,
+* freezes everything pretrained and marks only the new weights ``requires_grad=True``,
+* switches the model to the ``"retrofit"`` attention implementation (2D padding masks only;
+  see ``retrofit/patches/attention.py``),
+* records ``model.config.retrofit = {method, hyper-parameters, converted_layers,
+  toolkit_version, base_model}`` (saved into config.json by ``save_pretrained``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+from retrofit.errors import SpecError
+from retrofit.surgery.methods import get_method
+from retrofit.surgery.spec import ConversionSpec
+
+__all__ = ["convert", "is_converted", "new_parameter_names", "retrofit_record", "converted_layers"]
+
+
+def is_converted(model: nn.Module) -> bool:
+    return getattr(getattr(model, "config", None), "retrofit", None) is not None
+
+
+def retrofit_record(model: nn.Module) -> dict[str, Any] | None:
+    """The ``config.retrofit`` section of a converted model (None for a base model)."""
+    return getattr(getattr(model, "config", None), "retrofit", None)
+
+
+def converted_layers(model: nn.Module) -> list[int]:
+    return sorted(int(m.layer_idx) for m in model.modules() if getattr(m, "is_retrofit_attention", False))
+
+
+def new_parameter_names(model: nn.Module) -> list[str]:
+    """Full names (as in ``model.named_parameters()``) of every weight the conversion added."""
+    names = []
+    for prefix, module in model.named_modules():
+        if getattr(module, "is_retrofit_attention", False):
+            names.extend(f"{prefix}.{n}" if prefix else n for n in module.new_parameter_names())
+    return names
+
+
+def _base_model_id(model: nn.Module) -> str | None:
+    cfg = model.config
+    name = getattr(cfg, "_name_or_path", None) or getattr(cfg, "name_or_path", None)
+    return str(name) if name else None
+
+
+def convert(model: nn.Module, spec: ConversionSpec | None = None, *, base_model: str | None = None, **overrides: Any) -> nn.Module:
+    """Convert ``model`` in place and return it.
+
+    ``spec`` defaults to ``ConversionSpec()``; keyword ``overrides`` replace its fields
+    (``convert(model, method="exp-linear")``). ``base_model`` overrides the recorded base id
+    (default: ``config._name_or_path``).
+    """
+    from retrofit import __version__
+    from retrofit.patches import get_patch
+    from retrofit.patches.attention import register as register_attention
+
+    spec = spec or ConversionSpec()
+    if overrides:
+        unknown = set(overrides) - set(ConversionSpec.field_names())
+        if unknown:
+            raise SpecError(f"unknown conversion key(s): {', '.join(sorted(unknown))}")
+        spec = dataclasses.replace(spec, **overrides)
+    spec.validate()
+    if is_converted(model):
+        raise SpecError(
+            f"model is already converted ({retrofit_record(model).get('method')}); convert the base model instead"
+        )
+    patch = get_patch(model)
+    spec.validate_for(model.config)
+    method = get_method(spec.method)
+
+    if spec.dtype is not None:
+        model.to(spec.torch_dtype)
+    sites = patch.attention_sites(model)
+    if not sites:
+        raise SpecError(f"found no {patch.family} attention modules in {type(model).__name__}")
+    wanted = {s.layer_idx for s in sites} if spec.layers == "all" else set(spec.layers)
+    missing = wanted - {s.layer_idx for s in sites}
+    if missing:
+        raise SpecError(f"layers {sorted(missing)} have no attention module in this model")
+
+    generator = torch.Generator().manual_seed(spec.seed)
+    built = []
+    for site in sites:
+        if site.layer_idx in wanted:
+            try:
+                built.append((site, method.builder(site.module, patch, spec, site.layer_idx, generator)))
+            except ValueError as exc:  # layer-level checks -> one clear spec error
+                raise SpecError(f"layer {site.layer_idx}: {exc}") from None
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for site, new in built:
+        setattr(site.parent, site.attr, new)
+    params = dict(model.named_parameters())
+    for name in new_parameter_names(model):
+        params[name].requires_grad_(True)
+
+    model.set_attn_implementation(register_attention())
+    record = spec.to_dict()
+    record.update(
+        converted_layers=sorted(wanted),
+        toolkit_version=__version__,
+        base_model=base_model if base_model is not None else _base_model_id(model),
+    )
+    model.config.retrofit = record
+    return model

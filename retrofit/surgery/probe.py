@@ -1,0 +1,75 @@
+"""Cheap sanity numbers right after a conversion: KL divergences on a short probe text.
+
+* ``KL(base || converted)``: how far the fresh conversion is from the pretrained model.
+* for Macchiato, the SWA anchor: the same converted model with the latent path closed
+  (p(0|t) = 1, i.e. the pretrained attention restricted to the window): ``KL(anchor || converted)``
+  isolates what the untrained latent states add at the initial SWA share.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["PROBE_TEXT", "closed_latent_path", "kl_divergence", "log_probs", "probe_ids"]
+
+# Public domain (Jane Austen, Pride and Prejudice, 1813), used only to get natural token statistics.
+PROBE_TEXT = (
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in "
+    "want of a wife. However little known the feelings or views of such a man may be on his first entering a "
+    "neighbourhood, this truth is so well fixed in the minds of the surrounding families, that he is considered "
+    "the rightful property of some one or other of their daughters. \"My dear Mr. Bennet,\" said his lady to him "
+    "one day, \"have you heard that Netherfield Park is let at last?\" Mr. Bennet replied that he had not. \"But it "
+    "is,\" returned she; \"for Mrs. Long has just been here, and she told me all about it.\" Mr. Bennet made no "
+    "answer. \"Do you not want to know who has taken it?\" cried his wife impatiently. \"You want to tell me, and I "
+    "have no objection to hearing it.\" This was invitation enough. \"Why, my dear, you must know, Mrs. Long says "
+    "that Netherfield is taken by a young man of large fortune from the north of England; that he came down on "
+    "Monday in a chaise and four to see the place, and was so much delighted with it, that he agreed with Mr. "
+    "Morris immediately; that he is to take possession before Michaelmas, and some of his servants are to be in "
+    "the house by the end of next week.\" \"What is his name?\" \"Bingley.\" \"Is he married or single?\" \"Oh! "
+    "Single, my dear, to be sure! A single man of large fortune; four or five thousand a year. What a fine thing "
+    "for our girls!\" \"How so? How can it affect them?\" \"My dear Mr. Bennet,\" replied his wife, \"how can you be "
+    "so tiresome! You must know that I am thinking of his marrying one of them.\" \"Is that his design in settling "
+    "here?\" \"Design! Nonsense, how can you talk so! But it is very likely that he may fall in love with one of "
+    "them, and therefore you must visit him as soon as he comes.\""
+)
+
+
+@contextlib.contextmanager
+def closed_latent_path(model: nn.Module) -> Iterator[int]:
+    """Temporarily set p(0|t) = 1 in every Macchiato layer; yields how many layers were closed."""
+    layers = [m for m in model.modules() if hasattr(m, "latent_path_closed")]
+    before = [m.latent_path_closed for m in layers]
+    for m in layers:
+        m.latent_path_closed = True
+    try:
+        yield len(layers)
+    finally:
+        for m, b in zip(layers, before):
+            m.latent_path_closed = b
+
+
+def probe_ids(tokenizer: Any, num_tokens: int, vocab_size: int, *, seed: int = 0) -> torch.Tensor:
+    """``(1, num_tokens)`` ids: the probe text (repeated as needed) or random ids without a tokenizer."""
+    if tokenizer is not None:
+        ids: list[int] = []
+        while len(ids) < num_tokens:
+            ids.extend(tokenizer(PROBE_TEXT, add_special_tokens=not ids)["input_ids"])
+        return torch.tensor([ids[:num_tokens]])
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (1, num_tokens), generator=g)
+
+
+@torch.no_grad()
+def log_probs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """fp32 log-softmax of the model's logits, ``(B, T, V)``."""
+    device = next(model.parameters()).device
+    logits = model(input_ids=ids.to(device), use_cache=False).logits
+    return torch.log_softmax(logits.float(), dim=-1).cpu()
+
+
+def kl_divergence(ref_log_probs: torch.Tensor, log_probs_: torch.Tensor) -> float:
+    """Mean over positions of KL(ref || other), inputs are log-probabilities ``(..., V)``."""
+    return float((ref_log_probs.exp() * (ref_log_probs - log_probs_)).sum(-1).mean())
