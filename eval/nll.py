@@ -1,0 +1,144 @@
+"""Memory-bounded negative log-likelihood of long token windows.
+
+The logits of a 32K-token window over a 262k vocabulary would take 34 GB in fp32, so the model
+is run up to its final hidden states (after the final norm) and ``lm_head`` + cross-entropy are
+applied in slices of ``slice_tokens`` positions. Optionally the forward itself is chunked:
+``chunk_size`` tokens at a time, carrying the model's cache (for a converted model, its
+constant-memory recurrent state + sliding-window ring buffer; for a plain transformers model,
+its KV cache), which gives the same result as one forward.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_LOGIT_BUDGET = 1 << 26  # elements of fp32 logits per slice (256 MiB)
+
+
+def _decoder(model: Any):
+    """The module mapping input_ids to final (normed) hidden states: ``model.model`` for CausalLMs."""
+    inner = getattr(model, "model", None)
+    if isinstance(inner, torch.nn.Module):
+        return inner
+    return model.get_decoder()
+
+
+def _softcap(model: Any) -> float | None:
+    cfg = model.config
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    if cap is None and hasattr(cfg, "get_text_config"):
+        cap = getattr(cfg.get_text_config(), "final_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+def head_logits(model: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """``lm_head`` (+ Gemma's final logit soft-capping) on hidden states [..., D] -> fp32 [..., V]."""
+    logits = model.get_output_embeddings()(hidden).float()
+    cap = _softcap(model)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
+
+
+def slice_tokens_for(vocab_size: int, budget_elements: int = DEFAULT_LOGIT_BUDGET) -> int:
+    """Positions per logits slice so one slice holds about ``budget_elements`` logits."""
+    return max(1, budget_elements // max(1, vocab_size))
+
+
+@torch.no_grad()
+def sliced_nll(
+    model: Any, hidden: torch.Tensor, targets: torch.Tensor, *, slice_tokens: int
+) -> tuple[float, int]:
+    """Summed NLL of ``targets`` [B, T] given ``hidden`` [B, T, D]; logits live one slice at a time."""
+    total = 0.0
+    T = hidden.shape[1]
+    for s in range(0, T, slice_tokens):
+        logits = head_logits(model, hidden[:, s : s + slice_tokens])
+        tgt = targets[:, s : s + slice_tokens]
+        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="sum").item()
+        del logits
+    return total, int(targets.numel())
+
+
+@torch.no_grad()
+def window_nll(
+    model: Any,
+    input_ids: torch.Tensor,
+    *,
+    chunk_size: int | None = None,
+    slice_tokens: int | None = None,
+) -> tuple[float, int]:
+    """Summed next-token NLL over a window and the number of predicted tokens.
+
+    input_ids: [T] or [1, T]. Predicts tokens 1..T-1 from their prefixes: returns (sum, T-1).
+    ``chunk_size``: run the forward ``chunk_size`` tokens at a time through the model's cache.
+    """
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    device = next(model.parameters()).device
+    input_ids = input_ids.to(device)
+    T = input_ids.shape[1]
+    if slice_tokens is None:
+        slice_tokens = slice_tokens_for(model.get_output_embeddings().weight.shape[0])
+    decoder = _decoder(model)
+    if not chunk_size or chunk_size >= T:
+        hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
+        return sliced_nll(model, hidden[:, :-1], input_ids[:, 1:], slice_tokens=slice_tokens)
+    total, count, cache = 0.0, 0, None
+    for s in range(0, T, chunk_size):
+        e = min(T, s + chunk_size)
+        out = decoder(input_ids=input_ids[:, s:e], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        hidden = out.last_hidden_state
+        targets = input_ids[:, s + 1 : e + 1]  # one short on the last chunk
+        nll, n = sliced_nll(model, hidden[:, : targets.shape[1]], targets, slice_tokens=slice_tokens)
+        total, count = total + nll, count + n
+        del out, hidden
+    return total, count
+
+
+@torch.no_grad()
+def check_sliced_head(model: Any, input_ids: torch.Tensor, *, atol: float = 1e-3) -> bool:
+    """True if decoder + :func:`head_logits` reproduces ``model(input_ids).logits`` on a short probe.
+
+    Guards against model families that post-process logits in ways the sliced path would miss.
+    """
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    device = next(model.parameters()).device
+    ids = input_ids[:, :16].to(device)
+    full = model(input_ids=ids, use_cache=False).logits.float()
+    ours = head_logits(model, _decoder(model)(input_ids=ids, use_cache=False).last_hidden_state)
+    scale = max(1.0, full.abs().max().item())
+    ok = torch.allclose(full, ours, atol=atol * scale, rtol=1e-3)
+    if not ok:
+        warnings.warn(
+            f"{type(model).__name__}: the sliced lm_head path differs from model(...).logits "
+            f"(max diff {(full - ours).abs().max().item():.3g}); falling back to full logits",
+            stacklevel=2,
+        )
+    return ok
+
+
+@torch.no_grad()
+def window_nll_full(model: Any, input_ids: torch.Tensor) -> tuple[float, int]:
+    """Reference: NLL from the model's own full logits [T, V] (memory O(T * V); fallback and tests)."""
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    device = next(model.parameters()).device
+    input_ids = input_ids.to(device)
+    logits = model(input_ids=input_ids, use_cache=False).logits.float()
+    nll = F.cross_entropy(logits[0, :-1], input_ids[0, 1:], reduction="sum").item()
+    return nll, input_ids.shape[1] - 1
+
+
+def perplexity(nll_sum: float, n_tokens: int) -> float:
+    """exp(mean NLL); inf when the mean overflows."""
+    if n_tokens == 0:
+        return float("nan")
+    mean = nll_sum / n_tokens
+    return math.exp(mean) if mean < 700 else float("inf")

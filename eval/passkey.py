@@ -1,0 +1,294 @@
+"""Passkey retrieval: a number hidden in long haystack text at a chosen depth; can the model say it?
+
+Prompt (built in tokens, so its length is exactly L; BOS first when the model uses BOS)::
+
+    [BOS] INTRO  filler[:k]  NEEDLE  filler[k:]  QUESTION
+
+    INTRO    = "There is an important piece of information hidden inside a lot of irrelevant
+                text. Find it and memorize it. I will quiz you about it later.\\n\\n"
+    NEEDLE   = "\\n\\nThe pass key is 48213. Remember it. 48213 is the pass key.\\n\\n"
+    QUESTION = "\\n\\nWhat is the pass key? The pass key is"
+
+The filler is real book text (pg-books by default; a different stretch per trial), and
+``k = round(depth * filler_length)``: depth 0 puts the needle right after the intro, depth 1
+right before the question. The model continues greedily with ``model.generate`` (for a converted
+model: its constant-memory decoding path); a trial counts as correct when the first number in
+the continuation equals the key exactly. Accuracy per (length, depth) is averaged over trials.
+"""
+from __future__ import annotations
+
+import random
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from retrofit.errors import DataError
+from retrofit.eval import corpora, loading, report
+from retrofit.eval.windows import encode, encode_prefix
+
+INTRO = (
+    "There is an important piece of information hidden inside a lot of irrelevant text. "
+    "Find it and memorize it. I will quiz you about it later.\n\n"
+)
+NEEDLE = "\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n"
+QUESTION = "\n\nWhat is the pass key? The pass key is"
+DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
+DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+_NUMBER = re.compile(r"\d+")
+
+
+def haystack_tokens(tokenizer, corpus: str = "pg-books", *, need: int, max_docs: int | None = None) -> list[int]:
+    """Token stream of the haystack corpus (documents joined by blank lines), at least ``need`` long
+    if the corpus allows (it is repeated otherwise)."""
+    spec = corpora.resolve_corpus(corpus)
+    sep = encode(tokenizer, "\n\n")
+    stream: list[int] = []
+    for doc in corpora.iter_documents(spec, max_docs=max_docs):
+        stream.extend(encode_prefix(tokenizer, doc.text, need - len(stream)))
+        stream.extend(sep)
+        if len(stream) >= need:
+            break
+    if not stream:
+        raise DataError(f"haystack corpus {corpus!r} has no text")
+    while len(stream) < need:
+        stream = stream + stream
+    return stream
+
+
+def build_prompt(
+    tokenizer,
+    filler: list[int],
+    length: int,
+    depth: float,
+    key: str,
+    *,
+    bos_id: int | None,
+) -> tuple[list[int], int]:
+    """Token ids of a passkey prompt of exactly ``length`` tokens, and the needle's start index."""
+    if not 0.0 <= depth <= 1.0:
+        raise DataError(f"depth {depth} must be in [0, 1]")
+    intro = encode(tokenizer, INTRO)
+    needle = encode(tokenizer, NEEDLE.format(key=key))
+    question = encode(tokenizer, QUESTION)
+    prefix = [bos_id] if bos_id is not None else []
+    budget = length - len(prefix) - len(intro) - len(needle) - len(question)
+    if budget < 0:
+        raise DataError(
+            f"passkey length {length} is too short: the instructions alone take {length - budget} tokens"
+        )
+    if len(filler) < budget:
+        raise DataError(f"haystack has {len(filler)} tokens, {budget} needed")
+    k = int(round(depth * budget))
+    ids = prefix + intro + filler[:k] + needle + filler[k:budget] + question
+    assert len(ids) == length
+    return ids, len(prefix) + len(intro) + k
+
+
+def parse_answer(text: str) -> str | None:
+    """The first run of digits in the model's continuation, or None."""
+    m = _NUMBER.search(text)
+    return m.group(0) if m else None
+
+
+@torch.no_grad()
+def generate_answer(model: Any, tokenizer: Any, ids: list[int], max_new_tokens: int) -> str:
+    """Greedy continuation of ``ids`` through ``model.generate``; returns the decoded new text."""
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=pad,
+    )
+    return tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True)
+
+
+def run_passkey(
+    model: Any,
+    *,
+    tokenizer: Any = None,
+    baseline: Any = None,
+    baseline_tokenizer: Any = None,
+    lengths: list[int] | tuple[int, ...] = DEFAULT_LENGTHS,
+    depths: list[float] | tuple[float, ...] = DEFAULT_DEPTHS,
+    trials: int = 3,
+    haystack: str = "pg-books",
+    key_digits: int = 5,
+    seed: int = 0,
+    bos: str = "auto",
+    device: str = "cpu",
+    dtype: str | None = None,
+    out: str | Path | None = None,
+    progress: bool = True,
+    command: str | None = None,
+) -> dict:
+    """Passkey accuracy over a (length x depth) grid for ``model`` (and ``baseline``).
+
+    trials: prompts per cell, each with its own random ``key_digits``-digit key and filler
+        stretch (the same prompts for every model). haystack: a corpus name or path.
+    Returns the results dict; with ``out``, writes results.json, table.md, passkey.png.
+    """
+    from tqdm.auto import tqdm
+
+    lengths = sorted(set(int(x) for x in lengths))
+    depths = [float(d) for d in depths]
+    if trials < 1:
+        raise DataError("trials must be at least 1")
+    m, tok, m_label = loading.resolve(model, tokenizer, device=device, dtype=dtype)
+    roles: dict[str, tuple[Any, Any, str]] = {"model": (m, tok, m_label)}
+    if baseline is not None:
+        b, btok, b_label = loading.resolve(baseline, baseline_tokenizer, device=device, dtype=dtype)
+        loading.check_same_tokenizer(tok, btok, m_label, b_label)
+        roles = {"baseline": (b, btok, b_label if b_label != m_label else f"{b_label} (baseline)"), **roles}
+    use_bos = loading.needs_bos(m, tok, bos)
+    bos_id = tok.bos_token_id if use_bos else None
+
+    stride = 7919  # filler offset between trials (a prime: stretches do not line up with books)
+    stream = haystack_tokens(tok, haystack, need=max(lengths) + stride * trials)
+    rng = random.Random(seed)
+    prompts: list[dict] = []
+    for L in lengths:
+        for d in depths:
+            for t in range(trials):
+                key = str(rng.randrange(10 ** (key_digits - 1), 10**key_digits))
+                off = (t * stride) % len(stream)
+                filler = (stream[off:] + stream[:off])[:L]
+                ids, pos = build_prompt(tok, filler, L, d, key, bos_id=bos_id)
+                prompts.append({"length": L, "depth": d, "trial": t, "key": key, "needle_at": pos, "ids": ids})
+
+    results: dict[str, dict] = {}
+    bar = tqdm(total=len(prompts) * len(roles), desc="passkey", unit="prompt", disable=not progress)
+    for role, (mdl, mtok, label) in roles.items():
+        trials_out = []
+        oom_from: int | None = None
+        seconds: dict[str, float] = {}
+        for p in prompts:
+            L = p["length"]
+            bar.set_postfix_str(f"{label} {report.fmt_length(L)} depth {p['depth']:g}")
+            rec = {k: p[k] for k in ("length", "depth", "trial", "key", "needle_at")}
+            if oom_from is not None and L >= oom_from:
+                rec.update(answer=None, output=None, correct=None, error="OOM")
+            else:
+                max_new = len(encode(mtok, " " + p["key"])) + 2
+                t0 = time.perf_counter()
+                try:
+                    text = generate_answer(mdl, mtok, p["ids"], max_new)
+                except Exception as exc:
+                    msg = str(exc).lower()
+                    if not (isinstance(exc, torch.OutOfMemoryError) or "out of memory" in msg
+                            or "not enough memory" in msg):
+                        raise
+                    oom_from = L
+                    rec.update(answer=None, output=None, correct=None, error="OOM")
+                else:
+                    seconds[str(L)] = seconds.get(str(L), 0.0) + time.perf_counter() - t0
+                    ans = parse_answer(text)
+                    rec.update(answer=ans, output=text[:80], correct=ans == p["key"])
+            trials_out.append(rec)
+            bar.update(1)
+        grid: dict[str, dict[str, float | None]] = {}
+        for L in lengths:
+            grid[str(L)] = {}
+            for d in depths:
+                cell = [r for r in trials_out if r["length"] == L and r["depth"] == d]
+                done = [r["correct"] for r in cell if r["correct"] is not None]
+                grid[str(L)][f"{d:g}"] = (sum(done) / len(done)) if done else None
+        scored = [r["correct"] for r in trials_out if r["correct"] is not None]
+        results[role] = {
+            "accuracy": grid,
+            "mean_accuracy": (sum(scored) / len(scored)) if scored else None,
+            "trials": trials_out,
+            "seconds_per_length": seconds,
+        }
+    bar.close()
+
+    res = {
+        "kind": "passkey",
+        "models": {role: loading.model_info(mdl, label) for role, (mdl, _, label) in roles.items()},
+        "settings": {
+            "lengths": lengths, "depths": depths, "trials": trials, "haystack": haystack,
+            "key_digits": key_digits, "seed": seed, "bos_used": use_bos, "device": device, "dtype": dtype,
+            "decoding": "greedy, model.generate",
+        },
+        "results": results,
+    }
+    if command:
+        res["command"] = command
+    res["description"] = (
+        f"Passkey retrieval accuracy (%, exact match of a {key_digits}-digit key, {trials} trial(s) "
+        f"per cell, greedy decoding); rows: needle depth (0 = start of the haystack, 1 = end); "
+        f"columns: prompt length in tokens. Haystack: {haystack}."
+    )
+    res["table"] = table_markdown(res)
+    res["images"] = []
+    if out is not None:
+        out = Path(out)
+        res["out"] = str(out)
+        plot_heatmap(res, out / "passkey.png")
+        res["images"] = ["passkey.png"]
+        report.atomic_write_text(out / "table.md", res["description"] + "\n\n" + res["table"] + "\n")
+        report.write_json(out / "results.json", res)
+    return res
+
+
+def table_markdown(res: dict) -> str:
+    """One block per model: rows depths (+ mean), columns lengths; accuracy in percent."""
+    lengths = res["settings"]["lengths"]
+    depths = res["settings"]["depths"]
+    roles = [r for r in ("baseline", "model") if r in res["results"]]
+    header = ["Model", "Depth"] + [report.fmt_length(L) for L in lengths]
+    rows = []
+    for role in roles:
+        label = res["models"][role]["label"]
+        grid = res["results"][role]["accuracy"]
+        for i, d in enumerate(depths):
+            row = [label if i == 0 else "", f"{d:g}"]
+            for L in lengths:
+                v = grid[str(L)][f"{d:g}"]
+                row.append("OOM" if v is None else f"{100 * v:.0f}")
+            rows.append(row)
+        mean = []
+        for L in lengths:
+            vals = [grid[str(L)][f"{d:g}"] for d in depths if grid[str(L)][f"{d:g}"] is not None]
+            mean.append(f"{100 * sum(vals) / len(vals):.0f}" if vals else "OOM")
+        rows.append(["", "mean", *mean])
+    return report.markdown_table(header, rows, align=["l", "l"] + ["r"] * len(lengths))
+
+
+def plot_heatmap(res: dict, path: str | Path) -> Path:
+    """Accuracy heat map (depth x length), one panel per model."""
+    import numpy as np
+
+    plt = report.pyplot()
+    lengths = res["settings"]["lengths"]
+    depths = res["settings"]["depths"]
+    roles = [r for r in ("baseline", "model") if r in res["results"]]
+    width = len(roles) * (1.6 + 0.75 * len(lengths)) + 1.2
+    fig, axes = plt.subplots(1, len(roles), figsize=(width, 0.45 * len(depths) + 2.0), squeeze=False,
+                             constrained_layout=True)
+    for k, (ax, role) in enumerate(zip(axes[0], roles)):
+        grid = res["results"][role]["accuracy"]
+        data = np.array([[np.nan if grid[str(L)][f"{d:g}"] is None else grid[str(L)][f"{d:g}"]
+                          for L in lengths] for d in depths], dtype=float)
+        im = ax.imshow(data, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(lengths)), [report.fmt_length(L) for L in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+        ax.set_xlabel("context length (tokens)")
+        if k == 0:
+            ax.set_ylabel("needle depth")
+        ax.set_title(res["models"][role]["label"], fontsize=10)
+        for i in range(len(depths)):
+            for j in range(len(lengths)):
+                v = data[i, j]
+                ax.text(j, i, "OOM" if np.isnan(v) else f"{100 * v:.0f}", ha="center", va="center", fontsize=8)
+    fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
+    fig.suptitle("Passkey retrieval")
+    path = report.save_figure(fig, path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,275 @@
+"""Perplexity sweep over context lengths, a model beside its baseline (the paper's Table 4).
+
+The token windows are built once (from the model's tokenizer; the baseline must tokenize the
+same way) and both models score exactly the same windows. See :mod:`retrofit.eval.windows` for
+the protocols and :mod:`retrofit.eval.nll` for how memory stays bounded at 16K-32K tokens.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from retrofit.eval import corpora, loading, nll, report
+from retrofit.eval.windows import Window, build_windows
+
+DEFAULT_LENGTHS = (4096, 8192, 16384)
+ROLES = ("baseline", "model")  # column order in tables: the base model first, as in Table 4
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    msg = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in msg or "not enough memory" in msg)
+
+
+def score_windows(
+    model: Any,
+    windows: list[Window],
+    *,
+    chunk_size: int | None = None,
+    slice_tokens: int | None = None,
+    sliced: bool = True,
+    progress=None,
+) -> dict:
+    """Perplexity of ``model`` over ``windows`` (all one length): ppl, nll, tokens, seconds.
+
+    On out-of-memory the entry has ``"error": "OOM"`` and ``ppl`` None.
+    """
+    total, count = 0.0, 0
+    per_window = []
+    t0 = time.perf_counter()
+    try:
+        for w in windows:
+            if sliced:
+                s, n = nll.window_nll(model, w.input_ids, chunk_size=chunk_size, slice_tokens=slice_tokens)
+            else:
+                s, n = nll.window_nll_full(model, w.input_ids)
+            total, count = total + s, count + n
+            per_window.append(nll.perplexity(s, n))
+            if progress is not None:
+                progress.update(1)
+    except Exception as exc:
+        if not _is_oom(exc):
+            raise
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {
+            "ppl": None, "error": "OOM", "windows": len(windows), "scored": len(per_window),
+            "detail": str(exc)[:300],
+        }
+    seconds = time.perf_counter() - t0
+    return {
+        "ppl": nll.perplexity(total, count),
+        "nll_sum": total,
+        "tokens": count,
+        "windows": len(windows),
+        "window_ppl": per_window,
+        "seconds": seconds,
+        "tokens_per_second": (count / seconds) if seconds > 0 else None,
+    }
+
+
+def run_perplexity(
+    model: Any,
+    *,
+    tokenizer: Any = None,
+    baseline: Any = None,
+    baseline_tokenizer: Any = None,
+    datasets: list[str] | tuple[str, ...] = ("pg-books",),
+    lengths: list[int] | tuple[int, ...] = DEFAULT_LENGTHS,
+    protocol: str | None = None,
+    max_windows: int | None = 8,
+    max_docs: int | None = None,
+    bos: str = "auto",
+    chunk_size: int | None = None,
+    baseline_chunk_size: int | None = None,
+    logit_budget: int = nll.DEFAULT_LOGIT_BUDGET,
+    text_field: str | None = None,
+    device: str = "cpu",
+    dtype: str | None = None,
+    out: str | Path | None = None,
+    progress: bool = True,
+    command: str | None = None,
+) -> dict:
+    """Perplexity at each length on each dataset for ``model`` (and ``baseline``), same windows.
+
+    model / baseline: a name or path (loaded with :func:`retrofit.eval.loading.load_model`) or
+        a loaded model (then pass its tokenizer).
+    datasets: registry names (configs/datasets.yaml) or local .txt/.jsonl files or folders.
+    protocol: ``windows`` or ``packed``; None takes each dataset's registry default.
+    max_windows: cap on windows per (dataset, length); None = every window.
+    bos: ``auto`` | ``always`` | ``never`` (auto: what the tokenizer does; always for Gemma).
+    chunk_size: forward the model ``chunk_size`` tokens at a time through its cache
+        (``baseline_chunk_size`` for the baseline; None = one forward per window).
+    logit_budget: fp32 logits held at once (elements); sets the lm_head slice size.
+    out: folder for results.json, table.md, perplexity.png (written atomically).
+
+    Returns the results dict (also written to ``out/results.json``).
+    """
+    from tqdm.auto import tqdm
+
+    lengths = sorted(set(int(x) for x in lengths))
+    m, tok, m_label = loading.resolve(model, tokenizer, device=device, dtype=dtype)
+    roles: dict[str, tuple[Any, str, int | None]] = {"model": (m, m_label, chunk_size)}
+    if baseline is not None:
+        b, btok, b_label = loading.resolve(baseline, baseline_tokenizer, device=device, dtype=dtype)
+        loading.check_same_tokenizer(tok, btok, m_label, b_label)
+        if b_label == m_label:
+            b_label = f"{b_label} (baseline)"
+        roles["baseline"] = (b, b_label, baseline_chunk_size)
+    use_bos = loading.needs_bos(m, tok, bos)
+    bos_id = tok.bos_token_id if use_bos else None
+
+    # 1. windows, once, shared by every model
+    all_windows: dict[str, dict[int, list[Window]]] = {}
+    ds_info: dict[str, dict] = {}
+    specs = [corpora.resolve_corpus(n, protocol=protocol, text_field=text_field) for n in datasets]
+    names = [s.name for s in specs]
+    names = names if len(set(names)) == len(names) else list(datasets)  # display names, unique
+    for name, spec in zip(names, specs):
+        docs = corpora.iter_documents(spec, max_docs=max_docs)
+        wins = build_windows(
+            docs, tok, lengths, protocol=spec.protocol, max_windows=max_windows,
+            bos_id=bos_id, eos_id=tok.eos_token_id,
+        )
+        all_windows[name] = wins
+        ds_info[name] = {**spec.describe(), "windows": {str(L): [w.describe() for w in wins[L]] for L in lengths}}
+
+    # 2. score them
+    datasets = names
+    results: dict[str, dict[str, dict]] = {ds: {str(L): {} for L in lengths} for ds in datasets}
+    n_total = sum(len(w) for per in all_windows.values() for w in per.values()) * len(roles)
+    bar = tqdm(total=n_total, desc="perplexity", unit="window", disable=not progress)
+    for role, (mdl, label, chunk) in roles.items():
+        slice_tokens = nll.slice_tokens_for(mdl.get_output_embeddings().weight.shape[0], logit_budget)
+        probe = next((w.input_ids for per in all_windows.values() for ws in per.values() for w in ws), None)
+        sliced = nll.check_sliced_head(mdl, probe) if probe is not None else True
+        for ds in datasets:
+            oom = False
+            for L in lengths:
+                wins = all_windows[ds][L]
+                bar.set_postfix_str(f"{label} {ds} {report.fmt_length(L)}")
+                if not wins:
+                    results[ds][str(L)][role] = {"ppl": None, "windows": 0, "error": "no windows"}
+                    continue
+                if oom:  # a longer window will not fit either
+                    results[ds][str(L)][role] = {"ppl": None, "windows": len(wins), "error": "OOM"}
+                    bar.update(len(wins))
+                    continue
+                entry = score_windows(
+                    mdl, wins, chunk_size=chunk, slice_tokens=slice_tokens, sliced=sliced, progress=bar
+                )
+                if entry.get("error") == "OOM":
+                    oom = True
+                    bar.update(len(wins) - entry["scored"])
+                results[ds][str(L)][role] = entry
+    bar.close()
+
+    res = {
+        "kind": "perplexity",
+        "models": {role: loading.model_info(mdl, label) for role, (mdl, label, _) in roles.items()},
+        "settings": {
+            "lengths": lengths,
+            "protocol": protocol or "registry default",
+            "max_windows": max_windows,
+            "bos": bos,
+            "bos_used": use_bos,
+            "chunk_size": chunk_size,
+            "baseline_chunk_size": baseline_chunk_size,
+            "logit_budget": logit_budget,
+            "device": device,
+            "dtype": dtype,
+        },
+        "datasets": ds_info,
+        "results": results,
+    }
+    if command:
+        res["command"] = command
+    res["description"] = describe(res)
+    res["table"] = table_markdown(res)
+    res["images"] = []
+    if out is not None:
+        out = Path(out)
+        res["out"] = str(out)
+        plot_perplexity(res, out / "perplexity.png")
+        res["images"] = ["perplexity.png"]
+        report.atomic_write_text(out / "table.md", res["description"] + "\n\n" + res["table"] + "\n")
+        report.write_json(out / "results.json", res)
+    return res
+
+
+def describe(res: dict) -> str:
+    s = res["settings"]
+    parts = []
+    for ds, info in res["datasets"].items():
+        counts = ", ".join(f"{report.fmt_length(int(L))}: {len(w)}" for L, w in info["windows"].items())
+        parts.append(f"{ds} ({info['protocol']}; windows {counts})")
+    bos = "BOS first" if s["bos_used"] else "no BOS"
+    return (
+        f"Perplexity (lower is better) on exactly-L-token windows, {bos}; the model and the baseline "
+        f"score the same windows. Datasets: " + "; ".join(parts) + "."
+    )
+
+
+def table_markdown(res: dict) -> str:
+    """Rows: datasets; columns: lengths, grouped by model (baseline first) as in the paper's Table 4."""
+    lengths = res["settings"]["lengths"]
+    roles = [r for r in ROLES if r in res["models"]]
+    header = ["Dataset"]
+    for role in roles:
+        header += [f"{res['models'][role]['label']} {report.fmt_length(L)}" for L in lengths]
+    rows = []
+    for ds, per_len in res["results"].items():
+        row = [ds]
+        for role in roles:
+            for L in lengths:
+                e = per_len[str(L)].get(role, {})
+                row.append(e.get("error") if e.get("ppl") is None and e.get("error") else report.fmt_num(e.get("ppl")))
+        rows.append(row)
+    return report.markdown_table(header, rows)
+
+
+def plot_perplexity(res: dict, path: str | Path) -> Path:
+    """Perplexity vs length (log-log): one colour per dataset, solid = model, dashed = baseline."""
+    plt = report.pyplot()
+    lengths = res["settings"]["lengths"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    all_ys: list[float] = []
+    styles = {"model": ("-", "o"), "baseline": ("--", "s")}
+    for i, (ds, per_len) in enumerate(res["results"].items()):
+        for role in ROLES:
+            if role not in res["models"]:
+                continue
+            xs, ys = [], []
+            for L in lengths:
+                p = per_len[str(L)].get(role, {}).get("ppl")
+                if isinstance(p, (int, float)) and p == p and p != float("inf"):
+                    xs.append(L)
+                    ys.append(p)
+            if xs:
+                all_ys += ys
+                ls, mk = styles[role]
+                ax.plot(xs, ys, ls, marker=mk, color=colors[i % len(colors)],
+                        label=f"{res['models'][role]['label']} - {ds}")
+    ax.set_xscale("log", base=2)
+    if all_ys and max(all_ys) / max(min(all_ys), 1e-9) > 5:  # log only when curves span a wide range
+        from matplotlib.ticker import ScalarFormatter
+
+        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.minorticks_off()
+    ax.set_xticks(lengths)
+    ax.set_xticklabels([report.fmt_length(L) for L in lengths])
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("perplexity")
+    ax.set_title("Perplexity vs context length")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    path = report.save_figure(fig, path)
+    plt.close(fig)
+    return path
