@@ -29,7 +29,9 @@ Choices the paper (``retrofit.ops.lavo``) leaves open, made here for a retrofit:
 * **Combination**: the paper averages (g = 1/2). Here g = sigmoid(gate) per query head,
   initialised at ``global_weight`` (default 1/2, the paper) and trainable unless
   ``learn_global_weight`` is off. ``global_weight = 0`` (fixed) with the zero bias is exactly
-  the pretrained model with a w-token sliding window: a testable anchor.
+  the pretrained model with a w-token sliding window: a testable anchor, also reachable on a
+  trained layer by setting ``latent_path_closed = True`` (g = 0, bias off; what
+  ``retrofit.surgery.probe.closed_latent_path`` does).
 
 New weights (trainable after conversion): ``lavo.bases``, ``lavo.rel_bias``, ``lavo.gate``.
 Decoding keeps the last ``w - 1`` keys/values and a :class:`~retrofit.ops.lavo.LavoState`
@@ -113,6 +115,8 @@ class LavoAttention(RetrofitAttention):
 
     method = "lavo"
     new_module_names = ("lavo",)
+    # True: g = 0 and no bias, i.e. the pretrained attention in the window (the probe's SWA anchor)
+    latent_path_closed: bool = False
 
     def __init__(
         self,
@@ -176,8 +180,10 @@ class LavoAttention(RetrofitAttention):
         valid = self.key_padding(attention_mask, T)
         cache = layer_cache(past_key_values, self.layer_idx, self.new_cache_layer)
         params = self.lavo
+        closed = self.latent_path_closed
         kw = dict(
-            window=self.window, rel_bias=params.rel_bias, global_query=qg, global_weight=params.global_weight(),
+            window=self.window, rel_bias=None if closed else params.rel_bias, global_query=qg,
+            global_weight=0.0 if closed else params.global_weight(),
             dissect=self.dissect, scaling=self.scaling, memory_scaling=self.memory_scaling, softcap=self.softcap,
         )
         if cache is None:
