@@ -85,10 +85,21 @@ class AttentionPatch:
 
     def softcap(self, module: nn.Module) -> float | None:
         """Attention-logit soft-capping (tanh(s / c) * c) or None; only Gemma 2 uses it."""
-        return None
+        if getattr(module, "is_retrofit_attention", False):
+            return module.softcap  # read from the original at conversion
+        return self.read_softcap(module)
 
     def native_window(self, module: nn.Module) -> int | None:
         """The pretrained layer's own sliding window (None for full attention)."""
+        if getattr(module, "is_retrofit_attention", False):
+            return module.native_window
+        return self.read_native_window(module)
+
+    # family hooks, called on the pretrained module
+    def read_softcap(self, module: nn.Module) -> float | None:
+        return None
+
+    def read_native_window(self, module: nn.Module) -> int | None:
         return None
 
     def normalize_qk(self, module: nn.Module, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

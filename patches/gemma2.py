@@ -14,11 +14,11 @@ class Gemma2Patch(AttentionPatch):
     modeling_module = "transformers.models.gemma2.modeling_gemma2"
     attention_class_name = "Gemma2Attention"
 
-    def softcap(self, module: nn.Module) -> float | None:
+    def read_softcap(self, module: nn.Module) -> float | None:
         cap = module.attn_logit_softcapping
         return float(cap) if cap else None
 
-    def native_window(self, module: nn.Module) -> int | None:
+    def read_native_window(self, module: nn.Module) -> int | None:
         return module.sliding_window
 
 

@@ -22,7 +22,7 @@ class Gemma3Patch(AttentionPatch):
     def normalize_qk(self, module: nn.Module, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return module.q_norm(q), module.k_norm(k)
 
-    def native_window(self, module: nn.Module) -> int | None:
+    def read_native_window(self, module: nn.Module) -> int | None:
         return module.sliding_window
 
 

@@ -12,7 +12,7 @@ class MistralPatch(AttentionPatch):
     modeling_module = "transformers.models.mistral.modeling_mistral"
     attention_class_name = "MistralAttention"
 
-    def native_window(self, module: nn.Module) -> int | None:
+    def read_native_window(self, module: nn.Module) -> int | None:
         return getattr(module.config, "sliding_window", None)
 
 

@@ -12,7 +12,7 @@ class Qwen2Patch(AttentionPatch):
     modeling_module = "transformers.models.qwen2.modeling_qwen2"
     attention_class_name = "Qwen2Attention"
 
-    def native_window(self, module: nn.Module) -> int | None:
+    def read_native_window(self, module: nn.Module) -> int | None:
         return module.sliding_window
 
 

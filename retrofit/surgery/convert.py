@@ -80,8 +80,10 @@ def convert(model: nn.Module, spec: ConversionSpec | None = None, *, base_model:
     spec.validate_for(model.config)
     method = get_method(spec.method)
 
-    if spec.dtype is not None:
-        model.to(spec.torch_dtype)
+    if spec.dtype is not None:  # parameters only: buffers such as RoPE inv_freq keep their fp32,
+        for p in model.parameters():  # exactly as from_pretrained(dtype=...) leaves them
+            if p.is_floating_point() and p.dtype != spec.torch_dtype:
+                p.data = p.data.to(spec.torch_dtype)
     sites = patch.attention_sites(model)
     if not sites:
         raise SpecError(f"found no {patch.family} attention modules in {type(model).__name__}")

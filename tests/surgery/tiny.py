@@ -111,3 +111,20 @@ def kl_divergence(ref_logits: torch.Tensor, logits: torch.Tensor, mask: torch.Te
     if mask is not None:
         return float(kl[mask.bool()].mean())
     return float(kl.mean())
+
+
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer (vocab <= 256, ids fit the tiny models) trained on the probe text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from retrofit.surgery.probe import PROBE_TEXT
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<bos>", "<eos>", "<unk>"],
+                                  show_progress=False)
+    tok.train_from_iterator([PROBE_TEXT], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>",
+                                   pad_token="<pad>", unk_token="<unk>")

@@ -1,0 +1,82 @@
+"""`retrofit convert` on tiny local models: success paths and one-line errors with exit code 1."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import transformers
+
+from retrofit.cli.main import main
+from retrofit.surgery import load, load_any
+from tests.surgery.tiny import tiny_model, tiny_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    path = tmp_path_factory.mktemp("models") / "tiny-gemma3"
+    tiny_model("gemma3").save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_convert_macchiato(base, tmp_path, capsys):
+    out = tmp_path / "mac"
+    rc = main(["convert", str(base), "--method", "macchiato", "--out", str(out), "--window", "8",
+               "--latents", "8", "--conv-size", "3", "--layers", "1", "--probe-tokens", "48"])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "converted 1/2 layers" in text and "KL(SWA anchor || converted)" in text and str(out) in text
+    model = load(out)
+    rec = model.config.retrofit
+    assert (rec["window"], rec["latents"], rec["conv_size"], rec["converted_layers"]) == (8, 8, 3, [1])
+    assert rec["base_model"] == str(base)
+    assert load_any(out)[1] is not None  # tokenizer saved next to the weights
+
+
+def test_convert_exp_linear_delta_and_yaml(base, tmp_path, capsys):
+    cfg = tmp_path / "recipe.yaml"
+    cfg.write_text("method: exp-linear\nchunk_size: 16\n")
+    out = tmp_path / "exp-delta"
+    assert main(["convert", str(base), "--config", str(cfg), "--out", str(out), "--delta", "--probe-tokens", "0"]) == 0
+    manifest = json.loads((out / "retrofit_delta.json").read_text())
+    assert manifest["retrofit"]["method"] == "exp-linear" and manifest["parameters"] == []
+    model, tok = load_any(out)
+    assert model.config.retrofit["chunk_size"] == 16 and tok is not None
+
+
+def _fails(argv, capsys, match):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "retrofit convert: error:" in err and match in err, err
+    return err
+
+
+def test_errors(base, tmp_path, capsys):
+    out = tmp_path / "o"
+    _fails(["convert", str(base), "--method", "lavo2", "--out", str(out)], capsys, "unknown method 'lavo2'")
+    _fails(["convert", str(base), "--latents", "10", "--out", str(out), "--probe-tokens", "0"], capsys,
+           "does not split over the model's 4 query heads")
+    _fails(["convert", str(base), "--init-swa-share", "0", "--out", str(out)], capsys, "init_swa_share")
+    _fails(["convert", str(base), "--layers", "7", "--out", str(out), "--probe-tokens", "0"], capsys, "do not exist")
+    gpt2 = tmp_path / "gpt2"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(gpt2)
+    _fails(["convert", str(gpt2), "--out", str(out)], capsys, "has no retrofit patch. Supported families: gemma")
+    _fails(["convert", str(tmp_path / "missing"), "--out", str(out)], capsys, "does not exist")
+    assert not out.exists()  # nothing partial on disk
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    _fails(["convert", str(base), "--out", str(out), "--window", "8", "--latents", "8"], capsys, "already exists")
+    assert os.listdir(out) == ["keep.txt"]
+    assert main(["convert", str(base), "--out", str(out), "--window", "8", "--latents", "8", "--overwrite",
+                 "--probe-tokens", "0"]) == 0
+    assert "keep.txt" not in os.listdir(out) and (out / "config.json").is_file()
