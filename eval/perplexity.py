@@ -269,7 +269,10 @@ def plot_perplexity(res: dict, path: str | Path) -> Path:
     ax.set_ylabel("perplexity")
     ax.set_title("Perplexity vs context length")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    if all_ys:
+        ax.legend(fontsize=8, loc="best")
+    else:
+        ax.text(0.5, 0.5, "no windows scored", ha="center", va="center", transform=ax.transAxes)
     path = report.save_figure(fig, path)
     plt.close(fig)
     return path

@@ -1,0 +1,61 @@
+"""Passkey prompts (exact length, needle depth), answer parsing, and a run through model.generate."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from retrofit.errors import DataError
+from retrofit.eval import passkey
+from retrofit.eval.windows import encode
+
+
+@pytest.fixture(scope="module")
+def filler(tokenizer):
+    return passkey.haystack_tokens(tokenizer, "pg-books", need=2000)
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.25, 0.5, 1.0])
+def test_prompt_has_exact_length_and_needle_at_depth(tokenizer, filler, depth):
+    L = 600
+    ids, at = passkey.build_prompt(tokenizer, filler, L, depth, "48213", bos_id=tokenizer.bos_token_id)
+    assert len(ids) == L and ids[0] == tokenizer.bos_token_id
+    needle = encode(tokenizer, passkey.NEEDLE.format(key="48213"))
+    assert ids[at : at + len(needle)] == needle
+    intro, question = encode(tokenizer, passkey.INTRO), encode(tokenizer, passkey.QUESTION)
+    budget = L - 1 - len(intro) - len(needle) - len(question)
+    assert at - 1 - len(intro) == round(depth * budget)
+    assert ids[-len(question):] == question
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert text.count("48213") == 2 and text.rstrip().endswith("The pass key is")
+
+
+def test_prompt_too_short_is_a_clear_error(tokenizer, filler):
+    with pytest.raises(DataError, match="too short"):
+        passkey.build_prompt(tokenizer, filler, 40, 0.5, "12345", bos_id=None)
+
+
+def test_parse_answer():
+    assert passkey.parse_answer(" 48213. Remember") == "48213"
+    assert passkey.parse_answer(" is 4821") == "4821"
+    assert passkey.parse_answer(" no digits") is None
+
+
+def test_run_passkey_converted_vs_base(converted_dir, base_dir, tmp_path):
+    res = passkey.run_passkey(str(converted_dir), baseline=str(base_dir), lengths=[256, 320], depths=[0.0, 1.0],
+                              trials=2, out=tmp_path, progress=False)
+    for name in ("results.json", "table.md", "passkey.png"):
+        assert (tmp_path / name).is_file()
+    data = json.loads((tmp_path / "results.json").read_text())
+    for role in ("model", "baseline"):
+        trials = data["results"][role]["trials"]
+        assert len(trials) == 2 * 2 * 2
+        for t in trials:
+            assert t["correct"] == (t["answer"] == t["key"]) and len(t["key"]) == 5
+        acc = data["results"][role]["accuracy"]
+        assert set(acc) == {"256", "320"} and set(acc["256"]) == {"0", "1"}
+        assert all(0.0 <= v <= 1.0 for row in acc.values() for v in row.values())
+    # both models answered the very same prompts (same keys, same needle positions)
+    strip = lambda ts: [(t["length"], t["depth"], t["key"], t["needle_at"]) for t in ts]  # noqa: E731
+    assert strip(data["results"]["model"]["trials"]) == strip(data["results"]["baseline"]["trials"])
+    assert "tiny-macchiato" in res["table"] and "mean" in res["table"]

@@ -1,0 +1,95 @@
+"""run_perplexity end to end on a converted tiny model beside its base, on pg-books, offline."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from retrofit.eval import loading, nll
+from retrofit.eval.perplexity import run_perplexity
+
+
+@pytest.fixture(scope="module")
+def sweep(converted_dir, base_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ppl")
+    res = run_perplexity(
+        str(converted_dir), baseline=str(base_dir), datasets=["pg-books"], lengths=[64, 128],
+        max_windows=2, chunk_size=48, out=out, progress=False,
+    )
+    return res, out
+
+
+def test_files_and_table(sweep):
+    res, out = sweep
+    for name in ("results.json", "table.md", "perplexity.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0
+    on_disk = json.loads((out / "results.json").read_text())
+    assert on_disk["results"]["pg-books"]["64"]["model"]["ppl"] == pytest.approx(res["results"]["pg-books"]["64"]["model"]["ppl"])
+    assert on_disk["models"]["model"]["converted"] and not on_disk["models"]["baseline"]["converted"]
+    header = res["table"].splitlines()[0]
+    assert "tiny-base 64" in header and "tiny-macchiato 128" in header
+    assert header.index("tiny-base") < header.index("tiny-macchiato")  # baseline first, as in Table 4
+    assert (out / "perplexity.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_numbers_are_the_models_own_perplexity(sweep, converted_dir, base_dir):
+    """Recompute one cell independently from the model's full logits on the recorded windows."""
+    res, _ = sweep
+    assert res["settings"]["bos_used"]
+    wins = res["datasets"]["pg-books"]["windows"]["128"]
+    assert len(wins) == 2 and wins[0]["doc"] != wins[1]["doc"]  # round-robin over books
+    from retrofit.eval import corpora
+    from retrofit.eval.windows import build_windows
+
+    for role, folder in (("model", converted_dir), ("baseline", base_dir)):
+        model, tok = loading.load_model(str(folder))
+        spec = corpora.resolve_corpus("pg-books")
+        windows = build_windows(corpora.iter_documents(spec), tok, [128], max_windows=2, bos_id=tok.bos_token_id)[128]
+        assert [w.describe() for w in windows] == wins
+        total = sum(nll.window_nll_full(model, w.input_ids)[0] for w in windows)
+        entry = res["results"]["pg-books"]["128"][role]
+        assert entry["tokens"] == 2 * 127
+        assert entry["ppl"] == pytest.approx(math.exp(total / (2 * 127)), rel=1e-4)
+        assert 1.0 < entry["ppl"] < 10 * len(tok)
+
+
+def test_same_model_as_baseline_gives_identical_numbers(base_dir, tokenizer):
+    model, tok = loading.load_model(str(base_dir))
+    res = run_perplexity(model, tokenizer=tok, baseline=model, baseline_tokenizer=tok, datasets=["pg-books-heldout"],
+                         lengths=[48], max_windows=2, progress=False)
+    cell = res["results"]["pg-books-heldout"]["48"]
+    assert cell["model"]["ppl"] == cell["baseline"]["ppl"]
+    assert "(baseline)" in res["models"]["baseline"]["label"]
+
+
+def test_documents_too_short_give_no_windows(base_dir, tmp_path):
+    (tmp_path / "short.txt").write_text("Only a few words here.")
+    res = run_perplexity(str(base_dir), datasets=[str(tmp_path)], lengths=[64], progress=False, out=tmp_path / "o")
+    assert res["results"][tmp_path.name]["64"]["model"] == {"ppl": None, "windows": 0, "error": "no windows"}
+    assert "no windows" in res["table"]
+
+
+def test_bos_policy(base_dir, tokenizer):
+    from .tiny import tiny_gemma3
+
+    model, tok = loading.load_model(str(base_dir))
+    assert loading.needs_bos(model, tok, "auto")  # the tokenizer adds <bos> itself
+    assert not loading.needs_bos(model, tok, "never")
+    plain = type(tok).from_pretrained(str(base_dir))
+    plain._tokenizer.post_processor = None  # a tokenizer that does not add BOS (e.g. rebuilt from GGUF)
+    assert plain("a")["input_ids"][0] != plain.bos_token_id
+    assert not loading.needs_bos(model, plain, "auto")
+    assert loading.needs_bos(tiny_gemma3(len(tok)), plain, "auto")  # Gemma always gets BOS
+
+
+def test_mismatched_tokenizers_are_refused(base_dir, tokenizer):
+    from retrofit.errors import RetrofitError
+
+    from .tiny import tiny_llama, train_tokenizer
+
+    other = train_tokenizer(vocab_size=300)
+    with pytest.raises(RetrofitError, match="tokenize text differently"):
+        run_perplexity(str(base_dir), baseline=tiny_llama(len(other)), baseline_tokenizer=other,
+                       datasets=["pg-books"], lengths=[32], max_windows=1, progress=False)
