@@ -128,3 +128,18 @@ def test_bad_options_are_spec_errors(options, match):
         convert(tiny_model("llama"), method="lavo", window=W, options=options)
     with pytest.raises(SpecError, match="rank"):
         ConversionSpec(method="lavo", options={"rank": 8})
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2"])
+def test_global_query_is_the_query_before_rope(family):
+    model = convert(tiny_model(family), method="lavo", window=W)
+    layer = model.model.layers[1].self_attn
+    x = torch.randn(2, 20, 64)
+    pos = torch.arange(20)[None].expand(2, -1)
+    rope = model.model.rotary_emb
+    cos, sin = rope(x, pos, "full_attention") if family == "gemma3" else rope(x, pos)
+    q, k, _ = layer.patch.project_qkv(layer, x, (cos, sin))
+    q_raw = layer.q_proj(x).view(2, 20, -1, layer.head_dim).transpose(1, 2)
+    want = layer.q_norm(q_raw) if family == "gemma3" else q_raw  # after the q norm, before RoPE
+    torch.testing.assert_close(layer.global_query(q, k, (cos, sin)), want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(q[:, :, 1:], want[:, :, 1:], atol=1e-3)  # RoPE did rotate
