@@ -1,0 +1,252 @@
+"""Causal Latte and exp-linear attention on flash-linear-attention's GLA kernels (CUDA).
+
+Causal Latte is a gated linear recurrence (design.md section 3). With the running
+log-normaliser ``z_t = logcumsumexp_{s<=t} a_s`` per latent,
+
+    m_t = f_t * m_{t-1} + (1 - f_t) v_t^T,   f_t = exp(z_{t-1} - z_t),  1 - f_t = exp(a_t - z_t)
+    o_t = q_t^T m_t
+
+which is Gated Linear Attention ``S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T, o_t = scale * q_t^T S_t``
+with ``q = p(.|t)`` (the mixing weights), ``k = 1 - f_t``, ``g = log f_t``, ``scale = 1``.
+GLA's state ``S_t`` *is* our normalised state ``m_t`` (the recurrence is already
+normalised), so ``initial_state`` / ``final_state`` map one to one onto ``LatteState.m``;
+``LatteState.z`` is the running log-normaliser, computed here in torch (O(T L)).
+
+Gate details: ``g_1 = z_init - z_1`` (``z_init = -inf`` for an empty state; any finite g
+works there because the state is zero, and we use 0). Padded tokens (``a = -inf``) get
+``k = 0, g = 0``: they leave the state untouched, and their outputs are zeroed.
+Every ``g`` is finite and <= 0, so all exponents in fla's chunk kernels stay <= 0.
+
+exp-linear attention is causal Latte with ``L = d`` latents, ``a = k`` and time-dependent
+mixing weights ``softmax_i(q_{t,i} + z_{t,i})`` (see ``retrofit/ops/exp_linear.py``), so it
+runs on the same kernels after computing those weights in torch.
+
+Layouts: our tensors are ``(B, H, T, .)``; fla takes ``[B, T, H, .]`` (older releases had a
+``head_first`` flag, passed as ``False`` when the installed version has it). Kernels:
+``fla.ops.gla.chunk_gla`` (training / prefill) and ``fla.ops.gla.fused_recurrent_gla``
+(decoding). Nothing here checks the device: :mod:`retrofit.ops.backends` decides when to
+call these functions.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Callable
+
+import torch
+
+from retrofit.ops.latte import NEG_INF, LatteState
+
+__all__ = [
+    "gla_inputs",
+    "causal_latte_chunked_fla",
+    "causal_latte_step_fla",
+    "exp_linear_attention_fla",
+    "exp_linear_attention_step_fla",
+    "fla_kernels",
+]
+
+# kernels' input dtypes: half types stay, everything else runs in fp32
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@functools.lru_cache(maxsize=None)
+def fla_kernels() -> tuple[Callable, Callable]:
+    """``(chunk_gla, fused_recurrent_gla)``; raises ImportError when fla is not installed."""
+    from fla.ops.gla import chunk_gla, fused_recurrent_gla
+
+    return chunk_gla, fused_recurrent_gla
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_head_first(fn: Callable) -> bool:
+    try:
+        return "head_first" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _finite_or_zero(z: torch.Tensor) -> torch.Tensor:
+    return z.masked_fill(z == NEG_INF, 0.0)
+
+
+def _kernel_dtype(v: torch.Tensor) -> torch.dtype:
+    return v.dtype if v.dtype in _KERNEL_DTYPES else torch.float32
+
+
+def gla_inputs(
+    q_weights: torch.Tensor,
+    k_logits: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    key_padding_mask: torch.Tensor | None = None,
+    initial_state: LatteState | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Map causal Latte inputs ``(B, H, T, L)``, ``(B, H, T, L)``, ``(B, H, T, D)`` onto GLA.
+
+    Returns ``(q, k, v, g, h0, z_last)``: ``q, k, g`` ``[B, T, H, L]`` and ``v`` ``[B, T, H, D]``
+    in ``dtype`` (default: ``v``'s dtype for fp16/bf16/fp32, else fp32), ``h0`` the fp32
+    initial state ``[B, H, L, D]`` or None, and ``z_last`` ``(B, H, L)`` fp32, the
+    log-normaliser after the last token (the ``z`` of the final :class:`LatteState`).
+    The gates are computed in at least fp32 and cast last.
+    """
+    dtype = dtype or _kernel_dtype(v)
+    gate_dtype = torch.promote_types(torch.float32, k_logits.dtype)
+    a = k_logits.to(gate_dtype)
+    if key_padding_mask is not None:
+        a = a.masked_fill(~key_padding_mask.bool()[:, None, :, None], NEG_INF)
+    z = torch.logcumsumexp(a, dim=2)  # (B,H,T,L)
+    if initial_state is not None:
+        z_init = initial_state.z.to(gate_dtype).unsqueeze(2)
+        z = torch.logaddexp(z_init, z)
+    else:
+        z_init = torch.full_like(a[:, :, :1], NEG_INF)
+    z_prev = torch.cat([z_init, z[:, :, :-1]], dim=2)
+    # f_t = exp(z_{t-1} - z_t); where z_{t-1} = -inf the state is empty and any finite g will do
+    g = torch.where(z_prev == NEG_INF, torch.zeros_like(z), z_prev - _finite_or_zero(z))
+    k = torch.exp(a - _finite_or_zero(z))  # 1 - f_t; 0 for padded tokens and before any token
+
+    def btH(x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2).to(dtype).contiguous()
+
+    h0 = None if initial_state is None else initial_state.m.float().contiguous()
+    return btH(q_weights), btH(k), btH(v), btH(g), h0, z[:, :, -1]
+
+
+def _call(fn: Callable, q, k, v, g, h0, *, gate_kw: str, output_final_state: bool):
+    kwargs = {gate_kw: g, "scale": 1.0, "initial_state": h0, "output_final_state": output_final_state}
+    if _takes_head_first(fn):
+        kwargs["head_first"] = False
+    return fn(q, k, v, **kwargs)
+
+
+def _finish(
+    o: torch.Tensor,
+    ht: torch.Tensor | None,
+    z_last: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    output_final_state: bool,
+) -> tuple[torch.Tensor, LatteState | None]:
+    out = o.transpose(1, 2)
+    if key_padding_mask is not None:
+        out = out * key_padding_mask.bool()[:, None, :, None].to(out.dtype)
+    state = LatteState(m=ht.float(), z=z_last) if output_final_state else None
+    return out.to(v.dtype), state
+
+
+def causal_latte_chunked_fla(
+    q_weights: torch.Tensor,
+    k_logits: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    chunk_size: int = 64,
+    key_padding_mask: torch.Tensor | None = None,
+    initial_state: LatteState | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, LatteState | None]:
+    """``causal_latte_chunked`` through ``chunk_gla``; same shapes and returns.
+
+    ``chunk_size`` is accepted for signature compatibility; fla picks its own (64).
+    The final state's ``m`` is fp32 (fla keeps states in fp32).
+    """
+    del chunk_size
+    T = v.shape[2]
+    if T == 0:
+        from retrofit.ops.latte import causal_latte_chunked
+
+        return causal_latte_chunked(
+            q_weights, k_logits, v, key_padding_mask=key_padding_mask,
+            initial_state=initial_state, output_final_state=output_final_state,
+        )
+    chunk_gla, _ = fla_kernels()
+    q, k, vv, g, h0, z_last = gla_inputs(
+        q_weights, k_logits, v, key_padding_mask=key_padding_mask, initial_state=initial_state
+    )
+    o, ht = _call(chunk_gla, q, k, vv, g, h0, gate_kw="g", output_final_state=output_final_state)
+    return _finish(o, ht, z_last, v, key_padding_mask, output_final_state)
+
+
+def causal_latte_recurrent_fla(
+    q_weights: torch.Tensor,
+    k_logits: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    key_padding_mask: torch.Tensor | None = None,
+    initial_state: LatteState | None = None,
+    output_final_state: bool = True,
+) -> tuple[torch.Tensor, LatteState | None]:
+    """Token-serial form through ``fused_recurrent_gla`` (few tokens: decoding, short prefill)."""
+    _, fused_recurrent_gla = fla_kernels()
+    q, k, vv, g, h0, z_last = gla_inputs(
+        q_weights, k_logits, v, key_padding_mask=key_padding_mask, initial_state=initial_state
+    )
+    o, ht = _call(fused_recurrent_gla, q, k, vv, g, h0, gate_kw="gk", output_final_state=output_final_state)
+    return _finish(o, ht, z_last, v, key_padding_mask, output_final_state)
+
+
+def causal_latte_step_fla(
+    q_weights: torch.Tensor,
+    k_logits: torch.Tensor,
+    v: torch.Tensor,
+    state: LatteState,
+    *,
+    valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, LatteState]:
+    """``causal_latte_step`` (one token: ``(B, H, L)``, ``(B, H, L)``, ``(B, H, D)``) on ``fused_recurrent_gla``."""
+    mask = None if valid is None else valid.bool()[:, None]
+    out, new_state = causal_latte_recurrent_fla(
+        q_weights.unsqueeze(2), k_logits.unsqueeze(2), v.unsqueeze(2),
+        key_padding_mask=mask, initial_state=state, output_final_state=True,
+    )
+    return out.squeeze(2), new_state
+
+
+def _exp_linear_weights(
+    q: torch.Tensor, k: torch.Tensor, key_padding_mask: torch.Tensor | None, initial_state: LatteState | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(p, a)``: mixing weights ``softmax_i(q_ti + z_ti)`` and masked latent logits ``a = k`` (>= fp32)."""
+    dtype = torch.promote_types(torch.float32, torch.promote_types(q.dtype, k.dtype))
+    a = k.to(dtype)
+    if key_padding_mask is not None:
+        a = a.masked_fill(~key_padding_mask.bool()[:, None, :, None], NEG_INF)
+    z = torch.logcumsumexp(a, dim=2)
+    if initial_state is not None:
+        z = torch.logaddexp(initial_state.z.to(dtype).unsqueeze(2), z)
+    return torch.softmax(q.to(dtype) + _finite_or_zero(z), dim=-1), a
+
+
+def exp_linear_attention_fla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    chunk_size: int = 32,
+    key_padding_mask: torch.Tensor | None = None,
+    initial_state: LatteState | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, LatteState | None]:
+    """``exp_linear_attention`` (q, k ``(B, H, T, d)``, v ``(B, H, T, D)``) through ``chunk_gla``."""
+    p, a = _exp_linear_weights(q, k, key_padding_mask, initial_state)
+    return causal_latte_chunked_fla(
+        p, a, v, chunk_size=chunk_size, key_padding_mask=key_padding_mask,
+        initial_state=initial_state, output_final_state=output_final_state,
+    )
+
+
+def exp_linear_attention_step_fla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    state: LatteState,
+    *,
+    valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, LatteState]:
+    """``exp_linear_attention_step`` (q, k ``(B, H, d)``, v ``(B, H, D)``) through ``fused_recurrent_gla``."""
+    mask = None if valid is None else valid.bool()[:, None]
+    p, a = _exp_linear_weights(q.unsqueeze(2), k.unsqueeze(2), mask, state)
+    out, new_state = causal_latte_recurrent_fla(
+        p, a, v.unsqueeze(2), key_padding_mask=mask, initial_state=state, output_final_state=True,
+    )
+    return out.squeeze(2), new_state

@@ -1,0 +1,249 @@
+"""Backend dispatch on CPU: the choice logic, the log lines, and the GPU paths' math that runs on CPU.
+
+The kernels themselves are compared in test_backends_cuda.py (skipped without CUDA). Here:
+* which backend runs (auto -> torch on CPU; argument > set_default_backend > env var),
+* requested-but-impossible backends fall back to torch with one warning,
+* the gate mapping onto GLA (fla's recurrence, written out in fp64) reproduces causal Latte,
+* the flex-attention sliding window (eager on CPU) reproduces the reference, off-by-one included.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+
+import pytest
+import torch
+
+from retrofit.errors import SpecError
+from retrofit.ops import backends
+from retrofit.ops import (
+    LatteState,
+    causal_latte_chunked,
+    causal_latte_reference,
+    exp_linear_attention,
+    exp_linear_attention_reference,
+    macchiato_attention,
+    sliding_window_attention,
+    sliding_window_attention_reference,
+)
+from retrofit.ops.fla_backend import _exp_linear_weights, gla_inputs
+from tests.ops._inputs import latte_inputs, padding_mask
+
+LOGGER = "retrofit.ops.backends"
+_IS_INSTALLED = backends.is_installed  # the cached original (one test swaps it out)
+
+
+@pytest.fixture(autouse=True)
+def _clean_dispatch_state(monkeypatch):
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    backends.set_default_backend(None)
+    backends._reset_log_memory()
+    yield
+    backends.set_default_backend(None)
+    backends._reset_log_memory()
+    _IS_INSTALLED.cache_clear()
+
+
+def _block_import(monkeypatch, *modules: str) -> None:
+    """Make ``import <module>`` fail as if the package were not installed."""
+    for m in modules:
+        monkeypatch.setitem(sys.modules, m, None)
+    _IS_INSTALLED.cache_clear()
+
+
+# --------------------------------------------------------------------------------------
+# choosing
+
+
+@pytest.mark.parametrize("family", ["latte", "sliding_window"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_auto_picks_torch_on_cpu(family, dtype):
+    assert backends.resolve_backend(family, "cpu", dtype) == "torch"
+    assert backends.resolve_backend(family, "cpu", dtype, "auto") == "torch"
+
+
+def test_wrappers_on_cpu_equal_the_torch_ops():
+    q, k, v = latte_inputs(2, 3, 40, 4, 5, dtype=torch.float32)
+    out, state = backends.causal_latte_chunked(q, k, v, chunk_size=16, output_final_state=True)
+    ref, ref_state = causal_latte_chunked(q, k, v, chunk_size=16, output_final_state=True)
+    assert torch.equal(out, ref) and torch.equal(state.m, ref_state.m) and torch.equal(state.z, ref_state.z)
+
+    qq, kk, vv = (torch.randn(2, 4, 40, 8) for _ in range(3))
+    assert torch.equal(backends.sliding_window_attention(qq, kk, vv, 8), sliding_window_attention(qq, kk, vv, 8))
+    out, _ = backends.exp_linear_attention(qq, kk, vv)
+    assert torch.equal(out, exp_linear_attention(qq, kk, vv)[0])
+
+
+def test_macchiato_wrapper_matches_the_op():
+    B, Hq, Hkv, T, d, L = 2, 4, 2, 50, 8, 3
+    q = torch.randn(B, Hq, T, d)
+    k, v = torch.randn(B, Hkv, T, d), torch.randn(B, Hkv, T, d)
+    mix, lat = torch.randn(B, Hq, T, L + 1), torch.randn(B, Hq, T, L)
+    mask = padding_mask(B, T, [0, 7])
+    kw = dict(window=16, softcap=30.0, key_padding_mask=mask, chunk_size=16, output_final_state=True)
+    out, state = backends.macchiato_attention(q, k, v, mix, lat, **kw)
+    ref, ref_state = macchiato_attention(q, k, v, mix, lat, **kw)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(state.m, ref_state.m)
+
+
+def test_override_precedence(monkeypatch):
+    monkeypatch.setenv(backends.ENV_VAR, "torch")
+    assert backends.get_default_backend() == "torch"
+    backends.set_default_backend("fla,flash")
+    assert backends.get_default_backend() == "fla,flash"  # set_default_backend beats the env var
+    with backends.use_backend("torch"):
+        assert backends.get_default_backend() == "torch"
+    assert backends.get_default_backend() == "fla,flash"
+    backends.set_default_backend("auto")
+    assert backends.get_default_backend() == "torch"  # cleared: the env var again
+
+
+def test_explicit_torch_is_honoured_and_logged_once(caplog):
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    q, k, v = latte_inputs(1, 2, 10, 3, 4, dtype=torch.float32)
+    for _ in range(3):
+        backends.causal_latte_chunked(q, k, v, backend="torch")
+    ran = [r for r in caplog.records if "runs on the torch backend" in r.getMessage()]
+    assert len(ran) == 1 and ran[0].levelno == logging.INFO
+    assert "causal_latte_chunked" in ran[0].getMessage() and "float32" in ran[0].getMessage()
+
+
+def test_env_var_request_reaches_the_wrappers(monkeypatch, caplog):
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    monkeypatch.setenv(backends.ENV_VAR, "fla")
+    q, k, v = latte_inputs(1, 2, 10, 3, 4, dtype=torch.float32)
+    out, _ = backends.causal_latte_chunked(q, k, v)  # fla asked for, CPU tensors: torch, with a warning
+    torch.testing.assert_close(out, causal_latte_chunked(q, k, v)[0])
+    msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(msgs) == 1 and "requested the fla backend" in msgs[0] and "CUDA" in msgs[0]
+
+
+@pytest.mark.parametrize("backend,module", [("fla", "fla"), ("flash", "flash_attn")])
+def test_missing_package_falls_back_to_torch(monkeypatch, caplog, backend, module):
+    _block_import(monkeypatch, module)
+    assert backends.is_installed(backend) is False
+    family = "latte" if backend == "fla" else "sliding_window"
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    # a CUDA device with a half dtype passes every other check: only the package is missing
+    assert backends.resolve_backend(family, "cuda", torch.bfloat16, backend) == "torch"
+    warn = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warn) == 1 and "not installed" in warn[0]
+    caplog.clear()
+    assert backends.resolve_backend(family, "cuda", torch.bfloat16) == "torch"  # auto: quiet fallback
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert any("not installed" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
+
+
+def test_comma_list_applies_per_family(monkeypatch):
+    _block_import(monkeypatch, "fla", "flash_attn")
+    backends.set_default_backend("fla,torch")
+    # fla is the latte request (impossible here -> torch); torch is the window request
+    assert backends.resolve_backend("latte", "cuda", torch.bfloat16) == "torch"
+    assert backends.resolve_backend("sliding_window", "cuda", torch.bfloat16) == "torch"
+
+
+def test_auto_rules_for_cuda_tensors(monkeypatch):
+    # eligibility on a CUDA device, independent of what is installed on this machine
+    monkeypatch.setattr(backends, "is_installed", lambda b: True)
+    dev = torch.device("cuda")
+    swa = dict(head_dim=128, value_dim=128)
+    assert backends.resolve_backend("latte", dev, torch.bfloat16) == "fla"
+    assert backends.resolve_backend("latte", dev, torch.float32) == "torch"  # TF32 only on request
+    assert backends.resolve_backend("latte", dev, torch.float32, "fla") == "fla"
+    assert backends.resolve_backend("latte", dev, torch.float64, "fla") == "torch"
+    assert backends.resolve_backend("sliding_window", dev, torch.bfloat16, **swa) == "flash"
+    assert backends.resolve_backend("sliding_window", dev, torch.float32, **swa) == "torch"
+    assert backends.resolve_backend("sliding_window", dev, torch.bfloat16, key_padding_mask=True, **swa) == "torch"
+    assert backends.resolve_backend("sliding_window", dev, torch.bfloat16, head_dim=512, value_dim=512) == "torch"
+    assert backends.resolve_backend("sliding_window", dev, torch.float32, "flex", **swa) == "flex"
+    assert backends.resolve_backend("latte", dev, torch.bfloat16, "flash") == "fla"  # flash says nothing about latte
+
+
+def test_unknown_backend_is_a_clear_error():
+    with pytest.raises(SpecError, match="unknown attention backend 'triton'"):
+        backends.resolve_backend("latte", "cpu", torch.float32, "triton")
+    with pytest.raises(SpecError):
+        backends.set_default_backend("cuda")
+
+
+# --------------------------------------------------------------------------------------
+# the GLA mapping (fla path) without fla: GLA's recurrence written out in fp64
+
+
+def _naive_gla(q, k, v, g, h0):
+    """fla's GLA semantics, [B, T, H, K] layout, scale 1: S_t = diag(exp g_t) S_{t-1} + k_t v_t^T."""
+    B, T, H, K = q.shape
+    S = torch.zeros(B, H, K, v.shape[-1], dtype=torch.float64) if h0 is None else h0.double()
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].double().exp()[..., None] + k[:, t].double()[..., None] * v[:, t].double()[..., None, :]
+        outs.append((q[:, t].double()[..., None] * S).sum(-2))
+    return torch.stack(outs, dim=2), S  # out (B, H, T, D)
+
+
+def test_gla_mapping_reproduces_causal_latte():
+    q, a, v = latte_inputs(2, 3, 29, 4, 5, spread=10.0)
+    mask = padding_mask(2, 29, [0, 6])
+    gq, gk, gv, gg, h0, z_last = gla_inputs(q, a, v, key_padding_mask=mask, dtype=torch.float64)
+    assert h0 is None and (gg <= 0).all() and torch.isfinite(gg).all() and (gk >= 0).all() and (gk <= 1).all()
+    out, S = _naive_gla(gq, gk, gv, gg, h0)
+    out = out * mask[:, None, :, None]
+    torch.testing.assert_close(out, causal_latte_reference(q, a, v, key_padding_mask=mask), atol=1e-12, rtol=1e-10)
+    _, state = causal_latte_chunked(q, a, v, key_padding_mask=mask, output_final_state=True)
+    torch.testing.assert_close(S, state.m, atol=1e-12, rtol=1e-10)  # GLA's state is our normalised m
+    torch.testing.assert_close(z_last, state.z)
+
+    # continuing from a state: g_1 = z_init - z_1 (fla's h0 is fp32, hence the tolerance)
+    q2, a2, v2 = latte_inputs(2, 3, 11, 4, 5, spread=10.0)
+    ref2, state2 = causal_latte_chunked(q2, a2, v2, initial_state=state, output_final_state=True)
+    gq, gk, gv, gg, h0, z_last = gla_inputs(q2, a2, v2, initial_state=state, dtype=torch.float64)
+    assert h0.dtype == torch.float32 and (gg[:, 0] < 0).any()
+    out, S = _naive_gla(gq, gk, gv, gg, h0)
+    torch.testing.assert_close(out, ref2, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(S, state2.m, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(z_last, state2.z)
+
+
+def test_gla_mapping_with_empty_state_and_leading_padding():
+    q, a, v = latte_inputs(2, 1, 9, 3, 2)
+    mask = padding_mask(2, 9, [3, 9])  # the second row is all padding
+    empty = LatteState.empty(2, 1, 3, 2, dtype=torch.float64)
+    gq, gk, gv, gg, h0, z_last = gla_inputs(q, a, v, key_padding_mask=mask, initial_state=empty, dtype=torch.float64)
+    assert torch.isfinite(gg).all() and torch.isfinite(gk).all()
+    out, _ = _naive_gla(gq, gk, gv, gg, h0)
+    ref = causal_latte_reference(q, a, v, key_padding_mask=mask)
+    torch.testing.assert_close(out * mask[:, None, :, None], ref)
+    assert torch.isinf(z_last[1]).all()
+
+
+def test_exp_linear_mapping_reproduces_the_reference():
+    q, k, v = (torch.randn(2, 2, 23, 6, dtype=torch.float64) for _ in range(3))
+    mask = padding_mask(2, 23, [0, 4])
+    p, a = _exp_linear_weights(q, k * 3, mask, None)
+    gq, gk, gv, gg, h0, _ = gla_inputs(p, a, v, key_padding_mask=mask, dtype=torch.float64)
+    out, _ = _naive_gla(gq, gk, gv, gg, h0)
+    ref = exp_linear_attention_reference(q, k * 3, v, key_padding_mask=mask)
+    torch.testing.assert_close(out * mask[:, None, :, None], ref, atol=1e-12, rtol=1e-10)
+
+
+# --------------------------------------------------------------------------------------
+# flex attention sliding window, eager on CPU
+
+
+@pytest.mark.parametrize("num_past", [0, 5, 12])
+@pytest.mark.parametrize("padded", [False, True])
+def test_flex_sliding_window_matches_reference(num_past, padded):
+    from retrofit.ops.flash_backend import sliding_window_attention_flex
+
+    B, Hq, Hkv, T, d, w = 2, 4, 2, 37, 16, 8
+    q = torch.randn(B, Hq, T, d, dtype=torch.float64)
+    k, v = (torch.randn(B, Hkv, T + num_past, d, dtype=torch.float64) for _ in range(2))
+    mask = padding_mask(B, T + num_past, [0, 7]) if padded else None
+    for softcap in (None, 2.0):
+        kw = dict(softcap=softcap, key_padding_mask=mask, num_past=num_past)
+        out = sliding_window_attention_flex(q, k, v, w, compile=False, **kw)
+        torch.testing.assert_close(out, sliding_window_attention_reference(q, k, v, w, **kw))
+        # the window is exactly w wide: w - 1 or w + 1 give different outputs
+        assert not torch.allclose(out, sliding_window_attention_reference(q, k, v, w - 1, **kw))
+        assert not torch.allclose(out, sliding_window_attention_reference(q, k, v, w + 1, **kw))
