@@ -33,6 +33,11 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype: str | None = No
         if "device" in params:
             kwargs["device"] = device
         model, tokenizer = load_any(name_or_path, **kwargs)
+        if tokenizer is None:
+            raise CheckpointError(
+                f"{name_or_path} has no tokenizer stored with it; save the tokenizer into the folder "
+                f"(retrofit.surgery.save(..., tokenizer=tok)) or pass a loaded model with tokenizer= in Python"
+            )
     else:
         model, tokenizer = _fallback_load(name_or_path)
     if dtype is not None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from retrofit.errors import DataError
 from retrofit.eval import corpora, loading, nll, report
 from retrofit.eval.windows import Window, build_windows
 
@@ -131,6 +132,11 @@ def run_perplexity(
     names = [s.name for s in specs]
     names = names if len(set(names)) == len(names) else list(datasets)  # display names, unique
     for name, spec in zip(names, specs):
+        if not spec.is_local and max_windows is None and max_docs is None:
+            raise DataError(
+                f"dataset {name!r} is streamed from the hub: set a window cap (--max-windows) or "
+                f"--max-docs, or the whole split would be read"
+            )
         docs = corpora.iter_documents(spec, max_docs=max_docs)
         wins = build_windows(
             docs, tok, lengths, protocol=spec.protocol, max_windows=max_windows,

@@ -49,9 +49,9 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _ppl_args(p: argparse.ArgumentParser, lengths_flag: str = "--lengths") -> None:
     g = p.add_argument_group("perplexity")
-    g.add_argument(lengths_flag, dest="ppl_lengths", type=_length, nargs="+", default=[4096, 8192, 16384],
+    g.add_argument(lengths_flag, dest="ppl_lengths", type=_length, nargs="+", default=[4096, 8192, 16384], metavar="L",
                    help="window lengths in tokens (4096 or 4K; default 4K 8K 16K)")
-    g.add_argument("--datasets", nargs="+", default=["pg-books"],
+    g.add_argument("--datasets", nargs="+", default=["pg-books"], metavar="NAME",
                    help="registry names (configs/datasets.yaml: slimpajama, pile, openwebtext, tinystories, "
                         "pg19, pg-books, ...) or local .txt/.jsonl files/folders (default: pg-books)")
     g.add_argument("--protocol", choices=("windows", "packed"),
@@ -81,17 +81,18 @@ def _harness_args(p: argparse.ArgumentParser) -> None:
 
 def _passkey_args(p: argparse.ArgumentParser, lengths_flag: str = "--lengths") -> None:
     g = p.add_argument_group("passkey")
-    g.add_argument(lengths_flag, dest="passkey_lengths", type=_length, nargs="+",
+    g.add_argument(lengths_flag, dest="passkey_lengths", type=_length, nargs="+", metavar="L",
                    default=[1024, 2048, 4096, 8192, 16384, 32768], help="prompt lengths (default 1K..32K)")
-    g.add_argument("--depths", type=_depth, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0],
+    g.add_argument("--depths", type=_depth, nargs="+", metavar="D", default=[0.0, 0.25, 0.5, 0.75, 1.0],
                    help="needle depths in [0, 1] (default 0 0.25 0.5 0.75 1)")
     g.add_argument("--trials", type=int, default=3, help="prompts per (length, depth) cell")
     g.add_argument("--haystack", default="pg-books", help="corpus for the filler text (default pg-books)")
     g.add_argument("--key-digits", type=int, default=5)
 
 
-def _shared(p: argparse.ArgumentParser, bos: bool = True) -> None:
-    p.add_argument("--seed", type=int, default=0)
+def _shared(p: argparse.ArgumentParser, bos: bool = True, seed: bool = True) -> None:
+    if seed:
+        p.add_argument("--seed", type=int, default=0, help="seed for few-shot sampling and passkey keys")
     if bos:
         p.add_argument("--bos", choices=("auto", "always", "never"), default="auto",
                        help="start sequences with BOS (auto: as the tokenizer does; always for Gemma)")
@@ -105,7 +106,7 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
     pp = evsub.add_parser("ppl", help="perplexity vs context length, beside a baseline (paper Table 4)")
     _common(pp)
     _ppl_args(pp)
-    _shared(pp)
+    _shared(pp, seed=False)
     pp.set_defaults(handler=_run_ppl)
 
     ph = evsub.add_parser("harness", help="lm-eval few-shot benchmarks (paper Table 5)")

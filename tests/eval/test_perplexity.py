@@ -93,3 +93,10 @@ def test_mismatched_tokenizers_are_refused(base_dir, tokenizer):
     with pytest.raises(RetrofitError, match="tokenize text differently"):
         run_perplexity(str(base_dir), baseline=tiny_llama(len(other)), baseline_tokenizer=other,
                        datasets=["pg-books"], lengths=[32], max_windows=1, progress=False)
+
+
+def test_uncapped_hub_stream_is_refused_before_any_download(base_dir):
+    from retrofit.errors import DataError
+
+    with pytest.raises(DataError, match="--max-windows"):
+        run_perplexity(str(base_dir), datasets=["slimpajama"], lengths=[64], max_windows=None, progress=False)
