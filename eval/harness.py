@@ -241,6 +241,8 @@ def run_harness(
     if out is not None:
         out = Path(out)
         res["out"] = str(out)
+        if plot_scores(res, out / "harness.png") is not None:
+            res["images"] = ["harness.png"]
         report.atomic_write_text(out / "table.md", res["description"] + "\n\n" + res["table"] + "\n")
         report.write_json(out / "results.json", res)
     return res
@@ -293,3 +295,33 @@ def table_markdown(res: dict) -> str:
             row.append(report.fmt_num(val))
         rows.append(row)
     return report.markdown_table(header, rows)
+
+
+def plot_scores(res: dict, path: str | Path) -> Path | None:
+    """Grouped bars of the percent-type primary metrics, one bar per model; None if nothing to plot."""
+    import numpy as np
+
+    roles = [r for r in ("baseline", "model") if r in res["models"]]
+    cols = []
+    for t in _columns(res):
+        metric = next(iter(res["results"][t].values())).get("primary_metric") or ""
+        if metric.split(",")[0] in _PERCENT_METRICS:
+            cols.append(t)
+    if not cols:
+        return None
+    plt = report.pyplot()
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.1 * len(cols) + 1.5), 3.6), constrained_layout=True)
+    x = np.arange(len(cols))
+    width = 0.8 / len(roles)
+    for i, role in enumerate(roles):
+        vals = [100.0 * (res["results"][t].get(role, {}).get("primary") or 0.0) for t in cols]
+        ax.bar(x + (i - (len(roles) - 1) / 2) * width, vals, width, label=res["models"][role]["label"])
+    ax.set_xticks(x, cols, rotation=30, ha="right")
+    ax.set_ylabel("score (%)")
+    ax.set_ylim(0, 100)
+    ax.set_title("Few-shot benchmarks")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    out = report.save_figure(fig, path)
+    plt.close(fig)
+    return out

@@ -29,6 +29,7 @@ def test_run_harness_converted_beside_base(converted_dir, base_dir, tmp_path):
     )
     data = json.loads((tmp_path / "results.json").read_text())
     assert (tmp_path / "table.md").is_file()
+    assert res["images"] == ["harness.png"] and (tmp_path / "harness.png").read_bytes()[:4] == b"\x89PNG"
     for task in ("retrofit_tiny_mc", "retrofit_tiny_gen", "retrofit_tiny_rolling"):
         for role in ("model", "baseline"):
             entry = data["results"][task][role]
