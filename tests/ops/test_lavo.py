@@ -22,6 +22,15 @@ from retrofit.ops.sliding_window import sliding_window_attention
 from tests.ops._inputs import padding_mask
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one intra-op thread is faster than two on a shared 2-core box."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _bases(H, r, d, dtype=torch.float64):
     """Orthonormal rows, as the layer initialises them."""
     return torch.linalg.qr(torch.randn(H, d, r, dtype=dtype))[0].transpose(1, 2).contiguous()

@@ -11,6 +11,15 @@ from retrofit.ops.llp import LLPState, llp_attention, llp_attention_cached, llp_
 from tests.ops._inputs import padding_mask
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny tensors: one intra-op thread is faster than two on a shared 2-core box."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _loop_reference(q, k, v, segment, scaling, softcap, mask):
     """Per-query evaluation of the definition over real-token ranks (independent of the ops)."""
     B, Hq, T, _ = q.shape
