@@ -3,6 +3,13 @@ hold a method's new weights. See ``base.py`` for the forward contract."""
 from retrofit.layers.base import RetrofitAttention
 from retrofit.layers.conv import CausalDepthwiseConv
 from retrofit.layers.exp_linear import ExpLinearAttention
-from retrofit.layers.macchiato import MacchiatoAttention, swa_bias
+from retrofit.layers.macchiato import DEFAULT_INIT_SWA_SHARE, MacchiatoAttention, swa_bias
 
-__all__ = ["RetrofitAttention", "CausalDepthwiseConv", "ExpLinearAttention", "MacchiatoAttention", "swa_bias"]
+__all__ = [
+    "DEFAULT_INIT_SWA_SHARE",
+    "CausalDepthwiseConv",
+    "ExpLinearAttention",
+    "MacchiatoAttention",
+    "RetrofitAttention",
+    "swa_bias",
+]

@@ -37,7 +37,12 @@ from retrofit.ops import (
     sliding_window_attention,
 )
 
-__all__ = ["MacchiatoAttention", "swa_bias"]
+__all__ = ["DEFAULT_INIT_SWA_SHARE", "MacchiatoAttention", "swa_bias"]
+
+# Provisional initial sliding-window share p(0|t) of a fresh layer, to be set by the training
+# engineer's ablation. The one constant every default reads (re-exported as
+# retrofit.surgery.DEFAULT_INIT_SWA_SHARE and used by ConversionSpec).
+DEFAULT_INIT_SWA_SHARE = 0.9
 
 SATURATED_LOGIT = 1.0e4  # exp(-1e4) underflows to 0 in every float dtype: p(0|t) = 1 exactly
 
@@ -64,7 +69,7 @@ class MacchiatoAttention(RetrofitAttention):
         *,
         window: int = 128,
         latents: int = 128,
-        init_swa_share: float = 0.9,
+        init_swa_share: float = DEFAULT_INIT_SWA_SHARE,
         conv_size: int = 0,
         chunk_size: int = 64,
         generator: torch.Generator | None = None,

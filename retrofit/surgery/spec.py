@@ -21,9 +21,9 @@ from retrofit.errors import SpecError
 
 __all__ = ["ConversionSpec", "DEFAULT_INIT_SWA_SHARE", "DTYPES", "parse_layers"]
 
-# Provisional: the initial sliding-window share p(0|t) of a fresh Macchiato layer. To be set by
-# the training engineer's ablation; every default in the toolkit reads this one constant.
-DEFAULT_INIT_SWA_SHARE = 0.9
+# The initial sliding-window share p(0|t) of a fresh Macchiato layer: one constant, defined next
+# to the layer (provisional; to be set by the training engineer's ablation).
+from retrofit.layers.macchiato import DEFAULT_INIT_SWA_SHARE  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
