@@ -1,33 +1,120 @@
-"""`retrofit bench`: speed and memory benchmarks. Results go to JSON + PNG + a printed table."""
+"""`retrofit bench`: speed and memory benchmarks. Results go to JSON + PNG + a printed table.
+
+    retrofit bench attention [--quick]     attention ops vs SDPA causal, T = 1K..32K
+    retrofit bench decode    [--quick]     per-token decoding latency vs context, converted vs base
+    retrofit bench model     [--quick]     prefill and training-step tokens/s, converted vs base
+"""
 from __future__ import annotations
 
 import argparse
+
+
+def _common(p: argparse.ArgumentParser, out: str) -> None:
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--backend", default=None,
+                   help="attention kernels: auto | torch | fla | flash | flex, or a comma list "
+                        "(default: $RETROFIT_BACKEND, else auto)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (median)")
+    p.add_argument("--quick", action="store_true", help="short smoke run (small lengths, fewer repeats)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=out, help="folder for results.json, results.md and the PNG")
+    p.add_argument("--quiet", action="store_true", help="no progress bar and no printed table")
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="base model: folder, hub id, .gguf or alias (default: a tiny random Llama built from a config)")
+    p.add_argument("--converted", default=None,
+                   help="a converted checkpoint folder to compare (default: convert --model in memory)")
+    p.add_argument("--method", default="macchiato", help="conversion method when converting in memory")
+    p.add_argument("--window", type=int, default=128, help="sliding window w (macchiato)")
+    p.add_argument("--latents", type=int, default=None, help="latents L in total (default: 16 per query head)")
+    p.add_argument("--tiny-size", default="small", choices=["tiny", "small"],
+                   help="built-in config when no --model: tiny (hidden 64, 2 layers) or small (hidden 256, 4 layers)")
 
 
 def register(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("bench", help=help_text, description=help_text)
     suites = p.add_subparsers(dest="suite", metavar="SUITE")
 
-    a = suites.add_parser("attention", help="attention ops vs PyTorch SDPA causal across sequence lengths")
-    a.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768])
+    a = suites.add_parser("attention", help="attention ops vs PyTorch SDPA causal across sequence lengths",
+                          description="Forward and forward+backward time, peak memory and FLOP efficiency of "
+                                      "causal Latte, Macchiato, the sliding window and exp-linear against SDPA causal.")
+    a.add_argument("--lengths", type=int, nargs="+", default=None,
+                   help="sequence lengths (default 1024..32768; --quick: 1024 2048 4096)")
     a.add_argument("--batch", type=int, default=1)
     a.add_argument("--heads", type=int, default=8)
     a.add_argument("--head-dim", type=int, default=256)
     a.add_argument("--latents", type=int, default=16, help="latent states per head (L_h)")
     a.add_argument("--window", type=int, default=128)
     a.add_argument("--chunk-size", type=int, default=None, help="chunk size for the chunked ops (default: op default)")
-    a.add_argument("--ops", nargs="+", default=None, help="subset of ops to time (default: all)")
+    a.add_argument("--ops", nargs="+", default=None, help="subset of: latte macchiato swa exp_linear sdpa")
+    a.add_argument("--modes", nargs="+", default=None, choices=["fwd", "fwd+bwd"], help="default: both")
     a.add_argument("--sdpa-max-length", type=int, default=32768, help="skip SDPA above this length")
-    a.add_argument("--repeats", type=int, default=3)
-    a.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    a.add_argument("--device", default="cpu")
-    a.add_argument("--out", default="runs/bench/attention", help="folder for results.json and PNG")
+    a.add_argument("--max-seconds", type=float, default=30.0,
+                   help="time budget per point and mode: fewer timed runs when one run is slow")
+    a.add_argument("--point-timeout", type=float, default=3600.0, help="give up on a point after this many seconds")
+    a.add_argument("--no-isolate", dest="isolate", action="store_false",
+                   help="measure in this process instead of a fresh worker per point (faster; memory less exact)")
+    _common(a, "runs/bench/attention")
     a.set_defaults(handler=_run_attention)
+
+    d = suites.add_parser("decode", help="per-token decoding latency vs context length, converted vs base",
+                          description="Prefill a context of each length, then time single-token decoding steps "
+                                      "with each model's cache (retrofit's constant-memory cache for the converted one).")
+    d.add_argument("--lengths", type=int, nargs="+", default=None,
+                   help="context lengths (default 1024..32768; --quick: 256 512 1024)")
+    d.add_argument("--new-tokens", type=int, default=16, help="timed decoding steps per length")
+    d.add_argument("--prefill-chunk", type=int, default=2048, help="prefill the context in chunks of this many tokens")
+    d.add_argument("--batch", type=int, default=1)
+    _model_args(d)
+    _common(d, "runs/bench/decode")
+    d.set_defaults(handler=_run_decode)
+
+    m = suites.add_parser("model", help="whole-model prefill and training-step tokens/s, converted vs base",
+                          description="Prefill (no-grad forward) and training step (forward, backward, AdamW step) "
+                                      "throughput of a converted model and its base at several sequence lengths.")
+    m.add_argument("--lengths", type=int, nargs="+", default=None,
+                   help="sequence lengths (default 1024 2048 4096 8192; --quick: 256 512)")
+    m.add_argument("--batch", type=int, default=1)
+    m.add_argument("--train-all", action="store_true",
+                   help="train every weight of both models (default: base trains all, converted its new weights)")
+    m.add_argument("--no-train", dest="train", action="store_false", help="prefill only")
+    _model_args(m)
+    _common(m, "runs/bench/model")
+    m.set_defaults(handler=_run_model)
+
     p.set_defaults(handler=lambda args: (p.print_help(), 2)[1])
+
+
+def _apply_backend(args: argparse.Namespace) -> None:
+    if getattr(args, "backend", None):
+        from retrofit.ops.backends import set_default_backend
+
+        set_default_backend(args.backend)
 
 
 def _run_attention(args: argparse.Namespace) -> int:
     from retrofit.bench.attention import run_attention_benchmark
 
+    _apply_backend(args)
     run_attention_benchmark(args)
+    return 0
+
+
+def _run_decode(args: argparse.Namespace) -> int:
+    from retrofit.bench.decode import run_decode_benchmark
+
+    _apply_backend(args)
+    run_decode_benchmark(args)
+    return 0
+
+
+def _run_model(args: argparse.Namespace) -> int:
+    from retrofit.bench.model import run_model_benchmark
+
+    _apply_backend(args)
+    run_model_benchmark(args)
     return 0

@@ -232,12 +232,17 @@ def _reset_log_memory() -> None:
 # Latte family
 
 
+def _chunk(chunk_size: int | None) -> dict:
+    """``chunk_size=None`` keeps the torch op's own default."""
+    return {} if chunk_size is None else {"chunk_size": chunk_size}
+
+
 def causal_latte_chunked(
     q_weights: torch.Tensor,
     k_logits: torch.Tensor,
     v: torch.Tensor,
     *,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
     key_padding_mask: torch.Tensor | None = None,
     initial_state: LatteState | None = None,
     output_final_state: bool = False,
@@ -248,12 +253,12 @@ def causal_latte_chunked(
         from retrofit.ops.fla_backend import causal_latte_chunked_fla
 
         return causal_latte_chunked_fla(
-            q_weights, k_logits, v, chunk_size=chunk_size, key_padding_mask=key_padding_mask,
+            q_weights, k_logits, v, key_padding_mask=key_padding_mask,
             initial_state=initial_state, output_final_state=output_final_state,
         )
     return _latte.causal_latte_chunked(
-        q_weights, k_logits, v, chunk_size=chunk_size, key_padding_mask=key_padding_mask,
-        initial_state=initial_state, output_final_state=output_final_state,
+        q_weights, k_logits, v, key_padding_mask=key_padding_mask,
+        initial_state=initial_state, output_final_state=output_final_state, **_chunk(chunk_size),
     )
 
 
@@ -279,7 +284,7 @@ def exp_linear_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    chunk_size: int = 32,
+    chunk_size: int | None = None,
     key_padding_mask: torch.Tensor | None = None,
     initial_state: LatteState | None = None,
     output_final_state: bool = False,
@@ -290,12 +295,12 @@ def exp_linear_attention(
         from retrofit.ops.fla_backend import exp_linear_attention_fla
 
         return exp_linear_attention_fla(
-            q, k, v, chunk_size=chunk_size, key_padding_mask=key_padding_mask,
+            q, k, v, key_padding_mask=key_padding_mask,
             initial_state=initial_state, output_final_state=output_final_state,
         )
     return _exp_linear.exp_linear_attention(
-        q, k, v, chunk_size=chunk_size, key_padding_mask=key_padding_mask,
-        initial_state=initial_state, output_final_state=output_final_state,
+        q, k, v, key_padding_mask=key_padding_mask,
+        initial_state=initial_state, output_final_state=output_final_state, **_chunk(chunk_size),
     )
 
 
@@ -368,7 +373,7 @@ def macchiato_attention(
     scaling: float | None = None,
     softcap: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
     initial_state: LatteState | None = None,
     output_final_state: bool = False,
     backend: str | None = "auto",

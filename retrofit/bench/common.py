@@ -1,0 +1,290 @@
+"""Shared pieces of the benchmark suites: timing, memory, hardware facts, atomic result files.
+
+Memory on CPU is the peak resident set size (RSS) above a baseline, read from Linux's
+``/proc/self/status`` (``VmHWM`` = peak RSS since the last reset; writing ``5`` to
+``/proc/self/clear_refs`` resets it). Freed memory only leaves the RSS if malloc returns it to
+the OS, so the workers run with ``MALLOC_MMAP_THRESHOLD_=65536``: every allocation of 64 KiB
+or more is its own mmap, unmapped on free, and the RSS follows live tensor memory. On CUDA
+it is ``torch.cuda.max_memory_allocated`` above the allocation at the start of the point.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime as _dt
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+__all__ = [
+    "MemoryMeter",
+    "WORKER_ENV",
+    "hardware_info",
+    "matmul_flops",
+    "markdown_table",
+    "run_worker",
+    "sync",
+    "time_call",
+    "write_json_atomic",
+    "write_text_atomic",
+]
+
+# environment for worker subprocesses: big allocations are mmaps, returned to the OS on free
+WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
+
+def sync(device: torch.device | str) -> None:
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --------------------------------------------------------------------------------------
+# timing
+
+
+def time_call(
+    fn: Callable[[], Any],
+    device: torch.device | str,
+    *,
+    repeats: int = 3,
+    budget_s: float = 30.0,
+    first_time: float | None = None,
+) -> dict[str, Any]:
+    """Median wall time of ``fn()`` over warm runs.
+
+    ``first_time``: the duration of a run already made (a warm-up); without it one warm-up
+    run is made first. The number of timed runs adapts to the budget:
+    ``min(repeats, budget_s / first_time)``, at least one.
+    """
+    if first_time is None:
+        first_time = _timed(fn, device)
+    n = int(max(1, min(repeats, budget_s // max(first_time, 1e-9))))
+    times = [_timed(fn, device) for _ in range(n)]
+    return {"time_s": statistics.median(times), "times_s": times, "warmup_s": first_time}
+
+
+def _timed(fn: Callable[[], Any], device: torch.device | str) -> float:
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def matmul_flops(device: torch.device | str, dtype: torch.dtype, *, n: int | None = None, repeats: int = 5) -> float:
+    """Best FLOP/s of an ``n x n`` matmul (n = 2048 on CPU, 8192 on CUDA): the machine's reference rate."""
+    device = torch.device(device)
+    n = n or (8192 if device.type == "cuda" else 2048)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    torch.matmul(a, b)
+    best = min(_timed(lambda: torch.matmul(a, b), device) for _ in range(repeats))
+    return 2.0 * n**3 / best
+
+
+# --------------------------------------------------------------------------------------
+# memory
+
+
+def _proc_status() -> dict[str, int] | None:
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    out = {}
+    for key in ("VmRSS", "VmHWM"):
+        m = re.search(rf"^{key}:\s+(\d+)\s+kB", text, re.M)
+        if m:
+            out[key] = int(m.group(1)) * 1024
+    return out if len(out) == 2 else None
+
+
+class MemoryMeter:
+    """Peak memory of a block above the memory in use when it starts.
+
+    ``with MemoryMeter(device) as m: ...`` then ``m.peak_bytes`` (None when the platform
+    cannot tell) and ``m.method`` (what was measured).
+    """
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.peak_bytes: int | None = None
+        self.method = "none"
+
+    def __enter__(self) -> "MemoryMeter":
+        if self.device.type == "cuda":
+            sync(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+            self.method = "cuda max_memory_allocated"
+        else:
+            self._resettable = self._reset_hwm()
+            status = _proc_status()
+            self._base = None if status is None else status["VmRSS"]
+            self.method = "peak RSS (VmHWM)" if self._resettable and status else "none"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            sync(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._base
+        elif self.method != "none":
+            status = _proc_status()
+            self.peak_bytes = None if status is None else max(0, status["VmHWM"] - self._base)
+
+    @staticmethod
+    def _reset_hwm() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            return True
+        except OSError:
+            return False
+
+
+@contextlib.contextmanager
+def saved_tensor_bytes() -> Iterable[dict[str, int]]:
+    """Bytes of the distinct storages autograd saves for backward inside the block."""
+    seen: dict[tuple, int] = {}
+    total = {"bytes": 0}
+
+    def pack(t: torch.Tensor):
+        try:
+            key = (t.untyped_storage().data_ptr(), t.device.type)
+            if key not in seen:
+                seen[key] = t.untyped_storage().nbytes()
+                total["bytes"] += seen[key]
+        except (RuntimeError, NotImplementedError):
+            pass
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield total
+
+
+# --------------------------------------------------------------------------------------
+# facts about the machine
+
+
+def hardware_info(device: torch.device | str = "cpu") -> dict[str, Any]:
+    """CPU model and cores (lscpu), torch version and threads, GPU name when on CUDA, date."""
+    device = torch.device(device)
+    info: dict[str, Any] = {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cpu_model": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "device": str(device),
+    }
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "Model name":
+                info["cpu_model"] = value.strip()
+            elif key.strip() == "CPU(s)":
+                info["cpu_count"] = int(value.strip())
+    except (OSError, subprocess.SubprocessError, ValueError):
+        pass
+    try:
+        info["load_average"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        pass
+    if device.type == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1), cuda=torch.version.cuda)
+    return info
+
+
+def hardware_line(info: dict[str, Any]) -> str:
+    gpu = f", {info['gpu']}" if info.get("gpu") else ""
+    load = f", load avg {info['load_average'][0]}" if info.get("load_average") else ""
+    return (
+        f"{info['cpu_model']} ({info['cpu_count']} CPUs, {info['torch_threads']} torch threads){gpu}; "
+        f"torch {info['torch']}; {info['date']}{load}"
+    )
+
+
+# --------------------------------------------------------------------------------------
+# files and tables
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def write_json_atomic(path: str | Path, obj: Any) -> Path:
+    return write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def save_figure_atomic(fig, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    fig.savefig(tmp, dpi=120, bbox_inches="tight")
+    os.replace(tmp, path)
+    return path
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    rows = [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    sep = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
+    return "\n".join([line(list(headers)), sep, *(line(r) for r in rows)])
+
+
+def _fmt(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        if x != x:
+            return "-"
+        if abs(x) >= 100:
+            return f"{x:,.0f}"
+        if abs(x) >= 10:
+            return f"{x:.1f}"
+        return f"{x:.2f}" if abs(x) >= 0.1 else f"{x:.3g}"
+    return str(x)
+
+
+def run_worker(module: str, payload: dict[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
+    """Run ``python -m <module> --worker '<json>'`` in a fresh process; its last stdout line is JSON."""
+    env = dict(os.environ, **WORKER_ENV)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", module, "--worker", json.dumps(payload)],
+            capture_output=True, text=True, env=env, timeout=timeout,
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f} s"}
+    lines = [ln for ln in proc.stdout.strip().splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        why = "killed (out of memory?)" if proc.returncode in (-9, 137) else f"exit {proc.returncode}"
+        return {"error": f"worker {why}: {' | '.join(tail)}"}
+    return json.loads(lines[-1])

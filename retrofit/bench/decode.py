@@ -1,0 +1,167 @@
+"""`retrofit bench decode`: per-token decoding latency vs context length, converted vs base.
+
+For each context length T and each model: prefill T random tokens (in chunks of
+``--prefill-chunk``, with the model's cache), then time ``--new-tokens`` single-token
+forward steps that extend the cache (greedy: each step feeds the previous argmax). The
+converted model's cache is retrofit's constant-memory one (the converted layers adopt the
+``DynamicCache`` transformers builds: a w-token key/value ring buffer + the latent state),
+the base model's the usual growing key/value cache. Reported per point: median and p90 step
+latency, tokens/s, and the bytes the cache holds after the context.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from retrofit.bench.common import (
+    hardware_info,
+    hardware_line,
+    markdown_table,
+    save_figure_atomic,
+    sync,
+    write_json_atomic,
+    write_text_atomic,
+)
+from retrofit.bench.models import build_pair, cache_bytes, forward_kwargs
+
+__all__ = ["run_decode_benchmark", "decode_point"]
+
+DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
+QUICK_LENGTHS = (256, 512, 1024)
+
+
+@torch.no_grad()
+def decode_point(model, T: int, *, batch: int, new_tokens: int, prefill_chunk: int, device, seed: int = 0) -> dict[str, Any]:
+    """Prefill ``T`` tokens, then time ``new_tokens`` decoding steps. Returns latencies and cache size."""
+    from transformers import DynamicCache
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = int(model.config.vocab_size)
+    ids = torch.randint(3, vocab, (batch, T), generator=g).to(device)
+    cache = DynamicCache(config=model.config)
+    kw = forward_kwargs(model)
+    sync(device)
+    t0 = time.perf_counter()
+    out = None
+    for i in range(0, T, prefill_chunk):
+        out = model(input_ids=ids[:, i : i + prefill_chunk], past_key_values=cache, use_cache=True, **kw)
+        cache = out.past_key_values
+    sync(device)
+    prefill_s = time.perf_counter() - t0
+    context_bytes = cache_bytes(cache)
+    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+    steps = []
+    for _ in range(new_tokens):
+        sync(device)
+        t0 = time.perf_counter()
+        out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        sync(device)
+        steps.append(time.perf_counter() - t0)
+        cache = out.past_key_values
+    warm = steps[1:] if len(steps) > 2 else steps  # the first step may pay one-time costs
+    p90 = sorted(warm)[min(len(warm) - 1, int(0.9 * len(warm)))]
+    med = statistics.median(warm)
+    return {
+        "T": T, "prefill_s": prefill_s, "step_s": med, "step_p90_s": p90, "tokens_per_s": batch / med,
+        "steps_s": steps, "cache_bytes": context_bytes, "cache_bytes_end": cache_bytes(cache),
+    }
+
+
+def run_decode_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from retrofit.errors import SpecError
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+    lengths = sorted(args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS))
+    new_tokens = min(args.new_tokens, 8) if args.quick else args.new_tokens
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    base, converted, info = build_pair(args, max(lengths) + new_tokens + 1)
+    hw = hardware_info(device)
+    rows = []
+    bar = tqdm([(n, T) for T in lengths for n in ("base", "converted")], desc="bench decode", unit="point",
+               disable=args.quiet)
+    for name, T in bar:
+        bar.set_postfix_str(f"{name} T={T}")
+        model = base if name == "base" else converted
+        try:
+            r = decode_point(model, T, batch=args.batch, new_tokens=new_tokens, prefill_chunk=args.prefill_chunk,
+                             device=device, seed=args.seed)
+        except RuntimeError as exc:  # out of memory at long contexts: record and go on
+            r = {"T": T, "error": str(exc).splitlines()[0][:200]}
+        rows.append({"model": name, **r})
+    report = {
+        "suite": "decode",
+        "command": " ".join(["retrofit", *sys.argv[1:]]) if Path(sys.argv[0]).name == "retrofit" else None,
+        "hardware": hw,
+        "models": info,
+        "config": {"lengths": lengths, "new_tokens": new_tokens, "batch": args.batch, "prefill_chunk": args.prefill_chunk,
+                   "device": args.device, "dtype": args.dtype, "backend": args.backend},
+        "rows": rows,
+    }
+    out = Path(args.out)
+    write_json_atomic(out / "results.json", report)
+    table = render_table(report)
+    write_text_atomic(out / "results.md", "\n".join([
+        "# retrofit bench decode", "", f"Hardware: {hardware_line(hw)}",
+        f"Base: {info['base']}", f"Converted: {info['converted']}", "", table, "",
+    ]))
+    _plot(report, out / "decode.png")
+    if not args.quiet:
+        print(f"\n{hardware_line(hw)}\nbase: {info['base']}\nconverted: {info['converted']}\n")
+        print(table)
+        print(f"\nwrote {out / 'results.json'}, {out / 'results.md'}, {out / 'decode.png'}")
+    return report
+
+
+def render_table(report: dict[str, Any]) -> str:
+    by = {(r["model"], r["T"]): r for r in report["rows"]}
+    rows = []
+    for T in report["config"]["lengths"]:
+        b, c = by.get(("base", T), {}), by.get(("converted", T), {})
+        ms = lambda r: r["step_s"] * 1e3 if "step_s" in r else None  # noqa: E731
+        mib = lambda r: r["cache_bytes"] / 2**20 if "cache_bytes" in r else None  # noqa: E731
+        ratio = b["step_s"] / c["step_s"] if "step_s" in b and "step_s" in c else None
+        rows.append([T, ms(b), ms(c), ratio, mib(b), mib(c)])
+    return markdown_table(
+        ["context", "base ms/token", "converted ms/token", "speedup", "base cache MiB", "converted cache MiB"], rows
+    )
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, style in (("base", "-o"), ("converted", "-s")):
+        rs = sorted((r for r in report["rows"] if r["model"] == name and "step_s" in r), key=lambda r: r["T"])
+        if not rs:
+            continue
+        label = report["models"]["base" if name == "base" else "converted"]
+        label = label if len(label) < 60 else label[:57] + "..."
+        ax_t.plot([r["T"] for r in rs], [r["step_s"] * 1e3 for r in rs], style, label=f"{name}: {label}", ms=4)
+        ax_m.plot([r["T"] for r in rs], [r["cache_bytes"] / 2**20 for r in rs], style, label=name, ms=4)
+    for ax, ylabel in ((ax_t, "latency per token (ms)"), (ax_m, "cache after the context (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context length")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_t.legend(fontsize=7)
+    fig.suptitle(f"decoding: {report['config']['dtype']} on {report['hardware'].get('gpu') or report['hardware']['cpu_model']}",
+                 fontsize=9)
+    save_figure_atomic(fig, path)
+    plt.close(fig)

@@ -1,0 +1,189 @@
+"""`retrofit bench model`: whole-model throughput, converted vs base.
+
+Per sequence length T and model:
+
+* prefill: ``model(ids)`` under ``torch.no_grad`` with no cache and logits for the last
+  position only -> tokens/s = B T / time;
+* training step: forward with ``labels=ids`` (the LM loss), backward, ``AdamW.step`` on the
+  trainable weights, ``zero_grad`` -> tokens/s. By default the base trains every weight
+  (a full fine-tune) and the converted model only what ``convert`` marks trainable (its new
+  weights); ``--train-all`` trains every weight of both.
+
+Times are medians over ``--repeats`` runs after a warm-up; peak memory is the peak RSS (CPU)
+or the CUDA allocator's peak above the start of the step, measured in this process.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from retrofit.bench.common import (
+    MemoryMeter,
+    hardware_info,
+    hardware_line,
+    markdown_table,
+    save_figure_atomic,
+    sync,
+    write_json_atomic,
+    write_text_atomic,
+)
+from retrofit.bench.models import build_pair, forward_kwargs
+
+__all__ = ["run_model_benchmark"]
+
+DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
+QUICK_LENGTHS = (256, 512)
+
+
+def _timed(fn, device, repeats: int) -> tuple[float, list[float], int | None]:
+    fn()  # warm-up
+    with MemoryMeter(device) as mem:
+        fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), times, mem.peak_bytes
+
+
+def _prefill(model, ids, device, repeats):
+    kw = forward_kwargs(model)
+
+    @torch.no_grad()
+    def run():
+        model(input_ids=ids, use_cache=False, **kw)
+
+    return _timed(run, device, repeats)
+
+
+def _train(model, ids, device, repeats, train_all: bool):
+    if train_all:
+        for p in model.parameters():
+            p.requires_grad_(True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        return None
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    model.train()
+
+    def run():
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    try:
+        return (*_timed(run, device, repeats), sum(p.numel() for p in params))
+    finally:
+        model.eval()
+
+
+def run_model_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    from retrofit.errors import SpecError
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+    lengths = sorted(args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS))
+    repeats = min(args.repeats, 2) if args.quick else args.repeats
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    base, converted, info = build_pair(args, max(lengths))
+    hw = hardware_info(device)
+    g = torch.Generator().manual_seed(args.seed)
+    rows = []
+    tasks = [(n, T, kind) for T in lengths for n in ("base", "converted") for kind in ("prefill", "train")
+             if kind == "prefill" or args.train]
+    bar = tqdm(tasks, desc="bench model", unit="point", disable=args.quiet)
+    for name, T, kind in bar:
+        bar.set_postfix_str(f"{name} {kind} T={T}")
+        model = base if name == "base" else converted
+        ids = torch.randint(3, int(model.config.vocab_size), (args.batch, T), generator=g).to(device)
+        row: dict[str, Any] = {"model": name, "kind": kind, "T": T}
+        try:
+            res = _prefill(model, ids, device, repeats) if kind == "prefill" else _train(
+                model, ids, device, repeats, args.train_all)
+            if res is None:
+                row["error"] = "no trainable weights"
+            else:
+                t, times, peak = res[:3]
+                row.update(time_s=t, times_s=times, tokens_per_s=args.batch * T / t, peak_bytes=peak)
+                if kind == "train":
+                    row["trainable_parameters"] = res[3]
+        except RuntimeError as exc:
+            row["error"] = str(exc).splitlines()[0][:200]
+        rows.append(row)
+    report = {
+        "suite": "model",
+        "command": " ".join(["retrofit", *sys.argv[1:]]) if Path(sys.argv[0]).name == "retrofit" else None,
+        "hardware": hw,
+        "models": info,
+        "config": {"lengths": lengths, "batch": args.batch, "repeats": repeats, "train_all": args.train_all,
+                   "device": args.device, "dtype": args.dtype, "backend": args.backend},
+        "rows": rows,
+    }
+    out = Path(args.out)
+    write_json_atomic(out / "results.json", report)
+    table = render_table(report)
+    write_text_atomic(out / "results.md", "\n".join([
+        "# retrofit bench model", "", f"Hardware: {hardware_line(hw)}",
+        f"Base: {info['base']}", f"Converted: {info['converted']}", "", table, "",
+    ]))
+    _plot(report, out / "model.png")
+    if not args.quiet:
+        print(f"\n{hardware_line(hw)}\nbase: {info['base']}\nconverted: {info['converted']}\n")
+        print(table)
+        print(f"\nwrote {out / 'results.json'}, {out / 'results.md'}, {out / 'model.png'}")
+    return report
+
+
+def render_table(report: dict[str, Any]) -> str:
+    by = {(r["model"], r["kind"], r["T"]): r for r in report["rows"]}
+    rows = []
+    for kind in ("prefill", "train"):
+        for T in report["config"]["lengths"]:
+            b, c = by.get(("base", kind, T)), by.get(("converted", kind, T))
+            if b is None and c is None:
+                continue
+            tps = lambda r: None if r is None else r.get("tokens_per_s")  # noqa: E731
+            mib = lambda r: None if r is None or r.get("peak_bytes") is None else r["peak_bytes"] / 2**20  # noqa: E731
+            ratio = tps(c) / tps(b) if tps(b) and tps(c) else None
+            rows.append([kind, T, tps(b), tps(c), ratio, mib(b), mib(c)])
+    return markdown_table(["step", "T", "base tok/s", "converted tok/s", "speedup", "base peak MiB", "converted peak MiB"],
+                          rows)
+
+
+def _plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for name, color in (("base", "C0"), ("converted", "C1")):
+        for kind, style in (("prefill", "-o"), ("train", "--s")):
+            rs = sorted((r for r in report["rows"] if r["model"] == name and r["kind"] == kind and "tokens_per_s" in r),
+                        key=lambda r: r["T"])
+            if rs:
+                ax.plot([r["T"] for r in rs], [r["tokens_per_s"] for r in rs], style, color=color, label=f"{name} {kind}", ms=4)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length T")
+    ax.set_ylabel("tokens / s")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(f"whole model: {report['config']['dtype']} on {report['hardware'].get('gpu') or report['hardware']['cpu_model']}",
+                 fontsize=9)
+    save_figure_atomic(fig, path)
+    plt.close(fig)

@@ -1,0 +1,100 @@
+"""The (base, converted) model pair that `retrofit bench decode` and `bench model` compare.
+
+Without ``--model`` the base is a random Llama built from a config (no download): ``tiny``
+(hidden 64, 2 layers, 4 heads, vocab 256) or ``small`` (hidden 256, 4 layers, 4 query / 2 KV
+heads of dim 64, vocab 1024). The converted model is the base converted in memory with
+``--method`` (or ``--converted PATH``, a saved checkpoint). Speed does not depend on the
+weights' values, so random weights measure the same kernels a trained model would run.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["build_pair", "cache_bytes", "forward_kwargs"]
+
+_TINY = {
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2),
+    "small": dict(vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2),
+}
+
+
+def _tiny_base(size: str, max_len: int, seed: int) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**_TINY[size], max_position_embeddings=max(2048, max_len), bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def build_pair(args: argparse.Namespace, max_len: int) -> tuple[nn.Module, nn.Module, dict[str, Any]]:
+    """``(base, converted, info)`` on ``args.device`` in ``args.dtype``, both in eval mode."""
+    from retrofit.surgery import ConversionSpec, convert, load_any, retrofit_record
+
+    dtype = getattr(torch, args.dtype)
+    if args.model:
+        base, _ = load_any(args.model, dtype=dtype)
+        name = str(args.model)
+    else:
+        base = _tiny_base(args.tiny_size, max_len, args.seed).to(dtype)
+        name = f"random Llama ({args.tiny_size}: {_describe(base)})"
+    if args.converted:
+        converted, _ = load_any(args.converted, dtype=dtype)
+        conv_name = str(args.converted)
+    else:
+        heads = int(base.config.num_attention_heads)
+        spec = ConversionSpec(method=args.method, window=args.window, latents=args.latents or 16 * heads,
+                              dtype=args.dtype, seed=args.seed)
+        converted = convert(copy.deepcopy(base), spec)
+        conv_name = f"{name} + convert(method={spec.method}, window={spec.window}, latents={spec.latents})"
+    base.to(args.device).eval()
+    converted.to(args.device).eval()
+    record = retrofit_record(converted) or {}
+    info = {
+        "base": name,
+        "converted": conv_name,
+        "method": record.get("method", args.method),
+        "retrofit": {k: record.get(k) for k in ("method", "window", "latents", "layers") if k in record},
+        "parameters": {"base": _count(base), "converted": _count(converted)},
+    }
+    return base, converted, info
+
+
+def _count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _describe(model: nn.Module) -> str:
+    c = model.config
+    return (f"hidden {c.hidden_size}, {c.num_hidden_layers} layers, {c.num_attention_heads}/{c.num_key_value_heads} heads, "
+            f"vocab {c.vocab_size}")
+
+
+def forward_kwargs(model: nn.Module) -> dict[str, Any]:
+    """``logits_to_keep=1`` where the model takes it: prefill needs the last position's logits only."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+
+def cache_bytes(cache: Any) -> int:
+    """Bytes held by a transformers cache: retrofit layers report theirs, KV layers count keys + values."""
+    total = 0
+    for layer in getattr(cache, "layers", []):
+        if hasattr(layer, "memory_bytes"):
+            total += int(layer.memory_bytes())
+            continue
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total

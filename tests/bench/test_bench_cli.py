@@ -1,0 +1,94 @@
+"""`retrofit bench attention / decode / model` end to end with tiny settings: the files appear and
+hold what the table shows. No timing assertions (the machine is shared)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from retrofit.cli.main import main
+
+TINY_ATTENTION = ["--heads", "2", "--head-dim", "16", "--latents", "4", "--window", "8", "--repeats", "1",
+                  "--max-seconds", "1", "--threads", "1", "--quiet"]
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+def _png(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+    return data
+
+
+def test_attention_all_ops_in_process(tmp_path):
+    out = tmp_path / "att"
+    rc = main(["bench", "attention", "--lengths", "64", "128", "--no-isolate", "--out", str(out), *TINY_ATTENTION])
+    assert rc == 0
+    report = json.loads((out / "results.json").read_text())
+    rows = report["rows"]
+    assert {(r["op"], r["mode"], r["T"]) for r in rows} == {
+        (op, mode, T) for op in ("latte", "macchiato", "swa", "exp_linear", "sdpa") for mode in ("fwd", "fwd+bwd")
+        for T in (64, 128)
+    }
+    for r in rows:
+        assert r["time_s"] > 0 and r["flops"] > 0 and r["efficiency"] > 0
+        assert r["speedup_vs_sdpa"] is not None  # SDPA ran at every length
+        assert r["backend"] in ("torch", "torch+torch", "torch sdpa")  # CPU: always torch
+        assert (r["saved_bytes"] is None) == (r["mode"] == "fwd")
+    sdpa = [r for r in rows if r["op"] == "sdpa"]
+    assert all(abs(r["speedup_vs_sdpa"] - 1.0) < 1e-9 for r in sdpa)
+    assert report["reference_matmul_flops_per_s"] > 0
+    assert report["hardware"]["torch"] == torch.__version__ and report["hardware"]["cpu_count"] >= 1
+    assert report["backends_installed"]["torch"] is True
+    _png(out / "attention.png")
+    md = (out / "results.md").read_text()
+    assert "x SDPA" in md and md.count("latte") >= 4
+
+
+def test_attention_isolated_worker_measures_memory(tmp_path):
+    out = tmp_path / "iso"
+    rc = main(["bench", "attention", "--lengths", "512", "--ops", "latte", "--modes", "fwd+bwd",
+               "--out", str(out), *TINY_ATTENTION])
+    assert rc == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [r["op"] for r in rows] == ["latte"] and all("error" not in r for r in rows)
+    for r in rows:  # the worker ran with a resettable peak-RSS meter (Linux) and saw the backward's tensors
+        assert r["memory_method"] in ("peak RSS (VmHWM)", "none")
+        assert r["saved_bytes"] > 0
+
+
+def test_attention_rejects_unknown_op(tmp_path, capsys):
+    rc = main(["bench", "attention", "--ops", "flashy", "--out", str(tmp_path), "--quiet"])
+    assert rc == 1 and "unknown op(s) flashy" in capsys.readouterr().err
+
+
+def test_decode_and_model_compare_converted_with_base(tmp_path):
+    common = ["--tiny-size", "tiny", "--window", "16", "--threads", "1", "--quiet"]
+    rc = main(["bench", "decode", "--lengths", "32", "96", "--new-tokens", "3", "--prefill-chunk", "40",
+               "--out", str(tmp_path / "dec"), *common])
+    assert rc == 0
+    dec = json.loads((tmp_path / "dec" / "results.json").read_text())
+    by = {(r["model"], r["T"]): r for r in dec["rows"]}
+    assert set(by) == {(m, T) for m in ("base", "converted") for T in (32, 96)}
+    assert all(r["step_s"] > 0 and len(r["steps_s"]) == 3 for r in by.values())
+    # the base's key/value cache grows with the context; the converted one stops at the window
+    assert by[("base", 96)]["cache_bytes"] == 3 * by[("base", 32)]["cache_bytes"]
+    assert by[("converted", 96)]["cache_bytes"] == by[("converted", 32)]["cache_bytes"] < by[("base", 96)]["cache_bytes"]
+    assert dec["models"]["method"] == "macchiato"
+    _png(tmp_path / "dec" / "decode.png")
+
+    rc = main(["bench", "model", "--lengths", "64", "--repeats", "1", "--out", str(tmp_path / "mod"), *common])
+    assert rc == 0
+    mod = json.loads((tmp_path / "mod" / "results.json").read_text())
+    kinds = {(r["model"], r["kind"]): r for r in mod["rows"]}
+    assert set(kinds) == {(m, k) for m in ("base", "converted") for k in ("prefill", "train")}
+    assert all(r["tokens_per_s"] > 0 for r in kinds.values())
+    # by default the converted model trains only its new weights
+    assert kinds[("converted", "train")]["trainable_parameters"] < kinds[("base", "train")]["trainable_parameters"]
+    _png(tmp_path / "mod" / "model.png")
