@@ -32,6 +32,12 @@ Choices the paper (``retrofit.ops.lavo``) leaves open, made here for a retrofit:
   the pretrained model with a w-token sliding window: a testable anchor, also reachable on a
   trained layer by setting ``latent_path_closed = True`` (g = 0, bias off; what
   ``retrofit.surgery.probe.closed_latent_path`` does).
+  Measured at conversion on Gemma 3 270M (w = 128, all layers, 2048 tokens of Moby-Dick,
+  NLL/token; base 3.296): g = 0 / 0.05 / 0.1 / 0.25 / 0.5 give 4.408 / 4.408 / 4.407 / 4.406 /
+  4.401, so the untrained memory never hurts there and the paper's 1/2 is the default.
+  Caveat: Gemma 2/3 RMS-normalise the attention output (post-attention norm), which hides the
+  (1 - g) shrink of the local branch; LLaMA-shaped families have no such norm and start with
+  the local output scaled by (1 - g): lower ``global_weight`` there if the step-0 loss matters.
 
 New weights (trainable after conversion): ``lavo.bases``, ``lavo.rel_bias``, ``lavo.gate``.
 Decoding keeps the last ``w - 1`` keys/values and a :class:`~retrofit.ops.lavo.LavoState`

@@ -10,6 +10,13 @@ learn to use that; what trains is the recipe's choice. The natural default, as i
 LoRA on the attention projections (PEFT) plus the norms and embeddings; conversion itself
 marks nothing trainable.
 
+Families with natively windowed layers (Gemma 2/3 local layers, Mistral with a window): a
+segment longer than the native window lets those layers see distances they were never
+trained on. Measured at conversion on Gemma 3 270M (2048 tokens of Moby-Dick, NLL/token;
+base 3.30): s = 256: 4.03, s = 512 (= its window): 3.63, s = 1024: 5.32; s = 512 on the
+three global layers only: 3.61. Keep ``segment <= native window`` or convert only the global
+layers (``layers=``).
+
 Decoding keeps an :class:`~retrofit.ops.llp.LLPState`: the keys/values of the previous and
 the current half-segment (at most ``segment - 1`` tokens per row), constant in context length.
 """
