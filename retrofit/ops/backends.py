@@ -10,9 +10,10 @@ Backends:
 * ``flex``  - sliding-window attention on PyTorch flex attention (compiled); CUDA. Only on request.
 
 ``auto`` picks, per op family, the fastest backend that can run the call: ``fla`` for the
-Latte family and ``flash`` for the sliding window when the tensors are on CUDA in fp16/bf16
-and the package imports; ``torch`` otherwise (always on CPU, and for fp32, where fla's
-Triton dots would silently use TF32: request ``fla`` explicitly to accept that).
+chunked Latte / exp-linear ops and ``flash`` for the sliding window when the tensors are on
+CUDA in fp16/bf16 and the package imports; ``torch`` otherwise (always on CPU, and for fp32,
+where fla's Triton dots would silently use TF32: request ``fla`` explicitly to accept that).
+Single decoding steps stay on torch under ``auto`` (launch-bound; see ``_AUTO_CANDIDATES``).
 
 Choosing (first that is set wins): the ``backend=`` argument of the wrappers below, then
 :func:`set_default_backend` / :func:`use_backend` (what a CLI ``--backend`` flag sets), then
@@ -67,9 +68,13 @@ BACKENDS = ("auto", "torch", "fla", "flash", "flex")
 # which backends can run which op family, fastest first (the order ``auto`` tries)
 _FAMILIES: dict[str, tuple[str, ...]] = {
     "latte": ("fla", "torch"),
+    "latte_step": ("fla", "torch"),
     "sliding_window": ("flash", "torch", "flex"),
 }
-_AUTO_CANDIDATES: dict[str, tuple[str, ...]] = {"latte": ("fla",), "sliding_window": ("flash",)}
+# One decoding token is launch-bound: fused_recurrent_gla is one kernel, but mapping the gates
+# onto it takes ~15 small torch kernels, more than the torch step itself. auto keeps the
+# torch step; request fla (backend="fla" / RETROFIT_BACKEND=fla) to use the fused kernel.
+_AUTO_CANDIDATES: dict[str, tuple[str, ...]] = {"latte": ("fla",), "latte_step": (), "sliding_window": ("flash",)}
 # module that must import for each backend
 _PACKAGES = {"fla": "fla.ops.gla", "flash": "flash_attn", "flex": "torch.nn.attention.flex_attention"}
 
@@ -182,7 +187,7 @@ def resolve_backend(
     op: str | None = None,
     **features,
 ) -> str:
-    """The backend that runs one call of an op of ``family`` ("latte" or "sliding_window").
+    """The backend that runs one call of an op of ``family`` ("latte", "latte_step" or "sliding_window").
 
     ``requested``: None or "auto" = the default request (see module docstring).
     ``features`` describe the call (key_padding_mask, head_dim, ...) for eligibility.
@@ -272,7 +277,7 @@ def causal_latte_step(
     backend: str | None = "auto",
 ) -> tuple[torch.Tensor, LatteState]:
     """Dispatching :func:`retrofit.ops.latte.causal_latte_step` (one decoding token)."""
-    if resolve_backend("latte", v.device, v.dtype, backend, op="causal_latte_step") == "fla":
+    if resolve_backend("latte_step", v.device, v.dtype, backend, op="causal_latte_step") == "fla":
         from retrofit.ops.fla_backend import causal_latte_step_fla
 
         return causal_latte_step_fla(q_weights, k_logits, v, state, valid=valid)
@@ -314,7 +319,7 @@ def exp_linear_attention_step(
     backend: str | None = "auto",
 ) -> tuple[torch.Tensor, LatteState]:
     """Dispatching :func:`retrofit.ops.exp_linear.exp_linear_attention_step`."""
-    if resolve_backend("latte", v.device, v.dtype, backend, op="exp_linear_attention_step") == "fla":
+    if resolve_backend("latte_step", v.device, v.dtype, backend, op="exp_linear_attention_step") == "fla":
         from retrofit.ops.fla_backend import exp_linear_attention_step_fla
 
         return exp_linear_attention_step_fla(q, k, v, state, valid=valid)

@@ -151,6 +151,8 @@ def test_auto_rules_for_cuda_tensors(monkeypatch):
     assert backends.resolve_backend("latte", dev, torch.bfloat16) == "fla"
     assert backends.resolve_backend("latte", dev, torch.float32) == "torch"  # TF32 only on request
     assert backends.resolve_backend("latte", dev, torch.float32, "fla") == "fla"
+    assert backends.resolve_backend("latte_step", dev, torch.bfloat16) == "torch"  # launch-bound: torch step
+    assert backends.resolve_backend("latte_step", dev, torch.bfloat16, "fla") == "fla"
     assert backends.resolve_backend("latte", dev, torch.float64, "fla") == "torch"
     assert backends.resolve_backend("sliding_window", dev, torch.bfloat16, **swa) == "flash"
     assert backends.resolve_backend("sliding_window", dev, torch.float32, **swa) == "torch"
