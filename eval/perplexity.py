@@ -42,6 +42,9 @@ def score_windows(
     """
     total, count = 0.0, 0
     per_window = []
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     try:
         for w in windows:
@@ -63,7 +66,9 @@ def score_windows(
             "detail": str(exc)[:300],
         }
     seconds = time.perf_counter() - t0
+    peak = {"peak_memory_mib": torch.cuda.max_memory_allocated(device) / 2**20} if device.type == "cuda" else {}
     return {
+        **peak,
         "ppl": nll.perplexity(total, count),
         "nll_sum": total,
         "tokens": count,
@@ -72,6 +77,18 @@ def score_windows(
         "seconds": seconds,
         "tokens_per_second": (count / seconds) if seconds > 0 else None,
     }
+
+
+def _peak_rss_mib() -> float | None:
+    """Peak resident memory of this process so far (Linux/macOS), in MiB."""
+    try:
+        import resource
+        import sys
+
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+    except Exception:  # pragma: no cover - platform without resource
+        return None
 
 
 def run_perplexity(
@@ -177,6 +194,7 @@ def run_perplexity(
 
     res = {
         "kind": "perplexity",
+        "process_peak_rss_mib": _peak_rss_mib(),
         "models": {role: loading.model_info(mdl, label) for role, (mdl, label, _) in roles.items()},
         "settings": {
             "lengths": lengths,
