@@ -1,0 +1,509 @@
+"""Continual pretraining of a converted model: accelerate driving a DeepSpeed engine.
+
+One optimizer step = ``grad_accum`` micro-steps of ``micro_batch_size`` packed sequences on
+every data-parallel rank (``batch_size`` sequences in all). Per step: set the LR from the
+schedule, forward/backward each micro-batch (DeepSpeed reduces gradients, clips and steps the
+optimizer at the accumulation boundary), check the loss and gradient norm are finite, log,
+and evaluate / checkpoint when due. The optimizer is built from the trainable parameters only.
+
+Checkpoints (see :mod:`retrofit.train.checkpointing`) hold the trainable weights, optimizer,
+RNG and data position of every rank, so ``checkpoint.resume=auto`` continues the same
+trajectory: the resumed run's losses and weights equal an uninterrupted run's.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from retrofit.errors import CheckpointError, RetrofitError, SpecError, TrainingError
+from retrofit.train import checkpointing as ckpt
+from retrofit.train.distributed import deepspeed_config, grad_accum_steps, resolve_precision, single_process_env, world_from_env
+from retrofit.train.memory import check_step_fits, is_out_of_memory, memory_advice
+from retrofit.train.metrics import MetricsLogger
+from retrofit.train.recipe import Recipe
+from retrofit.train.schedule import lr_at
+from retrofit.train.trainable import ParameterCounts, apply_trainable, count_parameters
+
+__all__ = ["train", "TrainCallback", "TrainResult", "total_steps"]
+
+
+class TrainCallback:
+    """Hooks into a run (all ranks call them). Subclass and override what you need."""
+
+    def on_train_begin(self, model: torch.nn.Module) -> None:
+        """Before the first step, with the (unwrapped) model being trained."""
+
+    def on_step_end(self, step: int, metrics: dict[str, float]) -> None:
+        """After optimizer step ``step`` (1-based) with ``loss``, ``lr``, ``grad_norm``, ``tokens``."""
+
+    def on_eval(self, step: int, metrics: dict[str, float]) -> None:
+        """After a held-out evaluation at ``step`` (0 = before training)."""
+
+    def on_save(self, step: int, path: Path) -> None:
+        """After checkpoint ``path`` is complete (renamed into place)."""
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    final_dir: Path | None
+    steps: int
+    tokens: int
+    counts: ParameterCounts
+    resumed_from: Path | None = None
+    history: list[dict] = field(default_factory=list)  # this process's per-step metrics
+    evals: list[dict] = field(default_factory=list)
+
+
+def total_steps(recipe: Recipe) -> int:
+    """Optimizer steps: ``max_steps``, or fewer if ``max_tokens`` is reached first."""
+    t = recipe.train
+    steps = [t.max_steps] if t.max_steps is not None else []
+    if t.max_tokens is not None:
+        steps.append(math.ceil(t.max_tokens / (t.batch_size * recipe.data.seq_len)))
+    return int(min(steps))
+
+
+def _fingerprint(recipe: Recipe) -> dict:
+    """What a resumed run must share with the run that wrote the checkpoint."""
+    d = recipe.to_dict()
+    data_keys = {k: d["data"][k] for k in ("dataset", "dataset_config", "split", "text_field", "files", "holdout_last",
+                                           "seq_len", "shuffle_buffer", "seed")}
+    same = {"model": d["model"]["name"], "conversion": d["conversion"], "trainable": d["trainable"], "data": data_keys,
+            "batch_size": d["train"]["batch_size"], "micro_batch_size": d["train"]["micro_batch_size"]}
+    return {"hash": hashlib.sha256(json.dumps(same, sort_keys=True, default=str).encode()).hexdigest()[:16], **same}
+
+
+# ----------------------------------------------------------------------------- data state files
+def _save_data_state(state: dict, folder: Path, rank: int) -> None:
+    arrays = {"carry": state["carry"], "pool": state["pool"]}
+    meta = {k: v for k, v in state.items() if k not in arrays}
+    meta["rng"] = [meta["rng"][0], list(meta["rng"][1]), meta["rng"][2]]
+    np.savez(folder / f"data_state_rank{rank}.npz", **arrays)
+    (folder / f"data_state_rank{rank}.json").write_text(json.dumps(meta))
+
+
+def _load_data_state(folder: Path, rank: int) -> dict:
+    meta_file, arr_file = folder / f"data_state_rank{rank}.json", folder / f"data_state_rank{rank}.npz"
+    if not meta_file.is_file() or not arr_file.is_file():
+        raise CheckpointError(f"{folder} has no data state for rank {rank}: was it written with another number of ranks?")
+    meta = json.loads(meta_file.read_text())
+    meta["rng"] = (meta["rng"][0], tuple(meta["rng"][1]), meta["rng"][2])
+    with np.load(arr_file) as arrays:
+        meta.update(carry=arrays["carry"], pool=arrays["pool"])
+    return meta
+
+
+# ----------------------------------------------------------------------------- the run
+class _Run:
+    def __init__(self, recipe: Recipe, callbacks: Sequence[TrainCallback]):
+        self.recipe = recipe
+        self.callbacks = list(callbacks)
+        self.rank, self.world = world_from_env()
+        self.main = self.rank == 0
+        self.cuda = torch.cuda.is_available()
+        self.output_dir = Path(recipe.checkpoint.output_dir).expanduser().resolve()
+        self.total_steps = total_steps(recipe)
+        self.accum = grad_accum_steps(recipe, self.world)
+        self.step = 0
+        self.tokens = 0
+        self.history: list[dict] = []
+        self.evals: list[dict] = []
+        self.last_saved: Path | None = None
+        self.logger: MetricsLogger | None = None
+
+    def log(self, msg: str) -> None:
+        if self.main:
+            print(msg, flush=True)
+
+    # ------------------------------------------------------------------ set-up
+    def setup(self) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs, set_seed
+
+        r = self.recipe
+        self._resolve_files()
+        self.precision = resolve_precision(r.train.precision, self.cuda)
+        ds_cfg = deepspeed_config(r, world_size=self.world, precision=self.precision, cuda=self.cuda)
+        self.zero_stage = int(ds_cfg["zero_optimization"].get("stage", 0))
+        handlers = [] if self.cuda else [InitProcessGroupKwargs(backend="gloo")]
+        self.acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_cfg), kwargs_handlers=handlers,
+                               gradient_accumulation_steps=self.accum)
+        if self.acc.num_processes != self.world:
+            raise TrainingError(f"accelerate sees {self.acc.num_processes} processes but the launcher started {self.world}")
+        self.device = self.acc.device
+        set_seed(r.train.seed)
+
+        self.resume_from = self._find_resume()
+        self._build_model()
+        self._build_data()
+        self.log(self._summary())
+        if self.resume_from is not None:
+            self._restore(self.resume_from)
+        if self.main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            import yaml
+
+            (self.output_dir / "recipe.yaml").write_text(yaml.safe_dump({**r.to_dict(), "base_dir": r.base_dir}, sort_keys=False))
+            self.logger = MetricsLogger(
+                self.output_dir, enabled=True, tensorboard=r.logging.tensorboard, wandb=r.logging.wandb,
+                wandb_project=r.logging.wandb_project, run_name=r.logging.run_name or self.output_dir.name,
+                config=r.to_dict(), resume_step=self.step if self.resume_from else None,
+            )
+
+    def _find_resume(self) -> Path | None:
+        c = self.recipe.checkpoint
+        if self.main:
+            ckpt.clean_stale(self.output_dir)
+        self.acc.wait_for_everyone()
+        latest = ckpt.latest_checkpoint(self.output_dir)
+        if c.resume == "none":
+            if latest is not None:
+                raise SpecError(f"{self.output_dir} already holds checkpoints (newest: {latest.name}); continue it with "
+                                "checkpoint.resume=auto or choose another checkpoint.output_dir")
+            return None
+        if c.resume == "auto":
+            return latest
+        path = Path(c.resume).expanduser()
+        ckpt.read_state(path)  # CheckpointError unless complete
+        return path.resolve()
+
+    def _build_model(self) -> None:
+        from retrofit.surgery import new_parameter_names
+        from retrofit.train.model import build_model, model_dtype
+
+        r = self.recipe
+        model, self.tokenizer = build_model(r, dtype=model_dtype(r, self.cuda), log=self.log)
+        self.use_cache = getattr(model.config, "use_cache", True)
+        new = new_parameter_names(model)
+        model = apply_trainable(model, r.trainable.mode, new, lora=dataclasses.asdict(r.trainable.lora),
+                                extra=r.trainable.extra)
+        self.counts = count_parameters(model)
+        if r.train.gradient_checkpointing:
+            model.activation_checkpointing_enable()
+        act_bytes = 2 if self.precision == "bf16" else 4
+        reserved = 0
+        if self.cuda and self.zero_stage < 3:
+            reserved = sum(p.numel() for p in model.parameters()) * act_bytes
+        check_step_fits(model.config, micro_batch_size=r.train.micro_batch_size, seq_len=r.data.seq_len,
+                        act_bytes=act_bytes, device=self.device, reserved=reserved)
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        decay = [p for p in params if p.ndim >= 2]
+        no_decay = [p for p in params if p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": r.train.weight_decay}]
+        if no_decay:
+            groups.append({"params": no_decay, "weight_decay": 0.0})
+        optimizer = torch.optim.AdamW(groups, lr=r.train.lr, betas=tuple(r.train.betas), eps=r.train.eps)
+        self.model, self.optimizer = self.acc.prepare(model, optimizer)
+        self.engine = self.model  # the DeepSpeedEngine
+
+    def _resolve_files(self) -> None:
+        """Local train / held-out files (checked before the model loads, so a bad path fails fast)."""
+        from retrofit.data.sources import resolve_files, split_holdout
+
+        r, d = self.recipe, self.recipe.data
+        self.train_files: list[Path] | None = None
+        held_out: list[Path] = []
+        if d.files is not None:
+            self.train_files, held_out = split_holdout(resolve_files(d.files, r.base_dir), d.holdout_last)
+        self.eval_files = resolve_files(r.eval.files, r.base_dir) if r.eval.files is not None else held_out
+
+    def _build_data(self) -> None:
+        from retrofit.data.packing import PackedSequences, eval_blocks, make_tokenize
+        from retrofit.data.sources import load_documents, shard_documents
+
+        r, d, e = self.recipe, self.recipe.data, self.recipe.eval
+        tokenize = make_tokenize(self.tokenizer)
+        eos = self.tokenizer.eos_token_id
+        if self.train_files is not None:
+            names = [f.name for f in self.train_files]
+            self.data_desc = f"{len(names)} local files ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
+            docs = load_documents(files=self.train_files, text_field=d.text_field)
+        else:
+            self.data_desc = f"{d.dataset} ({d.split}, streamed)"
+            docs = load_documents(dataset=d.dataset, dataset_config=d.dataset_config, split=d.split, text_field=d.text_field)
+        self.train_data = PackedSequences(shard_documents(docs, self.rank, self.world), tokenize, seq_len=d.seq_len,
+                                          eos_id=eos, shuffle_buffer=d.shuffle_buffer, seed=d.seed + self.rank,
+                                          text_field=d.text_field)
+        self.eval_data: list[torch.Tensor] = []
+        self.eval_desc = "none"
+        edocs = None
+        if e.sequences > 0 and self.eval_files:
+            self.eval_desc = ", ".join(f.name for f in self.eval_files)
+            edocs, spread = load_documents(files=self.eval_files, text_field=d.text_field), True
+        elif e.sequences > 0 and self.train_files is None:
+            self.eval_desc = f"{d.dataset} ({e.split}, first {e.sequences} sequences)"
+            edocs, spread = load_documents(dataset=d.dataset, dataset_config=d.dataset_config, split=e.split,
+                                           text_field=d.text_field), False
+        if edocs is not None:
+            self.eval_data = eval_blocks(edocs, tokenize, seq_len=d.seq_len, eos_id=eos, max_sequences=e.sequences,
+                                         spread=spread, text_field=d.text_field)
+
+    def _summary(self) -> str:
+        r, t = self.recipe, self.recipe.train
+        tok_step = t.batch_size * r.data.seq_len
+        lines = [
+            f"[retrofit] model {r.model.name}: {self.counts} (mode {r.trainable.mode})",
+            f"[retrofit] {self.world} rank(s) on {self.device.type}, DeepSpeed ZeRO-{self.zero_stage}, {self.precision}, "
+            f"gradient checkpointing {'on' if t.gradient_checkpointing else 'off'}",
+            f"[retrofit] batch {t.batch_size} x {r.data.seq_len} tokens = {tok_step:,} tokens/step "
+            f"(micro {t.micro_batch_size} x {self.world} ranks x {self.accum} accumulation); "
+            f"{self.total_steps:,} steps = {self.total_steps * tok_step:,} tokens",
+            f"[retrofit] lr {t.lr:g}, warmup {t.warmup_steps}, {t.schedule} to {t.min_lr_ratio:g} x lr, clip {t.grad_clip:g}",
+            f"[retrofit] data: {self.data_desc}; eval: {len(self.eval_data)} sequences from {self.eval_desc}",
+            f"[retrofit] output: {self.output_dir}" + (f" (resuming from {self.resume_from.name})" if self.resume_from else ""),
+        ]
+        return "\n".join(lines)
+
+    def _restore(self, folder: Path) -> None:
+        state = ckpt.read_state(folder)
+        if int(state.get("world_size", -1)) != self.world:
+            raise CheckpointError(f"{folder} was written by {state.get('world_size')} ranks, this run has {self.world}: "
+                                  "resume with the same number of ranks (or start fresh with checkpoint.resume=none "
+                                  "and another output_dir)")
+        mine = _fingerprint(self.recipe)
+        if state.get("fingerprint", {}).get("hash") != mine["hash"]:
+            theirs = state.get("fingerprint", {})
+            diff = [k for k in mine if k != "hash" and theirs.get(k) != mine[k]]
+            raise CheckpointError(f"{folder} was written by a different recipe (differs in: {', '.join(diff)}); "
+                                  "resume with the same model, conversion, trainable set, data and batch, or use "
+                                  "another checkpoint.output_dir")
+        if int(state.get("total_steps", self.total_steps)) != self.total_steps:
+            self.log(f"[retrofit] note: the run was planned for {state['total_steps']} steps, now {self.total_steps}: "
+                     "the LR schedule after the resume point follows the new length")
+        self.acc.load_state(str(folder), load_module_strict=False)
+        self.train_data.load_state_dict(_load_data_state(folder, self.rank))
+        self.step = int(state["step"])
+        self.tokens = int(state["tokens"])
+        self.last_saved = folder
+
+    # ------------------------------------------------------------------ pieces of a step
+    def _set_lr(self) -> float:
+        t = self.recipe.train
+        lr = lr_at(self.step, lr=t.lr, warmup_steps=t.warmup_steps, total_steps=self.total_steps,
+                   schedule=t.schedule, min_lr_ratio=t.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def _next_batch(self) -> torch.Tensor:
+        rows = [next(self._train_iter) for _ in range(self.recipe.train.micro_batch_size)]
+        return torch.stack(rows).to(self.device)
+
+    def _global_mean(self, value: torch.Tensor) -> float:
+        v = value.detach().float().reshape(1).to(self.device)
+        if self.world > 1:
+            torch.distributed.all_reduce(v)
+            v /= self.world
+        return float(v.item())
+
+    def _stop_non_finite(self, what: str, value: float, micro: int | None = None) -> None:
+        where = f"step {self.step + 1}" + (f", micro-batch {micro + 1}/{self.accum}" if micro is not None else "")
+        last = f"the last good checkpoint is {self.last_saved}" if self.last_saved else "no checkpoint was written yet"
+        raise TrainingError(
+            f"{what} is {value} at {where}: stopped without saving ({last}). Lower train.lr or train.grad_clip, "
+            "lengthen train.warmup_steps, or use train.precision=fp32; resume with checkpoint.resume=auto"
+        )
+
+    def train_step(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        lr = self._set_lr()
+        losses = []
+        for micro in range(self.accum):
+            batch = self._next_batch()
+            try:
+                with self.acc.accumulate(self.model):
+                    loss = self.model(input_ids=batch, labels=batch).loss
+                    mean = self._global_mean(loss)
+                    if not math.isfinite(mean):
+                        self._stop_non_finite("the training loss", mean, micro)
+                    self.acc.backward(loss)
+            except RetrofitError:
+                raise
+            except (RuntimeError, MemoryError) as exc:
+                if is_out_of_memory(exc):
+                    raise TrainingError(f"out of memory in a training step ({type(exc).__name__}): "
+                                        f"{memory_advice(self.recipe.data.seq_len, self.recipe.train.micro_batch_size)}") from exc
+                raise
+            losses.append(mean)
+        gnorm = self.engine.get_global_grad_norm()
+        gnorm = None if gnorm is None else float(gnorm)
+        if gnorm is not None and not math.isfinite(gnorm):
+            self._stop_non_finite("the gradient norm", gnorm)
+        self.step += 1
+        step_tokens = self.recipe.train.batch_size * self.recipe.data.seq_len
+        self.tokens += step_tokens
+        dt = time.perf_counter() - t0
+        return {"loss": sum(losses) / len(losses), "lr": lr, "grad_norm": gnorm if gnorm is not None else float("nan"),
+                "tokens": self.tokens, "tokens_per_s": step_tokens / dt, "step_time_s": dt}
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float] | None:
+        """Mean next-token loss over the held-out sequences (every rank runs the same number of batches)."""
+        if not self.eval_data:
+            return None
+        m = self.recipe.train.micro_batch_size
+        mine = self.eval_data[self.rank::self.world]
+        n_batches = math.ceil(math.ceil(len(self.eval_data) / self.world) / m)
+        self.model.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for b in range(n_batches):
+            rows = mine[b * m:(b + 1) * m]
+            weight = 1.0 if rows else 0.0  # ZeRO-3 needs every rank in every forward: pad with a dummy
+            batch = torch.stack(rows or [self.eval_data[0]]).to(self.device)
+            loss = self.model(input_ids=batch, labels=batch).loss
+            targets = batch.shape[0] * (batch.shape[1] - 1)
+            total += torch.tensor([float(loss) * targets * weight, targets * weight], dtype=torch.float64, device=self.device)
+        if self.world > 1:
+            torch.distributed.all_reduce(total)
+        self.model.train()
+        loss = float(total[0] / total[1])
+        return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "sequences": len(self.eval_data)}
+
+    def _check_finite_weights(self) -> None:
+        bad = torch.zeros(1, device=self.device)
+        for name, p in self.model.module.named_parameters():
+            if p.requires_grad:
+                data = getattr(p, "ds_tensor", p)
+                if data.numel() and not torch.isfinite(data).all():
+                    bad += 1
+        if self.world > 1:
+            torch.distributed.all_reduce(bad)
+        if bad.item():
+            self._stop_non_finite("a trainable weight", float("nan"))
+
+    def save(self) -> Path:
+        self._check_finite_weights()
+        tmp, final = ckpt.temp_dir(self.output_dir, self.step), ckpt.checkpoint_dir(self.output_dir, self.step)
+        if self.main:
+            ckpt.remove_dir(tmp)
+            tmp.mkdir(parents=True)
+        self.acc.wait_for_everyone()
+        self.acc.save_state(str(tmp), exclude_frozen_parameters=True)
+        _save_data_state(self.train_data.state_dict(), tmp, self.rank)
+        self.acc.wait_for_everyone()
+        if self.main:
+            state = {"step": self.step, "tokens": self.tokens, "world_size": self.world, "total_steps": self.total_steps,
+                     "fingerprint": _fingerprint(self.recipe), "time": time.time()}
+            ckpt.publish(tmp, final, state)
+            ckpt.rotate(self.output_dir, self.recipe.checkpoint.keep_last)
+        self.acc.wait_for_everyone()
+        self.last_saved = final
+        for cb in self.callbacks:
+            cb.on_save(self.step, final)
+        return final
+
+    def export(self) -> Path:
+        """The trained model as a ``retrofit.load``-able folder at ``OUTPUT_DIR/final`` (LoRA merged in)."""
+        from retrofit import surgery
+
+        final = self.output_dir / "final"
+        model = self.acc.unwrap_model(self.model)
+        params = list(model.parameters())
+        gather = self._gathered(params) if self.zero_stage == 3 else contextlib.nullcontext()
+        with gather:
+            if self.main:
+                if hasattr(model, "merge_and_unload"):
+                    model = model.merge_and_unload()
+                model.config.use_cache = self.use_cache
+                surgery.save(model, final, tokenizer=self.tokenizer, overwrite=True)
+        self.acc.wait_for_everyone()
+        return final
+
+    @staticmethod
+    def _gathered(params: list):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+
+    # ------------------------------------------------------------------ the loop
+    def _record(self, kind: str, metrics: dict) -> None:
+        if self.logger is not None:
+            self.logger.log(kind, self.step, metrics)
+
+    def _eval_and_log(self) -> None:
+        metrics = self.evaluate()
+        if metrics is None:
+            return
+        self.evals.append({"step": self.step, **metrics})
+        self._record("eval", metrics)
+        self.log(f"[retrofit] step {self.step}: held-out loss {metrics['loss']:.4f} (ppl {metrics['ppl']:.2f})")
+        for cb in self.callbacks:
+            cb.on_eval(self.step, metrics)
+
+    def run(self) -> TrainResult:
+        from tqdm.auto import tqdm
+
+        r = self.recipe
+        self._train_iter = iter(self.train_data)
+        for cb in self.callbacks:
+            cb.on_train_begin(self.acc.unwrap_model(self.model))
+        if self.resume_from is None:
+            self._eval_and_log()
+        bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
+                   disable=not (self.main and r.logging.progress))
+        try:
+            while self.step < self.total_steps:
+                metrics = self.train_step()
+                self.history.append({"step": self.step, **metrics})
+                for cb in self.callbacks:
+                    cb.on_step_end(self.step, metrics)
+                bar.update(1)
+                if self.step % r.logging.every == 0 or self.step == self.total_steps:
+                    self._record("train", metrics)
+                    bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
+                                    gnorm=f"{metrics['grad_norm']:.3g}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+                    if bar.disable and self.main:
+                        print(f"[retrofit] step {self.step}/{self.total_steps} loss {metrics['loss']:.4f} "
+                              f"lr {metrics['lr']:.3e} grad_norm {metrics['grad_norm']:.3g} "
+                              f"tokens/s {metrics['tokens_per_s']:.0f}", flush=True)
+                if r.eval.every and self.step % r.eval.every == 0 and self.step < self.total_steps:
+                    self._eval_and_log()
+                if self.step % r.checkpoint.save_every == 0 or self.step == self.total_steps:
+                    self.save()
+            bar.close()
+            if not self.evals or self.evals[-1]["step"] != self.step:
+                self._eval_and_log()
+            final = self.export() if r.checkpoint.export else None
+            if final is not None:
+                self.log(f"[retrofit] exported the trained model to {final}")
+        finally:
+            bar.close()
+            if self.logger is not None:
+                self.logger.close()
+        return TrainResult(self.output_dir, final, self.step, self.tokens, self.counts, self.resume_from,
+                           self.history, self.evals)
+
+
+def _teardown() -> None:
+    """Reset accelerate's singletons after a run in a world this process made, so a later run can start.
+
+    The one-rank gloo process group itself stays up for the life of the process: DeepSpeed caches
+    groups derived from it, and a later run reuses it.
+    """
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def train(recipe: Recipe, *, callbacks: Sequence[TrainCallback] = ()) -> TrainResult:
+    """Run (or resume) the recipe's training. Launch-agnostic: plain process, ``torchrun`` or ``deepspeed``."""
+    with single_process_env() as made_world:
+        run = _Run(recipe, callbacks)
+        try:
+            run.setup()
+            return run.run()
+        finally:
+            if made_world:
+                _teardown()

@@ -1,0 +1,352 @@
+"""Training recipes: a YAML file of sections, validated into dataclasses, with ``key=value`` overrides.
+
+A recipe names the model (hub id, local path, alias or an already converted folder), the
+conversion applied when the model is not converted yet, what trains, the data, the
+optimisation, the DeepSpeed config, checkpoints and logging::
+
+    model: {name: gemma3-270m}
+    conversion: {method: macchiato, window: 128, latents: 128, init_swa_share: 0.5}
+    trainable: {mode: new}
+    data: {files: ../../shared/data/pg-books, holdout_last: 2, seq_len: 512}
+    train: {max_steps: 300, batch_size: 4, lr: 6e-4, warmup_steps: 30}
+    deepspeed: {config: deepspeed/zero2.json}
+    checkpoint: {output_dir: runs/gemma3-270m-macchiato-cpu, save_every: 100}
+
+Unknown keys raise :class:`~retrofit.errors.SpecError` naming the key and the valid ones.
+Overrides use dotted paths (``train.lr=1e-4``); values are parsed as YAML and then coerced
+to the field's type (so ``6e-4``, which YAML reads as a string, is a float here).
+
+Paths: inputs (data files, the DeepSpeed JSON) resolve against the recipe file's folder;
+``${VAR}`` and ``${VAR:-default}`` expand from the environment first. Outputs
+(``checkpoint.output_dir``) resolve against the current directory, like every CLI tool.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from retrofit.data.paths import expand_path
+from retrofit.errors import SpecError
+
+__all__ = [
+    "Recipe", "ModelSection", "TrainableSection", "LoraSection", "DataSection", "EvalSection",
+    "TrainSection", "DeepSpeedSection", "CheckpointSection", "LoggingSection",
+    "load_recipe", "recipe_from_dict", "apply_overrides", "expand_path", "bundled_recipe_dir",
+]
+
+TRAINABLE_MODES = ("new", "lora", "attention", "all")
+
+
+@dataclass
+class ModelSection:
+    name: str = ""  # hub id, local path, alias (gemma3-270m) or an already converted folder
+    dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
+
+
+@dataclass
+class LoraSection:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+@dataclass
+class TrainableSection:
+    mode: str = "new"  # new | lora | attention | all
+    lora: LoraSection = field(default_factory=LoraSection)
+    extra: list = field(default_factory=list)  # regexes of further parameter names to train
+
+
+@dataclass
+class DataSection:
+    dataset: str = "cerebras/SlimPajama-627B"  # hub dataset, streamed; used when `files` is empty
+    dataset_config: str | None = None
+    split: str = "train"
+    text_field: str = "text"
+    files: Any = None  # local txt/jsonl/parquet: a file, folder, glob or list (relative to the recipe)
+    holdout_last: int = 0  # keep the last N local files (sorted by name) out of training, for eval
+    seq_len: int = 4096
+    shuffle_buffer: int = 1000  # packed sequences held for shuffling (0 = off)
+    seed: int = 0
+
+
+@dataclass
+class EvalSection:
+    every: int = 0  # held-out loss every N optimizer steps (0: only before and after training)
+    sequences: int = 16  # packed sequences of data.seq_len (spread over local files; the first N of a stream)
+    files: Any = None  # local eval files; default: the held-out files, else the hub `split` below
+    split: str = "validation"
+
+
+@dataclass
+class TrainSection:
+    max_steps: int | None = 1000
+    max_tokens: int | None = None  # token budget: stop at whichever of max_steps / max_tokens comes first
+    batch_size: int = 4  # global sequences per optimizer step (all ranks, all accumulation steps)
+    micro_batch_size: int = 1  # sequences per forward pass per rank
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.0  # cosine floor as a fraction of lr
+    warmup_steps: int = 2000
+    schedule: str = "cosine"  # cosine | constant (both after linear warmup)
+    weight_decay: float = 0.0
+    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    gradient_checkpointing: bool = True
+    precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
+    seed: int = 0
+
+
+@dataclass
+class DeepSpeedSection:
+    config: str = "deepspeed/zero2.json"  # relative to the recipe file, or a bundled name
+    zero_stage: int | None = None  # override the JSON's stage (0-3)
+    offload_optimizer: bool = False  # optimizer states + step on the CPU (DeepSpeedCPUAdam)
+    offload_params: bool = False  # ZeRO-3 only: parameters on the CPU
+
+
+@dataclass
+class CheckpointSection:
+    output_dir: str = "runs/retrofit"
+    save_every: int = 1000
+    keep_last: int = 3
+    resume: str = "auto"  # auto (newest complete checkpoint, if any) | none | a checkpoint folder
+    export: bool = True  # write a retrofit.load-able folder to OUTPUT_DIR/final at the end
+
+
+@dataclass
+class LoggingSection:
+    every: int = 10
+    tensorboard: bool = True
+    wandb: bool = False
+    wandb_project: str = "retrofit"
+    run_name: str | None = None
+    progress: bool = True
+
+
+@dataclass
+class Recipe:
+    model: ModelSection = field(default_factory=ModelSection)
+    conversion: dict = field(default_factory=dict)  # ConversionSpec fields, applied if not converted yet
+    trainable: TrainableSection = field(default_factory=TrainableSection)
+    data: DataSection = field(default_factory=DataSection)
+    eval: EvalSection = field(default_factory=EvalSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+    base_dir: str = field(default=".", metadata={"internal": True})  # folder inputs resolve against
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out.pop("base_dir")
+        return out
+
+    def resolve_input(self, value: str) -> Path:
+        """An input path from this recipe: env-expanded, relative to the recipe's folder."""
+        return expand_path(value, self.base_dir)
+
+    def validate(self) -> "Recipe":
+        """Cross-field checks that need no model or device."""
+        t, d = self.train, self.data
+        if not self.model.name:
+            raise SpecError("model.name is empty: give a hub id, a local folder, an alias (gemma3-270m) "
+                            "or a converted checkpoint folder")
+        if self.trainable.mode not in TRAINABLE_MODES:
+            raise SpecError(f"trainable.mode must be one of {', '.join(TRAINABLE_MODES)}, got {self.trainable.mode!r}")
+        if t.max_steps is None and t.max_tokens is None:
+            raise SpecError("set train.max_steps or train.max_tokens (or both: training stops at the first reached)")
+        for name, value in (("train.max_steps", t.max_steps), ("train.max_tokens", t.max_tokens)):
+            if value is not None and value < 1:
+                raise SpecError(f"{name} must be >= 1, got {value}")
+        for name, value in (("data.seq_len", d.seq_len), ("train.batch_size", t.batch_size),
+                            ("train.micro_batch_size", t.micro_batch_size), ("checkpoint.save_every", self.checkpoint.save_every),
+                            ("logging.every", self.logging.every)):
+            if value < 1:
+                raise SpecError(f"{name} must be >= 1, got {value}")
+        if d.seq_len < 2:
+            raise SpecError(f"data.seq_len must be >= 2 (next-token targets), got {d.seq_len}")
+        if t.batch_size % t.micro_batch_size:
+            raise SpecError(f"train.batch_size ({t.batch_size}) must be a multiple of train.micro_batch_size ({t.micro_batch_size})")
+        if t.schedule not in ("cosine", "constant"):
+            raise SpecError(f"train.schedule must be 'cosine' or 'constant', got {t.schedule!r}")
+        if t.precision not in ("auto", "bf16", "fp32"):
+            raise SpecError(f"train.precision must be auto, bf16 or fp32, got {t.precision!r}")
+        if self.model.dtype not in ("auto", "float32", "bfloat16"):
+            raise SpecError(f"model.dtype must be auto, float32 or bfloat16, got {self.model.dtype!r}")
+        if not 0.0 <= t.min_lr_ratio <= 1.0:
+            raise SpecError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+        if len(t.betas) != 2:
+            raise SpecError(f"train.betas must be two numbers, got {t.betas}")
+        if t.warmup_steps < 0 or d.holdout_last < 0 or d.shuffle_buffer < 0 or self.eval.every < 0 or self.eval.sequences < 0:
+            raise SpecError("train.warmup_steps, data.holdout_last, data.shuffle_buffer, eval.every and eval.sequences must be >= 0")
+        if self.checkpoint.keep_last < 1:
+            raise SpecError(f"checkpoint.keep_last must be >= 1, got {self.checkpoint.keep_last}")
+        if self.deepspeed.zero_stage is not None and self.deepspeed.zero_stage not in (0, 1, 2, 3):
+            raise SpecError(f"deepspeed.zero_stage must be 0, 1, 2 or 3, got {self.deepspeed.zero_stage}")
+        if d.files is None and d.holdout_last:
+            raise SpecError("data.holdout_last needs local data.files (a streamed hub dataset has no file order)")
+        return self
+
+
+# ----------------------------------------------------------------------------- building
+def _is_section(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _public_fields(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if not f.metadata.get("internal")}
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """YAML value -> the field's type, or SpecError naming the key."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], key)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise SpecError(f"{key} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise SpecError(f"{key} must be an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                f = float(value.replace("_", ""))
+            except ValueError:
+                f = None
+            if f is not None and f.is_integer():
+                return int(f)
+        raise SpecError(f"{key} must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            raise SpecError(f"{key} must be a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise SpecError(f"{key} must be a number, got {value!r}") from None
+    if tp is str:
+        if isinstance(value, (dict, list)) or value is None:
+            raise SpecError(f"{key} must be a string, got {value!r}")
+        return str(value)
+    if tp is list or origin is list:
+        if isinstance(value, (list, tuple)):
+            return list(value)
+        if isinstance(value, str):
+            return [s.strip() for s in value.split(",") if s.strip()]
+        raise SpecError(f"{key} must be a list, got {value!r}")
+    if tp is dict or origin is dict:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise SpecError(f"{key} must be a mapping, got {value!r}")
+        return dict(value)
+    return value
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise SpecError(f"{prefix.rstrip('.') or 'the recipe'} must be a mapping of keys, got {data!r}")
+    fields = _public_fields(cls)
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        where = f"in section '{prefix.rstrip('.')}'" if prefix else "at the top level"
+        raise SpecError(f"unknown recipe key '{prefix}{unknown[0]}' {where}; valid keys: {', '.join(fields)}")
+    kwargs = {}
+    for name, tp in fields.items():
+        if name not in data:
+            continue
+        kwargs[name] = _build(tp, data[name], f"{prefix}{name}.") if _is_section(tp) else _coerce(data[name], tp, prefix + name)
+    return cls(**kwargs)
+
+
+def recipe_from_dict(data: dict, base_dir: str | os.PathLike = ".") -> Recipe:
+    """Validate a plain dict (as read from YAML) into a :class:`Recipe`."""
+    recipe = _build(Recipe, data, "")
+    recipe.base_dir = str(Path(base_dir).resolve())
+    return recipe.validate()
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    import yaml
+
+    if "=" not in item:
+        raise SpecError(f"override {item!r} must look like section.key=value (for example train.lr=1e-4)")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", key):
+        raise SpecError(f"override key {key!r} must be a dotted path like train.lr")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Set ``a.b.c=value`` items into a nested dict (in place; returns it). Keys are checked later."""
+    for item in overrides:
+        path, value = _parse_override(item)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise SpecError(f"override {item!r}: '{part}' is a value, not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def bundled_recipe_dir() -> Path:
+    """The recipes shipped with the package (``configs/``, imported as ``retrofit.configs``)."""
+    import retrofit.configs
+
+    return Path(retrofit.configs.__file__).resolve().parent
+
+
+def _find_recipe(path: str | os.PathLike) -> Path:
+    p = Path(path).expanduser()
+    if p.is_file():
+        return p
+    for candidate in (bundled_recipe_dir() / p.name, bundled_recipe_dir() / f"{p.name}.yaml"):
+        if not p.is_absolute() and candidate.is_file():
+            return candidate
+    raise SpecError(f"recipe file {str(path)!r} not found (also looked for it among the bundled recipes in "
+                    f"{bundled_recipe_dir()}: {', '.join(sorted(q.name for q in bundled_recipe_dir().glob('*.yaml')))})")
+
+
+def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> Recipe:
+    """Read a YAML recipe (a path, or the name of a bundled one), apply overrides, validate."""
+    import yaml
+
+    file = _find_recipe(path)
+    try:
+        data = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise SpecError(f"recipe {file} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"recipe {file} must be a mapping of sections (model, data, train, ...)")
+    apply_overrides(data, list(overrides or []))
+    return recipe_from_dict(data, base_dir=file.parent)

@@ -1,0 +1,122 @@
+"""Recipes: the bundled ones load, keys are checked, overrides are typed, paths resolve; DeepSpeed JSON; LR schedule."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from retrofit.data.sources import resolve_files, split_holdout
+from retrofit.errors import SpecError
+from retrofit.surgery import ConversionSpec
+from retrofit.train.distributed import deepspeed_config
+from retrofit.train.loop import total_steps
+from retrofit.train.recipe import bundled_recipe_dir, load_recipe, recipe_from_dict
+from retrofit.train.schedule import lr_at
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+BOOKS = Path(__file__).resolve().parents[3] / "shared" / "data" / "pg-books"
+
+
+def test_bundled_recipes_are_the_repo_configs():
+    assert bundled_recipe_dir() == CONFIGS.resolve()
+
+
+def test_paper_recipe_is_table_7():
+    r = load_recipe(CONFIGS / "gemma2-2b-macchiato.yaml")
+    spec = ConversionSpec.from_dict(r.conversion)
+    assert (spec.method, spec.window, spec.latents) == ("macchiato", 128, 128)
+    t = r.train
+    assert (t.lr, t.warmup_steps, t.schedule, t.max_steps, t.batch_size, r.data.seq_len) == (6e-4, 2000, "cosine", 100_000, 4, 4096)
+    assert r.data.dataset == "cerebras/SlimPajama-627B" and r.data.split == "train" and r.data.files is None
+    assert r.trainable.mode == "new"
+    cfg = deepspeed_config(r, world_size=4, precision="bf16", cuda=True)
+    assert cfg["zero_optimization"]["stage"] == 2 and cfg["bf16"]["enabled"]
+    assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]) == (4, 1, 1)
+    assert total_steps(r) * t.batch_size * r.data.seq_len == 1_638_400_000  # the paper's 1.6B tokens
+
+
+def test_blog_recipe_is_10k_steps_of_48k_tokens():
+    r = load_recipe(CONFIGS / "llama2-7b-exp-linear.yaml")
+    assert ConversionSpec.from_dict(r.conversion).method == "exp-linear"
+    assert (r.train.max_steps, r.train.lr) == (10_000, 1e-4)
+    assert r.train.batch_size * r.data.seq_len == 49_152
+    cfg = deepspeed_config(r, world_size=4, precision="bf16", cuda=True)
+    assert cfg["zero_optimization"]["stage"] == 3 and cfg["gradient_accumulation_steps"] == 3
+
+
+def test_cpu_recipe_finds_the_books_beside_the_repo_and_holds_out_the_last_two(monkeypatch):
+    monkeypatch.delenv("RETROFIT_PG_BOOKS", raising=False)
+    r = load_recipe("gemma3-270m-macchiato-cpu.yaml")  # a bundled name works too
+    assert r.model.name == "gemma3-270m" and r.trainable.mode == "new"
+    if not BOOKS.is_dir():
+        pytest.skip("../shared/data/pg-books is not beside this checkout")
+    files = resolve_files(r.data.files, r.base_dir)
+    assert files[0].parent.resolve() == BOOKS.resolve()
+    train, held = split_holdout(files, r.data.holdout_last)
+    assert [f.name for f in held] == ["news-from-nowhere.txt", "pride-and-prejudice.txt"]
+    assert len(train) == 4
+
+
+def test_data_path_env_override(tmp_path, monkeypatch):
+    (tmp_path / "x.txt").write_text("hello")
+    monkeypatch.setenv("RETROFIT_PG_BOOKS", str(tmp_path))
+    r = load_recipe(CONFIGS / "gemma3-270m-macchiato-cpu.yaml", ["data.holdout_last=0"])
+    assert resolve_files(r.data.files, r.base_dir) == [tmp_path / "x.txt"]
+
+
+def test_overrides_are_typed_and_unknown_keys_name_the_valid_ones(tmp_path):
+    r = load_recipe(CONFIGS / "gemma2-2b-macchiato.yaml", [
+        "train.lr=1e-4", "train.max_steps=10", "trainable.mode=lora", "trainable.lora.target_modules=[q_proj]",
+        "deepspeed.offload_optimizer=true", "conversion.init_swa_share=0.5", "train.max_tokens=1_000_000",
+    ])
+    assert r.train.lr == 1e-4 and isinstance(r.train.lr, float)
+    assert r.train.max_steps == 10 and r.trainable.lora.target_modules == ["q_proj"]
+    assert r.deepspeed.offload_optimizer is True and r.conversion["init_swa_share"] == 0.5
+    assert total_steps(r) == 10  # max_tokens allows 61 steps: the smaller bound wins
+    assert total_steps(load_recipe(CONFIGS / "gemma2-2b-macchiato.yaml", ["train.max_tokens=163840"])) == 10
+    cfg = deepspeed_config(r, world_size=1, precision="fp32", cuda=False)
+    assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu" and cfg["gradient_accumulation_steps"] == 4
+
+    with pytest.raises(SpecError, match=r"unknown recipe key 'train\.learning_rate' in section 'train'; valid keys: .*lr"):
+        load_recipe(CONFIGS / "gemma2-2b-macchiato.yaml", ["train.learning_rate=1e-4"])
+    with pytest.raises(SpecError, match=r"unknown recipe key 'optimiser' at the top level; valid keys: model, conversion"):
+        recipe_from_dict({"model": {"name": "x"}, "optimiser": {}})
+    with pytest.raises(SpecError, match="train.max_steps must be an integer"):
+        load_recipe(CONFIGS / "gemma2-2b-macchiato.yaml", ["train.max_steps=lots"])
+    with pytest.raises(SpecError, match="trainable.mode must be one of"):
+        load_recipe(CONFIGS / "gemma2-2b-macchiato.yaml", ["trainable.mode=everything"])
+    with pytest.raises(SpecError, match="section.key=value"):
+        load_recipe(CONFIGS / "gemma2-2b-macchiato.yaml", ["lr"])
+    with pytest.raises(SpecError, match="recipe file 'nope.yaml' not found"):
+        load_recipe("nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"model": {"name": "m"}, "train": {"batch_size": 6, "micro_batch_size": 4}}))
+    with pytest.raises(SpecError, match="multiple of train.micro_batch_size"):
+        load_recipe(bad)
+
+
+def test_deepspeed_config_rejects_what_the_recipe_owns(tmp_path):
+    (tmp_path / "ds.json").write_text('{"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam"}}')
+    r = recipe_from_dict({"model": {"name": "m"}, "deepspeed": {"config": "ds.json"}}, base_dir=tmp_path)
+    with pytest.raises(SpecError, match="has an 'optimizer' section"):
+        deepspeed_config(r, world_size=1, precision="fp32", cuda=False)
+    r = recipe_from_dict({"model": {"name": "m"}, "train": {"batch_size": 4}}, base_dir=tmp_path)
+    with pytest.raises(SpecError, match="multiple of micro_batch_size .* x data-parallel ranks \\(3\\)"):
+        deepspeed_config(r, world_size=3, precision="fp32", cuda=False)
+    r = recipe_from_dict({"model": {"name": "m"}, "deepspeed": {"offload_params": True}}, base_dir=tmp_path)
+    with pytest.raises(SpecError, match="needs ZeRO stage 3"):
+        deepspeed_config(r, world_size=1, precision="fp32", cuda=False)
+    cfg = deepspeed_config(recipe_from_dict({"model": {"name": "m"}, "deepspeed": {"zero_stage": 3, "offload_params": True}}),
+                           world_size=1, precision="fp32", cuda=False)
+    assert cfg["zero_optimization"]["stage"] == 3 and cfg["zero_optimization"]["offload_param"]["device"] == "cpu"
+
+
+def test_warmup_then_cosine_to_the_floor():
+    kw = dict(lr=1.0, warmup_steps=4, total_steps=14, min_lr_ratio=0.1)
+    lrs = [lr_at(s, **kw) for s in range(16)]
+    assert lrs[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert lrs[4] == 1.0 and math.isclose(lrs[9], 0.55) and math.isclose(lrs[14], 0.1) and lrs[15] == lrs[14]
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
+    assert lr_at(100, lr=2.0, warmup_steps=0, total_steps=10, schedule="constant") == 2.0

@@ -1,0 +1,143 @@
+"""DeepSpeed runs of tiny converted models on the CPU (one gloo rank): what trains, what stays, what is saved."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import retrofit
+from retrofit.cli.main import main as cli_main
+from retrofit.errors import TrainingError
+from retrofit.surgery import ConversionSpec, new_parameter_names
+from retrofit.train.checkpointing import list_checkpoints
+from retrofit.train.loop import TrainCallback, train
+from retrofit.train.metrics import read_metrics
+from retrofit.train.recipe import recipe_from_dict
+from tests.train import tiny
+
+
+def _weights(folder) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def test_zero2_trains_only_the_new_weights_and_held_out_loss_drops(pretrained_base, moby, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    conversion = {**tiny.CONVERSION, "init_swa_share": 0.1}  # most of p(.|t) on the untrained latents
+    recipe = recipe_from_dict(tiny.recipe_dict(
+        pretrained_base, moby, out, conversion=conversion, data={"holdout_last": 1}, eval={"sequences": 8},
+        train={"max_steps": 20, "lr": 3e-2, "gradient_checkpointing": False},
+        checkpoint={"save_every": 10, "keep_last": 1}, logging={"every": 5, "tensorboard": True},
+    ))
+    result = train(recipe)
+
+    # held-out loss on a fixed set of sequences: before training vs after 20 steps
+    assert [e["step"] for e in result.evals] == [0, 20]
+    assert result.evals[1]["loss"] < result.evals[0]["loss"] - 0.05, result.evals
+
+    # the same conversion of the same base, untrained: frozen tensors bit-identical, new ones all moved
+    initial = retrofit.convert(AutoModelForCausalLM.from_pretrained(pretrained_base), ConversionSpec(**conversion))
+    new = set(new_parameter_names(initial))
+    before = {k: v for k, v in initial.state_dict().items()}
+    after = _weights(result.final_dir)
+    assert set(after) == set(before)
+    frozen_same = [k for k in before if k not in new and torch.equal(before[k], after[k])]
+    assert len(frozen_same) == len(before) - len(new)
+    assert all(not torch.equal(before[k], after[k]) for k in new)
+    assert result.counts.trainable == sum(before[k].numel() for k in new)
+    assert type(retrofit.load(result.final_dir)).__name__ == "LlamaForCausalLM"
+
+    # optimizer state exists for the trainable weights only; the checkpoint holds no frozen weights
+    [(step, ckpt)] = list_checkpoints(out)  # keep_last=1
+    assert step == 20
+    optim = torch.load(ckpt / "pytorch_model" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False)
+    fp32 = optim["optimizer_state_dict"]["single_partition_of_fp32_groups"]
+    assert sum(t.numel() for t in fp32) == result.counts.trainable
+    module = torch.load(ckpt / "pytorch_model" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+    assert set(module) == new
+
+    rows = read_metrics(out / "metrics.jsonl", "train")
+    assert [r["step"] for r in rows] == [5, 10, 15, 20]
+    assert all(r["tokens_per_s"] > 0 and r["grad_norm"] > 0 for r in rows)
+    assert rows[-1]["tokens"] == 20 * 4 * 32
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+
+
+class _Poison(TrainCallback):
+    """Writes NaN into a trainable weight after step ``at`` (what a diverging update would do)."""
+
+    def __init__(self, at: int):
+        self.at, self.model = at, None
+
+    def on_train_begin(self, model):
+        self.model = model
+
+    def on_step_end(self, step, metrics):
+        if step == self.at:
+            with torch.no_grad():
+                next(p for p in self.model.parameters() if p.requires_grad).fill_(float("nan"))
+
+
+@pytest.mark.parametrize("poison_at,message", [(3, "training loss is nan at step 4"), (2, "trainable weight is nan")])
+def test_non_finite_values_stop_the_run_without_writing_anything_corrupt(converted_dir, books, tmp_path, poison_at, message):
+    out = tmp_path / "run"
+    recipe = recipe_from_dict(tiny.recipe_dict(converted_dir, books, out, train={"max_steps": 6, "gradient_checkpointing": False},
+                                               checkpoint={"save_every": 2}))
+    with pytest.raises(TrainingError, match=message) as info:
+        train(recipe, callbacks=[_Poison(poison_at)])
+    assert "stopped without saving" in str(info.value)
+    assert [s for s, _ in list_checkpoints(out)] == ([2] if poison_at == 3 else [])
+    assert not (out / "final").exists()
+    assert not list(out.glob(".tmp-checkpoint-*"))
+    for _, ckpt in list_checkpoints(out):
+        module = torch.load(ckpt / "pytorch_model" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+        assert all(torch.isfinite(t).all() for t in module.values())
+
+
+def test_lora_with_gradient_checkpointing_exports_a_merged_loadable_model(converted_dir, books, tmp_path):
+    recipe = recipe_from_dict(tiny.recipe_dict(
+        converted_dir, books, tmp_path / "run", train={"max_steps": 2, "gradient_checkpointing": True, "lr": 1e-2},
+        trainable={"mode": "lora", "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}},
+        checkpoint={"save_every": 2}, eval={"sequences": 0},
+    ))
+    result = train(recipe)
+    before, after = _weights(converted_dir), _weights(result.final_dir)
+    assert set(after) == set(before)  # LoRA merged away: same tensors as the converted model
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert any(k.endswith("q_proj.weight") for k in changed) and any(k.endswith("v_proj.weight") for k in changed)
+    assert any("latent_q" in k for k in changed)  # the new weights train alongside the adapters
+    assert not any(k.endswith(("k_proj.weight", "o_proj.weight", "mlp.up_proj.weight")) for k in changed)
+    retrofit.load(result.final_dir)
+
+
+def _cli(capsys, *argv) -> tuple[int, str, str]:
+    code = cli_main(["train", *map(str, argv)])
+    captured = capsys.readouterr()
+    return code, captured.err, captured.out
+
+
+def test_cli_reports_bad_recipes_missing_data_and_impossible_lengths(converted_dir, books, tmp_path, capsys):
+    import yaml
+
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(tiny.recipe_dict(converted_dir, books, tmp_path / "out")))
+
+    code, err, _ = _cli(capsys, path, "train.learning_rate=1e-4")
+    assert code == 1 and "unknown recipe key 'train.learning_rate'" in err and "lr" in err and "warmup_steps" in err
+
+    code, err, _ = _cli(capsys, path, "train.lr=fast")
+    assert code == 1 and "train.lr must be a number" in err
+
+    code, err, _ = _cli(capsys, path, f"data.files={tmp_path / 'no-such-books'}")
+    assert code == 1 and "does not exist" in err and "no-such-books" in err
+
+    code, err, _ = _cli(capsys, path, "data.seq_len=2147483648")
+    assert code == 1 and "needs at least" in err and "GiB" in err and "lower data.seq_len" in err
+    assert not (tmp_path / "out").exists()
+
+    code, _, out = _cli(capsys, "--print-recipe", path, "train.lr=1e-4")
+    assert code == 0 and "lr: 0.0001" in out

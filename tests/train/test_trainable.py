@@ -1,0 +1,63 @@
+"""Trainable sets: new / lora / attention / all (+ extra regexes) on a converted tiny model."""
+from __future__ import annotations
+
+import pytest
+
+import retrofit
+from retrofit.errors import SpecError
+from retrofit.surgery import ConversionSpec, new_parameter_names
+from retrofit.train.trainable import apply_trainable, count_parameters
+from tests.train import tiny
+
+
+def _converted(method="macchiato"):
+    spec = ConversionSpec(**tiny.CONVERSION) if method == "macchiato" else ConversionSpec(method=method)
+    return retrofit.convert(tiny.base_model(), spec)
+
+
+def _trainable(model) -> set[str]:
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_new_attention_all_and_extra():
+    model = _converted()
+    new = new_parameter_names(model)
+    assert new and all(("latent_q" in n or "latent_k" in n) for n in new)
+
+    assert _trainable(apply_trainable(model, "new", new)) == set(new)
+    counts = count_parameters(model)
+    assert counts.trainable == sum(p.numel() for n, p in model.named_parameters() if n in new)
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    assert "trainable parameters: 2,584 / 117,592" in str(counts)
+
+    attention = _trainable(apply_trainable(model, "attention", new))
+    assert set(new) < attention
+    assert {n.rsplit(".", 2)[-2] for n in attention - set(new)} == {"q_proj", "k_proj", "v_proj", "o_proj"}
+
+    assert _trainable(apply_trainable(model, "all", new)) == {n for n, _ in model.named_parameters()}
+    extra = _trainable(apply_trainable(model, "new", new, extra=[r"\.input_layernorm\."]))
+    assert extra - set(new) == {f"model.layers.{i}.input_layernorm.weight" for i in range(2)}
+
+
+def test_lora_adapters_plus_new_weights():
+    model = _converted()
+    new = new_parameter_names(model)
+    peft_model = apply_trainable(model, "lora", new, lora={"r": 2, "alpha": 4, "target_modules": ["q_proj", "v_proj"]})
+    trainable = _trainable(peft_model)
+    lora = {n for n in trainable if "lora_" in n}
+    assert lora and all((".q_proj." in n or ".v_proj." in n) for n in lora)
+    assert {n.removeprefix("base_model.model.") for n in trainable - lora} == set(new)
+    assert not any(p.requires_grad for n, p in peft_model.named_parameters() if n.endswith("q_proj.base_layer.weight"))
+
+
+def test_clear_errors():
+    exp = _converted("exp-linear")
+    assert new_parameter_names(exp) == []
+    with pytest.raises(SpecError, match="selects no parameters.*lora, attention or all"):
+        apply_trainable(exp, "new", [])
+    assert _trainable(apply_trainable(exp, "attention", []))
+    model = _converted()
+    with pytest.raises(SpecError, match="no module named 'query'.*q_proj"):
+        apply_trainable(model, "lora", new_parameter_names(model), lora={"target_modules": ["query"]})
+    with pytest.raises(SpecError, match="not a valid regex"):
+        apply_trainable(model, "new", [], extra=["(unclosed"])
