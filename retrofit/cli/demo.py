@@ -1,15 +1,38 @@
-"""`retrofit demo`."""
+"""`retrofit demo`: the main job end to end on the real Gemma 3 270M (see retrofit/demo.py)."""
 from __future__ import annotations
 
 import argparse
 
 
 def register(sub: argparse._SubParsersAction, help_text: str) -> None:
-    p = sub.add_parser("demo", help=help_text, description=help_text)
+    p = sub.add_parser(
+        "demo", help=help_text, description=help_text + ". Writes everything under --out and prints the report path.",
+    )
+    p.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
+    p.add_argument("--quick", action="store_true", help="the ~5 minute variant (fewer steps, shorter lengths)")
+    p.add_argument("--model", default=None, help="model to convert (default: the gemma3-270m alias)")
+    p.add_argument("--recipe", default=None, help="training recipe (default: configs/gemma3-270m-macchiato-cpu.yaml)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides the preset)")
+    p.add_argument("--seq-len", type=int, default=None, help="training sequence length (overrides the preset)")
+    p.add_argument("--lengths", type=int, nargs="+", default=None, help="perplexity lengths (overrides the preset)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. train.lr=1e-3")
     p.set_defaults(handler=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from retrofit.errors import RetrofitError
+    from retrofit.demo import DemoSettings, run_demo
 
-    raise RetrofitError("'retrofit demo' is not wired up yet in this build")
+    s = DemoSettings.quick() if args.quick else DemoSettings.full()
+    if args.model:
+        s.model = args.model
+    if args.recipe:
+        s.recipe = args.recipe
+    if args.steps is not None:
+        s.train_steps = args.steps
+    if args.seq_len is not None:
+        s.seq_len = args.seq_len
+    if args.lengths:
+        s.ppl_lengths = args.lengths
+    s.overrides = list(args.overrides)
+    run_demo(args.out, s)
+    return 0
