@@ -128,7 +128,9 @@ def resolve_corpus(
             )
         if p.is_file() and p.suffix not in LOCAL_SUFFIXES:
             raise DataError(f"{p}: unsupported file type {p.suffix!r}; use {', '.join(LOCAL_SUFFIXES)}")
-        spec = CorpusSpec(name=p.name or str(p), description=f"local files at {p}", path=str(p.resolve()))
+        # Project Gutenberg header/licence are dropped when present (a no-op for other text)
+        spec = CorpusSpec(name=p.name or str(p), description=f"local files at {p}", path=str(p.resolve()),
+                          strip_gutenberg=True)
     if protocol is not None:
         if protocol not in PROTOCOLS:
             raise DataError(f"protocol {protocol!r} is not one of {PROTOCOLS}")

@@ -86,3 +86,9 @@ def test_strip_gutenberg_variants():
     text = "header\n*** START OF THIS BOOK ***\nbody text\nEnd of Project Gutenberg's Book\n*** END OF IT ***\nlicence"
     assert corpora.strip_gutenberg(text) == "body text"
     assert corpora.strip_gutenberg("no markers here") == "no markers here"
+
+
+def test_local_gutenberg_file_is_stripped(tmp_path):
+    f = tmp_path / "book.txt"
+    f.write_text("The Project Gutenberg EBook\n*** START OF THIS BOOK ***\nChapter 1.\n*** END OF THIS BOOK ***\nlicence")
+    assert [d.text for d in corpora.iter_documents(corpora.resolve_corpus(str(f)))] == ["Chapter 1."]
