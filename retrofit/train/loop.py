@@ -78,7 +78,7 @@ def _fingerprint(recipe: Recipe) -> dict:
     """What a resumed run must share with the run that wrote the checkpoint."""
     d = recipe.to_dict()
     data_keys = {k: d["data"][k] for k in ("dataset", "dataset_config", "split", "text_field", "files", "holdout_last",
-                                           "seq_len", "shuffle_buffer", "seed")}
+                                           "strip_gutenberg", "seq_len", "shuffle_buffer", "seed")}
     same = {"model": d["model"]["name"], "conversion": d["conversion"], "trainable": d["trainable"], "data": data_keys,
             "batch_size": d["train"]["batch_size"], "micro_batch_size": d["train"]["micro_batch_size"]}
     return {"hash": hashlib.sha256(json.dumps(same, sort_keys=True, default=str).encode()).hexdigest()[:16], **same}
@@ -131,8 +131,10 @@ class _Run:
         from accelerate import Accelerator
         from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs, set_seed
 
+        from retrofit.train.data import data_files
+
         r = self.recipe
-        self._resolve_files()
+        self.files = data_files(r)  # a bad data path fails here, before any model loads
         self.precision = resolve_precision(r.train.precision, self.cuda)
         ds_cfg = deepspeed_config(r, world_size=self.world, precision=self.precision, cuda=self.cuda)
         self.zero_stage = int(ds_cfg["zero_optimization"].get("stage", 0))
@@ -208,47 +210,11 @@ class _Run:
         self.model, self.optimizer = self.acc.prepare(model, optimizer)
         self.engine = self.model  # the DeepSpeedEngine
 
-    def _resolve_files(self) -> None:
-        """Local train / held-out files (checked before the model loads, so a bad path fails fast)."""
-        from retrofit.data.sources import resolve_files, split_holdout
-
-        r, d = self.recipe, self.recipe.data
-        self.train_files: list[Path] | None = None
-        held_out: list[Path] = []
-        if d.files is not None:
-            self.train_files, held_out = split_holdout(resolve_files(d.files, r.base_dir), d.holdout_last)
-        self.eval_files = resolve_files(r.eval.files, r.base_dir) if r.eval.files is not None else held_out
-
     def _build_data(self) -> None:
-        from retrofit.data.packing import PackedSequences, eval_blocks, make_tokenize
-        from retrofit.data.sources import load_documents, shard_documents
+        from retrofit.train.data import heldout_sequences, train_stream
 
-        r, d, e = self.recipe, self.recipe.data, self.recipe.eval
-        tokenize = make_tokenize(self.tokenizer)
-        eos = self.tokenizer.eos_token_id
-        if self.train_files is not None:
-            names = [f.name for f in self.train_files]
-            self.data_desc = f"{len(names)} local files ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
-            docs = load_documents(files=self.train_files, text_field=d.text_field)
-        else:
-            self.data_desc = f"{d.dataset} ({d.split}, streamed)"
-            docs = load_documents(dataset=d.dataset, dataset_config=d.dataset_config, split=d.split, text_field=d.text_field)
-        self.train_data = PackedSequences(shard_documents(docs, self.rank, self.world), tokenize, seq_len=d.seq_len,
-                                          eos_id=eos, shuffle_buffer=d.shuffle_buffer, seed=d.seed + self.rank,
-                                          text_field=d.text_field)
-        self.eval_data: list[torch.Tensor] = []
-        self.eval_desc = "none"
-        edocs = None
-        if e.sequences > 0 and self.eval_files:
-            self.eval_desc = ", ".join(f.name for f in self.eval_files)
-            edocs, spread = load_documents(files=self.eval_files, text_field=d.text_field), True
-        elif e.sequences > 0 and self.train_files is None:
-            self.eval_desc = f"{d.dataset} ({e.split}, first {e.sequences} sequences)"
-            edocs, spread = load_documents(dataset=d.dataset, dataset_config=d.dataset_config, split=e.split,
-                                           text_field=d.text_field), False
-        if edocs is not None:
-            self.eval_data = eval_blocks(edocs, tokenize, seq_len=d.seq_len, eos_id=eos, max_sequences=e.sequences,
-                                         spread=spread, text_field=d.text_field)
+        self.train_data, self.data_desc = train_stream(self.recipe, self.tokenizer, self.files, self.rank, self.world)
+        self.eval_data, self.eval_desc = heldout_sequences(self.recipe, self.tokenizer, self.files)
 
     def _summary(self) -> str:
         r, t = self.recipe, self.recipe.train
@@ -451,6 +417,9 @@ class _Run:
             cb.on_train_begin(self.acc.unwrap_model(self.model))
         if self.resume_from is None:
             self._eval_and_log()
+        elif self.step >= self.total_steps:
+            self.log(f"[retrofit] {self.resume_from.name} already completes the run ({self.total_steps} steps); "
+                     "raise train.max_steps to continue it")
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not (self.main and r.logging.progress))
         try:
@@ -473,7 +442,7 @@ class _Run:
                 if self.step % r.checkpoint.save_every == 0 or self.step == self.total_steps:
                     self.save()
             bar.close()
-            if not self.evals or self.evals[-1]["step"] != self.step:
+            if self.history and (not self.evals or self.evals[-1]["step"] != self.step):
                 self._eval_and_log()
             final = self.export() if r.checkpoint.export else None
             if final is not None:

@@ -1,0 +1,79 @@
+"""A recipe's data: the training stream of one rank and the fixed held-out sequences.
+
+Used by the training loop and by anything that must score a model on exactly the sequences a
+run evaluates on (e.g. the base model in scripts/swa_share_ablation.py).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from retrofit.data.packing import PackedSequences, eval_blocks, make_tokenize
+from retrofit.data.sources import load_documents, resolve_files, shard_documents, split_holdout
+from retrofit.train.recipe import Recipe
+
+__all__ = ["DataFiles", "data_files", "recipe_tokenize", "train_stream", "heldout_sequences"]
+
+
+@dataclass
+class DataFiles:
+    train: list[Path] | None  # None: the hub dataset is streamed
+    held_out: list[Path]  # eval files (explicit eval.files, else the held-out training files)
+
+
+def data_files(recipe: Recipe) -> DataFiles:
+    """Resolve (and check) the local files; cheap, so a run can fail on a bad path before loading a model."""
+    d = recipe.data
+    train, held = None, []
+    if d.files is not None:
+        train, held = split_holdout(resolve_files(d.files, recipe.base_dir), d.holdout_last)
+    if recipe.eval.files is not None:
+        held = resolve_files(recipe.eval.files, recipe.base_dir)
+    return DataFiles(train, held)
+
+
+def recipe_tokenize(recipe: Recipe, tokenizer: Any) -> Callable[[str], list[int]]:
+    """``text -> ids`` with the tokenizer's special tokens, after the recipe's text cleaning."""
+    tokenize = make_tokenize(tokenizer)
+    if not recipe.data.strip_gutenberg:
+        return tokenize
+    from retrofit.eval.corpora import strip_gutenberg
+
+    return lambda text: tokenize(strip_gutenberg(text))
+
+
+def train_stream(recipe: Recipe, tokenizer: Any, files: DataFiles, rank: int, world: int) -> tuple[PackedSequences, str]:
+    """This rank's resumable stream of packed training sequences, and a one-line description."""
+    d = recipe.data
+    if files.train is not None:
+        names = [f.name for f in files.train]
+        desc = f"{len(names)} local files ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
+        docs = load_documents(files=files.train, text_field=d.text_field)
+    else:
+        desc = f"{d.dataset} ({d.split}, streamed)"
+        docs = load_documents(dataset=d.dataset, dataset_config=d.dataset_config, split=d.split, text_field=d.text_field)
+    stream = PackedSequences(shard_documents(docs, rank, world), recipe_tokenize(recipe, tokenizer), seq_len=d.seq_len,
+                             eos_id=tokenizer.eos_token_id, shuffle_buffer=d.shuffle_buffer, seed=d.seed + rank,
+                             text_field=d.text_field)
+    return stream, desc
+
+
+def heldout_sequences(recipe: Recipe, tokenizer: Any, files: DataFiles) -> tuple[list[torch.Tensor], str]:
+    """The ``eval.sequences`` held-out sequences (the same on every rank and every run of the recipe)."""
+    d, e = recipe.data, recipe.eval
+    if e.sequences == 0:
+        return [], "none"
+    if files.held_out:
+        desc, docs, spread = ", ".join(f.name for f in files.held_out), load_documents(files=files.held_out, text_field=d.text_field), True
+    elif files.train is None:
+        desc = f"{d.dataset} ({e.split}, first {e.sequences} sequences)"
+        docs, spread = load_documents(dataset=d.dataset, dataset_config=d.dataset_config, split=e.split,
+                                      text_field=d.text_field), False
+    else:
+        return [], "none (no held-out files: set data.holdout_last or eval.files)"
+    blocks = eval_blocks(docs, recipe_tokenize(recipe, tokenizer), seq_len=d.seq_len, eos_id=tokenizer.eos_token_id,
+                         max_sequences=e.sequences, spread=spread, text_field=d.text_field)
+    return blocks, desc
