@@ -3,7 +3,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-PG_BOOK = Path(__file__).resolve().parents[3] / "shared" / "data" / "pg-books" / "complete-angler.txt"
+
+def _training_text() -> Path:
+    """A pg-book, found the way the `pg-books` registry entry finds them (honours $RETROFIT_PG_BOOKS)."""
+    from retrofit.eval.corpora import list_local_files, resolve_corpus
+
+    files = list_local_files(resolve_corpus("pg-books"))
+    return next((f for f in files if f.name == "complete-angler.txt"), files[0])
 
 
 def train_tokenizer(vocab_size: int = 384, text_chars: int = 120_000):
@@ -11,7 +17,7 @@ def train_tokenizer(vocab_size: int = 384, text_chars: int = 120_000):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    text = PG_BOOK.read_text(encoding="utf-8")[:text_chars]
+    text = _training_text().read_text(encoding="utf-8")[:text_chars]
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
