@@ -28,6 +28,9 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--latents", type=int, default=None, help="latent states L in total, split over query heads")
     p.add_argument("--init-swa-share", type=float, default=None, help="initial p(0|t) in (0, 1] (macchiato)")
     p.add_argument("--conv-size", type=int, default=None, help="causal conv size before the latent projections (0 = none)")
+    p.add_argument("--segment", type=int, default=None, help="LLP segment s in tokens (half-segments of s/2)")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
+                   help="method-specific option, repeatable (e.g. --option bases=32 for lavo); values parse as YAML")
     p.add_argument("--layers", default=None, help="'all' (default) or layer indices like '0-5,8'")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: as stored)")
     p.add_argument("--seed", type=int, default=None, help="seed for the new weights' initialisation")
@@ -39,15 +42,31 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
 
 def build_spec(args: argparse.Namespace):
     """ConversionSpec from ``--config`` (optional) and the flags (flags win)."""
+    import yaml
+
     from retrofit.surgery import ConversionSpec
 
+    from retrofit.errors import SpecError
+
+    options = {}
+    for item in getattr(args, "option", []) or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SpecError(f"--option expects KEY=VALUE, got {item!r}")
+        options[key.strip()] = yaml.safe_load(value)
+    if getattr(args, "segment", None) is not None:
+        options["segment"] = args.segment
     flags = dict(
         method=args.method, window=args.window, latents=args.latents, init_swa_share=args.init_swa_share,
         conv_size=args.conv_size, layers=args.layers, dtype=args.dtype, seed=args.seed,
     )
     if args.config:
-        return ConversionSpec.from_yaml(args.config, **flags)
-    return ConversionSpec(**{k: v for k, v in flags.items() if v is not None})
+        spec = ConversionSpec.from_yaml(args.config, **flags)
+        if options:
+            spec = ConversionSpec.from_dict({**spec.to_dict(), "options": {**spec.options, **options}})
+        return spec
+    flags = {k: v for k, v in flags.items() if v is not None}
+    return ConversionSpec(**flags, options=options) if options else ConversionSpec(**flags)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -55,7 +55,7 @@ from retrofit.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.base import RetrofitAttention
 from retrofit.ops.lavo import LavoState, lavo_attention
 
-__all__ = ["LAVO_METHOD", "LavoAttention", "LavoLayerCache", "LavoParameters", "build_lavo", "register"]
+__all__ = ["LAVO_METHOD", "LavoAttention", "LavoLayerCache", "LavoParameters", "build_lavo"]
 
 DEFAULT_BASES = 64  # the paper's num_bases for language modelling (Table 1); capped at head_dim
 
@@ -243,12 +243,3 @@ def build_lavo(original: nn.Module, patch: Any, spec: Any, layer_idx: int, gener
         dissect=bool(opts["dissect"]), memory_scaling=opts["memory_scaling"], generator=generator,
     )
 
-
-def register() -> None:
-    """Register ``lavo`` with the surgery method registry (idempotent)."""
-    from retrofit.surgery.methods import register_method
-
-    try:
-        register_method("lavo", build_lavo, **LAVO_METHOD)
-    except ValueError:
-        pass  # already registered

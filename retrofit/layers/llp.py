@@ -31,7 +31,7 @@ from retrofit.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.base import RetrofitAttention
 from retrofit.ops.llp import LLPState, llp_attention, llp_attention_cached
 
-__all__ = ["LLP_METHOD", "LLPAttention", "LLPLayerCache", "build_llp", "register"]
+__all__ = ["LLP_METHOD", "LLPAttention", "LLPLayerCache", "build_llp"]
 
 DEFAULT_SEGMENT = 512
 
@@ -118,12 +118,3 @@ def build_llp(original: nn.Module, patch: Any, spec: Any, layer_idx: int, genera
         raise ValueError(f"segment must be an integer, got {segment!r}")
     return LLPAttention(original, patch, segment=segment)
 
-
-def register() -> None:
-    """Register ``llp`` with the surgery method registry (idempotent)."""
-    from retrofit.surgery.methods import register_method
-
-    try:
-        register_method("llp", build_llp, **LLP_METHOD)
-    except ValueError:
-        pass  # already registered

@@ -1,5 +1,17 @@
 """Pure attention math on tensors (no nn.Module state). See each module's docstring for shapes."""
 from retrofit.ops.exp_linear import exp_linear_attention, exp_linear_attention_reference, exp_linear_attention_step
+from retrofit.ops.lavo import (
+    LavoState,
+    lavo_attention,
+    lavo_attention_reference,
+    local_attention,
+    local_attention_reference,
+    orthogonal_memory_attention,
+    orthogonal_memory_attention_reference,
+    orthogonal_memory_recurrent,
+    orthogonal_memory_step,
+)
+from retrofit.ops.llp import LLPState, llp_attention, llp_attention_cached, llp_attention_reference
 from retrofit.ops.latte import (
     LatteState,
     bidirectional_latte,
@@ -14,7 +26,20 @@ from retrofit.ops.macchiato import macchiato_attention, macchiato_attention_refe
 from retrofit.ops.sliding_window import sliding_window_attention, sliding_window_attention_reference
 
 __all__ = [
+    "LLPState",
     "LatteState",
+    "LavoState",
+    "lavo_attention",
+    "lavo_attention_reference",
+    "llp_attention",
+    "llp_attention_cached",
+    "llp_attention_reference",
+    "local_attention",
+    "local_attention_reference",
+    "orthogonal_memory_attention",
+    "orthogonal_memory_attention_reference",
+    "orthogonal_memory_recurrent",
+    "orthogonal_memory_step",
     "bidirectional_latte",
     "bidirectional_latte_reference",
     "causal_latte",

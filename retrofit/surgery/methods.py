@@ -106,5 +106,11 @@ def _load_builtin() -> None:
             "exp(Q)exp(K)^T linear attention over the pretrained projections (no new weights)",
         ),
     ]
+    from retrofit.layers import lavo, llp
+
+    builtin += [
+        MethodInfo("lavo", lavo.build_lavo, **{**lavo.LAVO_METHOD, "uses": tuple(lavo.LAVO_METHOD["uses"])}),
+        MethodInfo("llp", llp.build_llp, **{**llp.LLP_METHOD, "uses": tuple(llp.LLP_METHOD["uses"])}),
+    ]
     for info in builtin:
         _METHODS.setdefault(info.name, info)  # a registration made before first use wins

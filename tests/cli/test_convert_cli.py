@@ -80,3 +80,33 @@ def test_errors(base, tmp_path, capsys):
     assert main(["convert", str(base), "--out", str(out), "--window", "8", "--latents", "8", "--overwrite",
                  "--probe-tokens", "0"]) == 0
     assert "keep.txt" not in os.listdir(out) and (out / "config.json").is_file()
+
+
+@pytest.mark.parametrize("method,flags,check", [
+    ("lavo", ["--window", "8", "--option", "bases=4", "--option", "global_weight=0.25"],
+     lambda rec: rec["options"]["bases"] == 4 and rec["options"]["global_weight"] == 0.25),
+    ("llp", ["--segment", "16"], lambda rec: rec["options"]["segment"] == 16),
+])
+def test_lavo_and_llp_from_a_fresh_process(base, tmp_path, method, flags, check):
+    """The built-in registry knows every method without any test-side registration."""
+    import subprocess
+    import sys
+
+    out = tmp_path / method
+    cmd = [sys.executable, "-m", "retrofit.cli.main", "convert", str(base), "--method", method,
+           "--out", str(out), "--probe-tokens", "0", *flags]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    load_code = (f"import retrofit; m = retrofit.load({str(out)!r}); "
+                 f"import json; print(json.dumps(m.config.retrofit))")
+    proc = subprocess.run([sys.executable, "-c", load_code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert rec["method"] == method and check(rec)
+
+
+def test_option_must_be_key_value(base, tmp_path, capsys):
+    rc = main(["convert", str(base), "--method", "lavo", "--out", str(tmp_path / "x"), "--option", "bases"])
+    assert rc == 1
+    assert "--option expects KEY=VALUE" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

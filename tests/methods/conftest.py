@@ -1,15 +1,8 @@
-"""Method tests need ``lavo`` and ``llp`` in the surgery registry before any ConversionSpec is built.
-
-Tiny models decode token by token here; on a shared 2-core box two intra-op threads make such
+"""Tiny models decode token by token here; on a shared 2-core box two intra-op threads make such
 loops many times slower, so these tests run on one thread.
 """
 import pytest
 import torch
-
-from retrofit.layers import lavo, llp
-
-lavo.register()
-llp.register()
 
 
 @pytest.fixture(autouse=True)
