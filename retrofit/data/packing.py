@@ -3,8 +3,11 @@
 Each document becomes ``tokenizer(text)`` (with the tokenizer's own special tokens, e.g.
 Gemma's BOS) followed by one EOS; documents are concatenated and cut into blocks of
 ``seq_len`` tokens, so a block may span a document boundary and no token is dropped or
-repeated except the unfinished tail when the stream ends. A shuffle buffer of packed blocks
-mixes neighbouring blocks (long books would otherwise fill whole batches).
+repeated except the unfinished tail when the stream ends. With ``bos_id`` every block starts
+with BOS: a block that does not begin at a document's own BOS gets one prepended and takes
+``seq_len - 1`` stream tokens (models pretrained with BOS at position 0, like Gemma, lose about
+a nat per token on windows without it). A shuffle buffer of packed blocks mixes neighbouring
+blocks (long books would otherwise fill whole batches).
 
 :class:`PackedSequences` is exactly resumable: ``state_dict()`` holds the document stream's
 position (``datasets`` streaming state), the unfinished tail, the shuffle buffer and its
@@ -22,7 +25,7 @@ import torch
 
 from retrofit.errors import DataError
 
-__all__ = ["PackedSequences", "pack_tokens", "make_tokenize", "eval_blocks"]
+__all__ = ["PackedSequences", "pack_tokens", "take_block", "make_tokenize", "eval_blocks", "sequence_bos"]
 
 
 def make_tokenize(tokenizer: Any) -> Callable[[str], list[int]]:
@@ -34,15 +37,34 @@ def make_tokenize(tokenizer: Any) -> Callable[[str], list[int]]:
     return tokenize
 
 
-def pack_tokens(docs: Iterator[list[int]], seq_len: int, eos_id: int) -> Iterator[np.ndarray]:
+def sequence_bos(tokenizer: Any) -> int | None:
+    """The BOS id if the tokenizer puts one in front of every text (Gemma, Llama), else None (Qwen2, GPT-2)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    ids = tokenizer("a", add_special_tokens=True, verbose=False)["input_ids"]
+    return int(bos) if ids and ids[0] == bos else None
+
+
+def take_block(stream: np.ndarray, seq_len: int, bos_id: int | None) -> tuple[np.ndarray | None, np.ndarray]:
+    """``(block, rest)``: the next full block from the front of ``stream`` (None if too short) and the rest."""
+    prefix = bos_id is not None and (len(stream) == 0 or stream[0] != bos_id)
+    take = seq_len - 1 if prefix else seq_len
+    if len(stream) < take:
+        return None, stream
+    block = np.concatenate([[bos_id], stream[:take]]).astype(np.int64) if prefix else stream[:take].copy()
+    return block, stream[take:]
+
+
+def pack_tokens(docs: Iterator[list[int]], seq_len: int, eos_id: int, bos_id: int | None = None) -> Iterator[np.ndarray]:
     """Plain (non-resumable) packing: ``doc + [eos]`` concatenated and cut into ``seq_len`` blocks."""
     carry = np.zeros(0, dtype=np.int64)
     for ids in docs:
         carry = np.concatenate([carry, np.asarray(ids, dtype=np.int64), [eos_id]])
-        n = len(carry) // seq_len
-        for i in range(n):
-            yield carry[i * seq_len:(i + 1) * seq_len]
-        carry = carry[n * seq_len:]
+        block, carry = take_block(carry, seq_len, bos_id)
+        while block is not None:
+            yield block
+            block, carry = take_block(carry, seq_len, bos_id)
 
 
 class PackedSequences:
@@ -52,6 +74,7 @@ class PackedSequences:
         documents: a ``datasets.IterableDataset`` of this rank's documents (see ``shard_documents``).
         tokenize: ``text -> ids``; ``eos_id`` is appended to every document.
         seq_len: tokens per block.
+        bos_id: start every block with this token (see the module docstring); None: plain cuts.
         shuffle_buffer: blocks held for shuffling (0 or 1: stream order).
         seed: seeds the shuffle buffer's RNG.
         repeat: start another pass over the documents when they run out (epoch += 1).
@@ -65,6 +88,7 @@ class PackedSequences:
         *,
         seq_len: int,
         eos_id: int,
+        bos_id: int | None = None,
         shuffle_buffer: int = 0,
         seed: int = 0,
         repeat: bool = True,
@@ -72,10 +96,13 @@ class PackedSequences:
     ):
         if eos_id is None:
             raise DataError("the tokenizer has no EOS token: packing needs one between documents")
+        if seq_len < 2:
+            raise DataError(f"seq_len must be >= 2, got {seq_len}")
         self.documents = documents
         self.tokenize = tokenize
         self.seq_len = int(seq_len)
         self.eos_id = int(eos_id)
+        self.bos_id = None if bos_id is None else int(bos_id)
         self.shuffle_buffer = int(shuffle_buffer)
         self.repeat = repeat
         self.text_field = text_field
@@ -116,10 +143,11 @@ class PackedSequences:
                 raise DataError(f"documents have no {self.text_field!r} field (fields: {keys}); set data.text_field")
             ids = self.tokenize(text)
             self._carry = np.concatenate([self._carry, np.asarray(ids, dtype=np.int64), [self.eos_id]])
-            while len(self._carry) >= self.seq_len:
-                block = self._carry[: self.seq_len].copy()
-                self._carry = self._carry[self.seq_len:]
+            # one block at a time: while suspended at a yield, the carry holds exactly what is not yet yielded
+            block, self._carry = take_block(self._carry, self.seq_len, self.bos_id)
+            while block is not None:
                 yield block
+                block, self._carry = take_block(self._carry, self.seq_len, self.bos_id)
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         if self._iterating:
@@ -156,11 +184,13 @@ class PackedSequences:
             "epoch": self.epoch,
             "blocks_yielded": self.blocks_yielded,
             "seq_len": self.seq_len,
+            "bos_id": self.bos_id,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if int(state["seq_len"]) != self.seq_len:
-            raise DataError(f"data state was saved with seq_len {state['seq_len']}, this run uses {self.seq_len}")
+        if int(state["seq_len"]) != self.seq_len or state.get("bos_id") != self.bos_id:
+            raise DataError(f"data state was saved with seq_len {state['seq_len']} and BOS {state.get('bos_id')}, "
+                            f"this run uses {self.seq_len} and {self.bos_id}")
         self._doc_state = copy.deepcopy(state["documents"])
         self._carry = np.asarray(state["carry"], dtype=np.int64).copy()
         self._pool = [np.asarray(row, dtype=np.int64).copy() for row in state["pool"]]
@@ -177,13 +207,14 @@ def eval_blocks(
     eos_id: int,
     max_sequences: int,
     spread: bool,
+    bos_id: int | None = None,
     text_field: str = "text",
 ) -> list[torch.Tensor]:
     """Held-out blocks: all blocks of a finite source evenly sub-sampled to ``max_sequences``
     (``spread``, local files), or the first ``max_sequences`` of an endless stream."""
     docs = (tokenize(d[text_field]) for d in documents)
     blocks: list[np.ndarray] = []
-    for block in pack_tokens(docs, seq_len, eos_id):
+    for block in pack_tokens(docs, seq_len, eos_id, bos_id):
         blocks.append(block)
         if not spread and len(blocks) >= max_sequences:
             break

@@ -11,11 +11,11 @@ from typing import Any, Callable
 
 import torch
 
-from retrofit.data.packing import PackedSequences, eval_blocks, make_tokenize
+from retrofit.data.packing import PackedSequences, eval_blocks, make_tokenize, sequence_bos
 from retrofit.data.sources import load_documents, resolve_files, shard_documents, split_holdout
 from retrofit.train.recipe import Recipe
 
-__all__ = ["DataFiles", "data_files", "recipe_tokenize", "train_stream", "heldout_sequences"]
+__all__ = ["DataFiles", "data_files", "recipe_tokenize", "recipe_bos", "train_stream", "heldout_sequences"]
 
 
 @dataclass
@@ -45,6 +45,11 @@ def recipe_tokenize(recipe: Recipe, tokenizer: Any) -> Callable[[str], list[int]
     return lambda text: tokenize(strip_gutenberg(text))
 
 
+def recipe_bos(recipe: Recipe, tokenizer: Any) -> int | None:
+    """The token every packed sequence starts with (``data.bos_every_sequence`` and a BOS-using tokenizer)."""
+    return sequence_bos(tokenizer) if recipe.data.bos_every_sequence else None
+
+
 def train_stream(recipe: Recipe, tokenizer: Any, files: DataFiles, rank: int, world: int) -> tuple[PackedSequences, str]:
     """This rank's resumable stream of packed training sequences, and a one-line description."""
     d = recipe.data
@@ -56,7 +61,8 @@ def train_stream(recipe: Recipe, tokenizer: Any, files: DataFiles, rank: int, wo
         desc = f"{d.dataset} ({d.split}, streamed)"
         docs = load_documents(dataset=d.dataset, dataset_config=d.dataset_config, split=d.split, text_field=d.text_field)
     stream = PackedSequences(shard_documents(docs, rank, world), recipe_tokenize(recipe, tokenizer), seq_len=d.seq_len,
-                             eos_id=tokenizer.eos_token_id, shuffle_buffer=d.shuffle_buffer, seed=d.seed + rank,
+                             eos_id=tokenizer.eos_token_id, bos_id=recipe_bos(recipe, tokenizer),
+                             shuffle_buffer=d.shuffle_buffer, seed=d.seed + rank,
                              text_field=d.text_field)
     return stream, desc
 
@@ -75,5 +81,6 @@ def heldout_sequences(recipe: Recipe, tokenizer: Any, files: DataFiles) -> tuple
     else:
         return [], "none (no held-out files: set data.holdout_last or eval.files)"
     blocks = eval_blocks(docs, recipe_tokenize(recipe, tokenizer), seq_len=d.seq_len, eos_id=tokenizer.eos_token_id,
-                         max_sequences=e.sequences, spread=spread, text_field=d.text_field)
+                         max_sequences=e.sequences, spread=spread, bos_id=recipe_bos(recipe, tokenizer),
+                         text_field=d.text_field)
     return blocks, desc

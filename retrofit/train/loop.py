@@ -78,7 +78,7 @@ def _fingerprint(recipe: Recipe) -> dict:
     """What a resumed run must share with the run that wrote the checkpoint."""
     d = recipe.to_dict()
     data_keys = {k: d["data"][k] for k in ("dataset", "dataset_config", "split", "text_field", "files", "holdout_last",
-                                           "strip_gutenberg", "seq_len", "shuffle_buffer", "seed")}
+                                           "strip_gutenberg", "bos_every_sequence", "seq_len", "shuffle_buffer", "seed")}
     same = {"model": d["model"]["name"], "conversion": d["conversion"], "trainable": d["trainable"], "data": data_keys,
             "batch_size": d["train"]["batch_size"], "micro_batch_size": d["train"]["micro_batch_size"]}
     return {"hash": hashlib.sha256(json.dumps(same, sort_keys=True, default=str).encode()).hexdigest()[:16], **same}

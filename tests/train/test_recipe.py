@@ -16,7 +16,7 @@ from retrofit.train.recipe import bundled_recipe_dir, load_recipe, recipe_from_d
 from retrofit.train.schedule import lr_at
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-BOOKS = Path(__file__).resolve().parents[3] / "shared" / "data" / "pg-books"
+BOOKS = Path(__file__).resolve().parents[3] / "shared" / "data" / "pg-books"  # where the CPU recipe looks by default
 
 
 def test_bundled_recipes_are_the_repo_configs():
