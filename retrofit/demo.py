@@ -76,12 +76,14 @@ class _Stages:
 
 
 def _heldout_books(recipe: Any) -> list[Path]:
+    """The recipe's evaluation books: ``eval.files`` if given, else the files ``data.holdout_last`` keeps out."""
     from retrofit.data.sources import resolve_files, split_holdout
 
-    files = resolve_files(recipe.data.files, recipe.base_dir)
-    _, held_out = split_holdout(files, recipe.data.holdout_last)
+    if recipe.eval.files:
+        return resolve_files(recipe.eval.files, recipe.base_dir)
+    _, held_out = split_holdout(resolve_files(recipe.data.files, recipe.base_dir), recipe.data.holdout_last)
     if not held_out:
-        raise RetrofitError(f"recipe {recipe.base_dir} holds no books out (data.holdout_last = 0)")
+        raise RetrofitError("the recipe holds no books out for evaluation: set eval.files or data.holdout_last")
     return held_out
 
 
