@@ -51,7 +51,7 @@ from retrofit.bench.common import (
     write_text_atomic,
 )
 
-__all__ = ["OPS", "MODES", "run_attention_benchmark", "measure_point", "op_flops"]
+__all__ = ["OPS", "MODES", "run_attention_benchmark", "measure_point", "op_flops", "render_summary", "render_table"]
 
 OPS = ("latte", "macchiato", "swa", "exp_linear", "sdpa")
 MODES = ("fwd", "fwd+bwd")
@@ -363,6 +363,34 @@ def render_table(report) -> str:
     return markdown_table(headers, rows)
 
 
+def render_summary(report) -> str:
+    """One row per (op, mode), one column per T: ``time (x SDPA)``; then peak memory in MiB."""
+    lengths = sorted({r["T"] for r in report["rows"]})
+    by = {(r["op"], r.get("mode"), r["T"]): r for r in report["rows"]}
+    rows = []
+    for op in OPS:
+        for mode in MODES:
+            cells = []
+            for T in lengths:
+                r = by.get((op, mode, T))
+                if r is None or "time_s" not in r:
+                    cells.append(None)
+                    continue
+                x = f" ({r['speedup_vs_sdpa']:.2f}x)" if r.get("speedup_vs_sdpa") and op != "sdpa" else ""
+                cells.append(f"{r['time_s']:.3g} s{x}")
+            if any(c is not None for c in cells):
+                rows.append([op, mode, *cells])
+    head = ["op", "mode", *[f"T={T}" for T in lengths]]
+    mem_rows = []
+    for op in OPS:
+        for mode in MODES:
+            cells = [by.get((op, mode, T), {}).get("peak_bytes") for T in lengths]
+            if any(c is not None for c in cells):
+                mem_rows.append([op, mode, *[None if c is None else f"{c / 2**20:.0f}" for c in cells]])
+    return (markdown_table(head, rows) + "\n\nPeak memory above the inputs (MiB):\n\n"
+            + markdown_table(head, mem_rows))
+
+
 def _markdown_report(report, table) -> str:
     cfg = report["config"]
     return "\n".join([
@@ -372,6 +400,12 @@ def _markdown_report(report, table) -> str:
         f"Config: B={cfg['batch']} H={cfg['heads']} head_dim={cfg['head_dim']} L_h={cfg['latents']} "
         f"w={cfg['window']} chunk={cfg['chunk_size'] or 'op default'} dtype={cfg['dtype']} device={cfg['device']}",
         f"Reference matmul: {report['reference_matmul_flops_per_s'] / 1e9:.1f} GFLOP/s",
+        "",
+        "Time per call (speed-up over SDPA causal at the same T and mode):",
+        "",
+        render_summary(report),
+        "",
+        "All measurements:",
         "",
         table,
         "",
