@@ -186,7 +186,8 @@ class _Run:
 
         r = self.recipe
         model, self.tokenizer = build_model(r, dtype=model_dtype(r, self.cuda), log=self.log)
-        self.use_cache = getattr(model.config, "use_cache", True)
+        self.use_cache = getattr(model.config, "use_cache", True)  # restored in the exported config
+        model.config.use_cache = False
         new = new_parameter_names(model)
         model = apply_trainable(model, r.trainable.mode, new, lora=dataclasses.asdict(r.trainable.lora),
                                 extra=r.trainable.extra)
@@ -203,9 +204,8 @@ class _Run:
         params = [p for p in model.parameters() if p.requires_grad]
         decay = [p for p in params if p.ndim >= 2]
         no_decay = [p for p in params if p.ndim < 2]
-        groups = [{"params": decay, "weight_decay": r.train.weight_decay}]
-        if no_decay:
-            groups.append({"params": no_decay, "weight_decay": 0.0})
+        groups = [g for g in ({"params": decay, "weight_decay": r.train.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
         optimizer = torch.optim.AdamW(groups, lr=r.train.lr, betas=tuple(r.train.betas), eps=r.train.eps)
         self.model, self.optimizer = self.acc.prepare(model, optimizer)
         self.engine = self.model  # the DeepSpeedEngine

@@ -44,5 +44,4 @@ def build_model(recipe: Recipe, *, dtype: torch.dtype, log=print) -> tuple[nn.Mo
             raise SpecError(f"recipe section 'conversion': {exc}") from None
         surgery.convert(model, spec)
         log(f"[retrofit] converted {recipe.model.name}: {spec.describe()}")
-    model.config.use_cache = False
     return model, tokenizer
