@@ -184,8 +184,13 @@ class Recipe:
             raise SpecError(f"model.dtype must be auto, float32 or bfloat16, got {self.model.dtype!r}")
         if not 0.0 <= t.min_lr_ratio <= 1.0:
             raise SpecError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
-        if len(t.betas) != 2:
-            raise SpecError(f"train.betas must be two numbers, got {t.betas}")
+        try:
+            betas = [float(b) for b in t.betas]
+        except (TypeError, ValueError):
+            betas = []
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise SpecError(f"train.betas must be two numbers in [0, 1), got {t.betas}")
+        t.betas = betas
         if t.warmup_steps < 0 or d.holdout_last < 0 or d.shuffle_buffer < 0 or self.eval.every < 0 or self.eval.sequences < 0:
             raise SpecError("train.warmup_steps, data.holdout_last, data.shuffle_buffer, eval.every and eval.sequences must be >= 0")
         if self.checkpoint.keep_last < 1:

@@ -70,7 +70,9 @@ def test_overrides_are_typed_and_unknown_keys_name_the_valid_ones(tmp_path):
     r = load_recipe(CONFIGS / "gemma2-2b-macchiato.yaml", [
         "train.lr=1e-4", "train.max_steps=10", "trainable.mode=lora", "trainable.lora.target_modules=[q_proj]",
         "deepspeed.offload_optimizer=true", "conversion.init_swa_share=0.5", "train.max_tokens=1_000_000",
+        "train.betas=0.9,0.99",
     ])
+    assert r.train.betas == [0.9, 0.99]
     assert r.train.lr == 1e-4 and isinstance(r.train.lr, float)
     assert r.train.max_steps == 10 and r.trainable.lora.target_modules == ["q_proj"]
     assert r.deepspeed.offload_optimizer is True and r.conversion["init_swa_share"] == 0.5
