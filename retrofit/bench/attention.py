@@ -10,8 +10,8 @@ Ops (all through :mod:`retrofit.ops.backends`, so ``--backend`` and ``RETROFIT_B
 
 Modes: ``fwd`` (inference forward under ``torch.no_grad``) and ``fwd+bwd`` (forward, then
 backward of a fixed random cotangent into every input). Each (op, length) runs in a fresh
-worker process (``--no-isolate`` runs in this one): one warm-up run, one run that measures
-the peak memory, then timed runs (median; fewer when one run is slow, see ``--max-seconds``).
+worker process (``--no-isolate`` runs in this one): one warm-up run, timed runs (median;
+fewer when one run is slow, see ``--max-seconds``), then one run that measures the peak memory.
 
 Memory is the peak above what the inputs already hold (peak RSS on CPU, see
 :mod:`retrofit.bench.common`; the CUDA allocator's peak on GPU); ``saved`` is the size of
@@ -28,9 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -45,7 +43,6 @@ from retrofit.bench.common import (
     run_worker,
     save_figure_atomic,
     saved_tensor_bytes,
-    sync,
     time_call,
     write_json_atomic,
     write_text_atomic,
@@ -155,20 +152,11 @@ def measure_point(payload: dict[str, Any]) -> dict[str, Any]:
                 y = fn(*inputs)
             y.backward(cot)
 
-        # a warm-up run first: one-time costs (autograd engine, kernel workspaces, lazy inits)
-        # stay out of the memory figure; its duration sizes the number of timed runs
-        first = time_call(run, device, repeats=1, budget_s=0.0)["time_s"]
+        # warm-up (one-time costs: autograd engine, workspaces, lazy inits), timed runs, then
+        # one run under the memory meter (which changes malloc settings, so it comes last)
+        timing = time_call(run, device, repeats=cfg["repeats"], budget_s=cfg["budget_s"])
         with MemoryMeter(device) as mem:
-            sync(device)
-            t0 = time.perf_counter()
             run(record_saved=True)
-            sync(device)
-            mem_run = time.perf_counter() - t0
-        # the measured run counts as the first timed run; more while the budget allows
-        n_more = int(max(0, min(cfg["repeats"], cfg["budget_s"] // max(first, 1e-9)) - 1))
-        timing = time_call(run, device, repeats=n_more, budget_s=float("inf"), first_time=first) if n_more else None
-        times = [mem_run] + (timing["times_s"] if timing else [])
-        timing = {"time_s": statistics.median(times), "times_s": times, "warmup_s": first}
         out["modes"][mode] = {
             **timing,
             "peak_bytes": mem.peak_bytes,

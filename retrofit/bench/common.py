@@ -3,9 +3,11 @@
 Memory on CPU is the peak resident set size (RSS) above a baseline, read from Linux's
 ``/proc/self/status`` (``VmHWM`` = peak RSS since the last reset; writing ``5`` to
 ``/proc/self/clear_refs`` resets it). Freed memory only leaves the RSS if malloc returns it to
-the OS, so the workers run with ``MALLOC_MMAP_THRESHOLD_=65536``: every allocation of 64 KiB
-or more is its own mmap, unmapped on free, and the RSS follows live tensor memory. On CUDA
-it is ``torch.cuda.max_memory_allocated`` above the allocation at the start of the point.
+the OS, so for the measured block :class:`MemoryMeter` switches glibc to mmap every allocation
+of 64 KiB or more (``mallopt``; unmapped on free) and trims the heap first: the RSS then
+follows live tensor memory. Timed runs happen outside the meter, under malloc's usual
+settings (fresh mmaps cost page faults that would slow ops with many temporaries).
+On CUDA it is ``torch.cuda.max_memory_allocated`` above the allocation at the start.
 """
 from __future__ import annotations
 
@@ -27,7 +29,6 @@ import torch
 
 __all__ = [
     "MemoryMeter",
-    "WORKER_ENV",
     "hardware_info",
     "matmul_flops",
     "markdown_table",
@@ -38,8 +39,33 @@ __all__ = [
     "write_text_atomic",
 ]
 
-# environment for worker subprocesses: big allocations are mmaps, returned to the OS on free
-WORKER_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+# glibc mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def _libc():
+    try:
+        import ctypes
+
+        lib = ctypes.CDLL("libc.so.6")
+        lib.mallopt, lib.malloc_trim  # noqa: B018 - both must exist (glibc)
+        return lib
+    except (OSError, AttributeError):
+        return None
+
+
+def _malloc_exact(on: bool) -> bool:
+    """on: mmap every allocation >= 64 KiB and trim the heap; off: glibc's usual 32 MiB / 64 MiB."""
+    lib = _libc()
+    if lib is None:
+        return False
+    if on:
+        ok = lib.mallopt(_M_MMAP_THRESHOLD, 65536) and lib.mallopt(_M_TRIM_THRESHOLD, 0)
+        lib.malloc_trim(0)
+        return bool(ok)
+    lib.mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)
+    lib.mallopt(_M_TRIM_THRESHOLD, 64 * 2**20)
+    return True
 
 
 def sync(device: torch.device | str) -> None:
@@ -128,19 +154,23 @@ class MemoryMeter:
             self._base = torch.cuda.memory_allocated(self.device)
             self.method = "cuda max_memory_allocated"
         else:
+            exact = _malloc_exact(True)
             self._resettable = self._reset_hwm()
             status = _proc_status()
             self._base = None if status is None else status["VmRSS"]
-            self.method = "peak RSS (VmHWM)" if self._resettable and status else "none"
+            if self._resettable and status:
+                self.method = "peak RSS (VmHWM)" + ("" if exact else ", malloc caching not disabled")
         return self
 
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
             sync(self.device)
             self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self._base
-        elif self.method != "none":
-            status = _proc_status()
-            self.peak_bytes = None if status is None else max(0, status["VmHWM"] - self._base)
+        else:
+            if self.method != "none":
+                status = _proc_status()
+                self.peak_bytes = None if status is None else max(0, status["VmHWM"] - self._base)
+            _malloc_exact(False)
 
     @staticmethod
     def _reset_hwm() -> bool:
@@ -274,7 +304,7 @@ def _fmt(x: Any) -> str:
 
 def run_worker(module: str, payload: dict[str, Any], *, timeout: float | None = None) -> dict[str, Any]:
     """Run ``python -m <module> --worker '<json>'`` in a fresh process; its last stdout line is JSON."""
-    env = dict(os.environ, **WORKER_ENV)
+    env = dict(os.environ)
     try:
         proc = subprocess.run(
             [sys.executable, "-m", module, "--worker", json.dumps(payload)],
