@@ -29,24 +29,25 @@ class DemoSettings:
 
     model: str = "gemma3-270m"
     recipe: str = DEFAULT_RECIPE
-    train_steps: int = 200
-    seq_len: int = 512
-    batch_size: int = 4
+    train_steps: int | None = None  # None: the recipe's own (sized for ~15 min on 2 CPU cores)
+    seq_len: int | None = None
+    batch_size: int | None = None
     ppl_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
     ppl_windows: int = 1
     passkey_lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048])
     passkey_depths: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])
     passkey_trials: int = 2
-    eval_sequences: int = 16
+    eval_sequences: int | None = None
     prompt_tokens: int = 256
     new_tokens: int = 48
     overrides: list[str] = field(default_factory=list)
 
     def recipe_overrides(self) -> list[str]:
         """What the preset changes in the recipe; user overrides come last and win."""
-        return [f"train.max_steps={self.train_steps}", f"data.seq_len={self.seq_len}",
-                f"train.batch_size={self.batch_size}", f"eval.sequences={self.eval_sequences}",
-                f"eval.every={max(self.train_steps // 4, 1)}", *self.overrides]
+        preset = {"train.max_steps": self.train_steps, "data.seq_len": self.seq_len,
+                  "train.batch_size": self.batch_size, "eval.sequences": self.eval_sequences,
+                  "eval.every": None if self.train_steps is None else max(self.train_steps // 4, 1)}
+        return [f"{k}={v}" for k, v in preset.items() if v is not None] + list(self.overrides)
 
     @classmethod
     def quick(cls) -> "DemoSettings":
@@ -167,11 +168,12 @@ def run_demo(out: str | Path = "runs/demo", settings: DemoSettings | None = None
     def stage_train():
         r = load_recipe(s.recipe, [
             f"model.name={converted_dir}", f"checkpoint.output_dir={out / 'train'}", "checkpoint.resume=none",
-            f"checkpoint.save_every={max(s.train_steps, 1)}", *s.recipe_overrides(),
+            *s.recipe_overrides(),
         ])
         return train(r)
 
-    result = stages.run(f"train the new weights ({s.train_steps} steps of {s.batch_size}x{s.seq_len} tokens)", stage_train)
+    steps, batch, seq = recipe.train.max_steps, recipe.train.batch_size, recipe.data.seq_len
+    result = stages.run(f"train the new weights ({steps} steps of {batch}x{seq} tokens)", stage_train)
     trained_dir = Path(result.final_dir) if result.final_dir else None
     if trained_dir is None:
         raise RetrofitError("training wrote no final export; check checkpoint.export in the recipe")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from retrofit.data.sources import resolve_files, split_holdout
+from retrofit.data.sources import resolve_files
 from retrofit.errors import SpecError
 from retrofit.surgery import ConversionSpec
 from retrofit.train.distributed import deepspeed_config
@@ -46,24 +46,29 @@ def test_blog_recipe_is_10k_steps_of_48k_tokens():
     assert cfg["zero_optimization"]["stage"] == 3 and cfg["gradient_accumulation_steps"] == 3
 
 
-def test_cpu_recipe_finds_the_books_beside_the_repo_and_holds_out_the_last_two(monkeypatch):
+def test_cpu_recipe_finds_the_books_beside_the_repo_and_holds_out_the_data_readmes_two(monkeypatch):
     monkeypatch.delenv("RETROFIT_PG_BOOKS", raising=False)
     r = load_recipe("gemma3-270m-macchiato-cpu.yaml")  # a bundled name works too
     assert r.model.name == "gemma3-270m" and r.trainable.mode == "new"
     if not BOOKS.is_dir():
         pytest.skip("../shared/data/pg-books is not beside this checkout")
-    files = resolve_files(r.data.files, r.base_dir)
-    assert files[0].parent.resolve() == BOOKS.resolve()
-    train, held = split_holdout(files, r.data.holdout_last)
-    assert [f.name for f in held] == ["news-from-nowhere.txt", "pride-and-prejudice.txt"]
-    assert len(train) == 4
+    train = resolve_files(r.data.files, r.base_dir)
+    held = resolve_files(r.eval.files, r.base_dir)
+    assert train[0].parent.resolve() == BOOKS.resolve()
+    # the split of the data README (and of `retrofit eval`'s pg-books-heldout): never train on these
+    assert [f.name for f in held] == ["complete-angler.txt", "jack-sheppard.txt"]
+    assert [f.name for f in train] == ["devils-dictionary.txt", "moby-dick.txt", "news-from-nowhere.txt",
+                                       "pride-and-prejudice.txt"]
+    assert not set(train) & set(held)
 
 
 def test_data_path_env_override(tmp_path, monkeypatch):
-    (tmp_path / "x.txt").write_text("hello")
+    names = ["devils-dictionary.txt", "moby-dick.txt", "news-from-nowhere.txt", "pride-and-prejudice.txt"]
+    for name in names:
+        (tmp_path / name).write_text("hello")
     monkeypatch.setenv("RETROFIT_PG_BOOKS", str(tmp_path))
-    r = load_recipe(CONFIGS / "gemma3-270m-macchiato-cpu.yaml", ["data.holdout_last=0"])
-    assert resolve_files(r.data.files, r.base_dir) == [tmp_path / "x.txt"]
+    r = load_recipe(CONFIGS / "gemma3-270m-macchiato-cpu.yaml")
+    assert resolve_files(r.data.files, r.base_dir) == [tmp_path / n for n in names]
 
 
 def test_overrides_are_typed_and_unknown_keys_name_the_valid_ones(tmp_path):
