@@ -304,7 +304,7 @@ def causal_latte_chunked(
     # intra-chunk token-to-token part
     z_end_safe = _finite_or_zero(z_end)
     w_intra = _intra_chunk_weights(q, a, z, z_safe, z_end_safe)
-    out = torch.matmul(w_intra, vv)
+    intra = torch.matmul(w_intra, vv)
 
     # chunk-start states by a scan over chunks: m_{c+1} = exp(z_start - z_end) m_c + U_c
     contrib = torch.matmul(torch.exp(a - z_end_safe.unsqueeze(3)).transpose(-1, -2), vv)  # (B,H,n,L,D)
@@ -312,7 +312,8 @@ def causal_latte_chunked(
 
     # inter-chunk part: sum_l q_tl exp(z_start - z_t) m_start[l]
     q_inter = q * torch.exp(z_start.unsqueeze(3) - z_safe)
-    out = out + torch.matmul(q_inter, m_start)
+    # intra + q_inter @ m_start in one fused batched GEMM (no (T, D) temporary for the sum)
+    out = torch.baddbmm(intra.view(-1, C, D), q_inter.reshape(-1, C, L), m_start.reshape(-1, L, D))
 
     out = out.view(B, H, n * C, D)[:, :, :T]
     if key_padding_mask is not None:
