@@ -28,14 +28,9 @@ from torch import nn
 from retrofit.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.base import RetrofitAttention
 from retrofit.layers.conv import CausalDepthwiseConv
-from retrofit.ops import (
-    LatteState,
-    causal_latte_chunked,
-    causal_latte_step,
-    macchiato_attention,
-    repeat_kv_heads,
-    sliding_window_attention,
-)
+from retrofit.ops import LatteState, repeat_kv_heads
+# the dispatching versions: fla / flash-attn kernels on CUDA when installed, torch otherwise
+from retrofit.ops.backends import causal_latte_chunked, causal_latte_step, macchiato_attention, sliding_window_attention
 
 __all__ = ["DEFAULT_INIT_SWA_SHARE", "MacchiatoAttention", "swa_bias"]
 
