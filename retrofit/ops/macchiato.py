@@ -34,7 +34,7 @@ def macchiato_attention(
     scaling: float | None = None,
     softcap: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = 128,
     initial_state: LatteState | None = None,
     output_final_state: bool = False,
 ) -> tuple[torch.Tensor, LatteState | None]:

@@ -10,11 +10,12 @@ Shapes: q ``(B, Hq, Tq, d)``, k ``(B, Hkv, Tk, d)``, v ``(B, Hkv, Tk, Dv)`` with
 ``key_padding_mask`` ``(B, Tk)`` is True for real tokens. Queries at padded positions
 return zeros.
 
-On CPU, unpadded prefill/training calls without soft-capping take a two-pass form on
-PyTorch's fused flash kernel (:class:`_TwoPassBlockedSWA`): each query block of ``w`` is a
-mask-free causal call against its own key block plus a mask-free causal call against the
-reversed previous block, merged by log-sum-exp. It scores ``w`` keys per query (the masked
-blocked form scores ``2w``) and never materialises a mask or the scores.
+On CPU the blocked form runs as :class:`_BandedSWA`: per head, each query block of ``w``
+scores its previous and own key blocks through an *overlapping strided view* of the keys
+(no copies of k or v), softmax and value product as batched GEMMs, and a hand-written
+backward (fused softmax backward, key/value gradients accumulated straight into their
+blocks). Elsewhere (CUDA without flash-attn, MPS) the blocked form goes through SDPA with a
+boolean mask.
 """
 from __future__ import annotations
 
@@ -23,12 +24,6 @@ import torch.nn.functional as F
 
 __all__ = ["sliding_window_attention", "sliding_window_attention_reference"]
 
-# PyTorch's fused CPU flash-attention kernel, which (unlike F.scaled_dot_product_attention)
-# returns the log-sum-exp that merging two partial softmaxes needs. Private ATen ops: when a
-# PyTorch build lacks them, the masked blocked form below is used instead.
-_FLASH_CPU_FWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-_FLASH_CPU_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
-_FLASH_CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
@@ -83,93 +78,128 @@ def sliding_window_attention_reference(
     return out
 
 
-class _TwoPassBlockedSWA(torch.autograd.Function):
-    """Causal window-``w`` attention for ``T % w == 0`` as two mask-free flash calls per block.
+def _windows(x: torch.Tensor, window: int, num_past: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key windows of one head: ``x`` ``(num_past + blocks * w, c)`` contiguous.
 
-    Query ``i`` of block ``b`` sees keys ``0..i`` of block ``b`` (pass A: plain causal) and keys
-    ``j > i`` of block ``b - 1`` (pass B). Reversing both the queries ``0..w-2`` and the keys
-    ``1..w-1`` turns ``j > i`` into causal order, so pass B is causal too. The passes are merged
-    by their log-sum-exps; the backward calls the flash backward of each pass with the *merged*
-    output and log-sum-exp, which yields the gradients of the merged softmax exactly.
+    Returns ``(first (2w, c), rest (blocks - 1, 2w, c))``: window ``c`` holds the ``w`` keys before
+    query block ``c`` and its own ``w`` keys. ``rest`` is an overlapping strided view of ``x`` (no
+    copy); ``first`` is zero-padded in front (its missing keys are masked).
+    """
+    w, c = window, x.shape[-1]
+    first = F.pad(x[: num_past + w], (0, 0, w - num_past, 0))
+    rest = x[num_past:].as_strided((blocks - 1, 2 * w, c), (w * c, c, 1))
+    return first, rest
 
-    q, k, v: ``(N, n, w, d|D)`` contiguous blocks (N = batch x heads). Returns ``(N, n, w, D)``.
+
+class _BandedSWA(torch.autograd.Function):
+    """Blocked sliding-window attention as per-head batched GEMMs over overlapping key windows.
+
+    q ``(B, Hq, n w, d)``; k, v ``(B, Hkv, num_past + n w, d|D)`` (all contiguous, ``num_past
+    <= w``); allowed ``(B|1, 1, n, w, 2w)`` bool over each query block's window (see
+    :func:`_windows`). Returns ``(B, Hq, n w, D)``. Scores of a head are ``(n, w, 2w)``: O(T w)
+    time and memory, and k, v are never copied.
     """
 
     @staticmethod
-    def _pass_b(x: torch.Tensor, queries: bool) -> torch.Tensor:
-        # queries 0..w-2 of blocks 1..n-1 / keys 1..w-1 of blocks 0..n-2, reversed within the block
-        N, n, w, c = x.shape
-        part = x[:, 1:, : w - 1] if queries else x[:, :-1, 1:]
-        return part.flip(2).reshape(N * (n - 1), 1, w - 1, c)
-
-    @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        N, n, w, d = q.shape
-        D = v.shape[-1]
-        out, lse = _FLASH_CPU_FWD(q.view(N * n, 1, w, d), k.view(N * n, 1, w, d), v.view(N * n, 1, w, D),
-                                  is_causal=True, scale=scale)
-        out, lse = out.reshape(N, n, w, D), lse.reshape(N, n, w)
-        if n > 1 and w > 1:
-            pb = _TwoPassBlockedSWA._pass_b
-            out_b, lse_b = _FLASH_CPU_FWD(pb(q, True), pb(k, False), pb(v, False), is_causal=True, scale=scale)
-            out_b = out_b.reshape(N, n - 1, w - 1, D).flip(2)
-            lse_b = lse_b.reshape(N, n - 1, w - 1).flip(2)
-            lse_a = lse[:, 1:, : w - 1]
-            merged = torch.logaddexp(lse_a, lse_b)
-            mixed = (torch.exp(lse_a - merged)[..., None] * out[:, 1:, : w - 1]
-                     + torch.exp(lse_b - merged)[..., None] * out_b)
-            out[:, 1:, : w - 1] = mixed.to(out.dtype)
-            lse[:, 1:, : w - 1] = merged
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.scale = scale
+    def forward(ctx, q, k, v, allowed, window: int, num_past: int, scale: float, softcap: float | None):
+        B, Hq, Tq, d = q.shape
+        w, n, group = window, Tq // window, Hq // k.shape[1]
+        probs = q.new_empty(B, Hq, n, w, 2 * w)
+        for b in range(B):
+            for h in range(Hq):
+                k0, kw = _windows(k[b, h // group], w, num_past, n)
+                qb, s = q[b, h].view(n, w, d), probs[b, h]
+                torch.mm(qb[0], k0.t(), out=s[0]).mul_(scale)
+                s[1:].baddbmm_(qb[1:], kw.transpose(1, 2), beta=0.0, alpha=scale)
+        tanh = None
+        if softcap is not None:
+            tanh = torch.tanh(probs / softcap)
+            probs = torch.mul(tanh, softcap, out=probs)
+        probs.masked_fill_(~allowed, float("-inf"))
+        probs = torch.softmax(probs, dim=-1)
+        out = q.new_empty(B, Hq, Tq, v.shape[-1])
+        for b in range(B):
+            for h in range(Hq):
+                v0, vw = _windows(v[b, h // group], w, num_past, n)
+                p, o = probs[b, h], out[b, h].view(n, w, -1)
+                torch.mm(p[0], v0, out=o[0])
+                torch.bmm(p[1:], vw, out=o[1:])
+        ctx.save_for_backward(q, k, v, probs, tanh)
+        ctx.cfg = (w, num_past, scale)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
-        N, n, w, d = q.shape
-        D = v.shape[-1]
+        q, k, v, probs, tanh = ctx.saved_tensors
+        w, num_past, scale = ctx.cfg
+        B, Hq, Tq, d = q.shape
+        n, group = Tq // w, Hq // k.shape[1]
         grad_out = grad_out.contiguous()
-        dq, dk, dv = _FLASH_CPU_BWD(
-            grad_out.view(N * n, 1, w, D), q.view(N * n, 1, w, d), k.view(N * n, 1, w, d), v.view(N * n, 1, w, D),
-            out.view(N * n, 1, w, D), lse.view(N * n, 1, w), 0.0, True, scale=ctx.scale,
-        )
-        dq, dk, dv = dq.reshape(N, n, w, d).clone(), dk.reshape(N, n, w, d).clone(), dv.reshape(N, n, w, D).clone()
-        if n > 1 and w > 1:
-            pb = _TwoPassBlockedSWA._pass_b
-            lse_b = lse[:, 1:, : w - 1].flip(2).reshape(N * (n - 1), 1, w - 1)
-            dq_b, dk_b, dv_b = _FLASH_CPU_BWD(
-                pb(grad_out, True), pb(q, True), pb(k, False), pb(v, False), pb(out, True), lse_b,
-                0.0, True, scale=ctx.scale,
-            )
-            dq[:, 1:, : w - 1] += dq_b.reshape(N, n - 1, w - 1, d).flip(2)
-            dk[:, :-1, 1:] += dk_b.reshape(N, n - 1, w - 1, d).flip(2)
-            dv[:, :-1, 1:] += dv_b.reshape(N, n - 1, w - 1, D).flip(2)
-        return dq, dk, dv, None
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        for b in range(B):
+            for h in range(Hq):
+                hk = h // group
+                k0, kw = _windows(k[b, hk], w, num_past, n)
+                v0, vw = _windows(v[b, hk], w, num_past, n)
+                do, p, qb = grad_out[b, h].view(n, w, -1), probs[b, h], q[b, h].view(n, w, d)
+                dp = torch.empty_like(p)
+                torch.mm(do[0], v0.t(), out=dp[0])
+                torch.bmm(do[1:], vw.transpose(1, 2), out=dp[1:])
+                ds = torch._softmax_backward_data(dp, p, -1, p.dtype)
+                if tanh is not None:
+                    ds.mul_(1.0 - tanh[b, h].square())
+                dqb = dq[b, h].view(n, w, d)
+                torch.mm(ds[0], k0, out=dqb[0]).mul_(scale)
+                dqb[1:].baddbmm_(ds[1:], kw, beta=0.0, alpha=scale)
+                # window c = [the w keys before block c | block c's own keys]
+                beta = 0.0 if h % group == 0 else 1.0  # first query head of a KV group overwrites
+                for grad, weights, rhs, alpha in ((dk, ds, qb, scale), (dv, p, do, 1.0)):
+                    g = grad[b, hk]
+                    own = g[num_past:].view(n, w, -1)
+                    if beta == 0.0:
+                        g[:num_past].zero_()
+                    own.baddbmm_(weights[..., w:].transpose(1, 2), rhs, beta=beta, alpha=alpha)
+                    own[:-1].baddbmm_(weights[1:, :, :w].transpose(1, 2), rhs[1:], alpha=alpha)
+                    if num_past:  # block 0's earlier keys are the cached ones
+                        g[:num_past].addmm_(weights[0, :, w - num_past: w].t(), rhs[0], alpha=alpha)
+        return dq, dk, dv, None, None, None, None, None
 
 
-def _two_pass_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float | None,
-                      key_padding_mask: torch.Tensor | None, num_past: int) -> bool:
-    return (
-        _FLASH_CPU_FWD is not None and _FLASH_CPU_BWD is not None
-        and q.device.type == "cpu" and q.dtype in _FLASH_CPU_DTYPES and q.dtype == k.dtype == v.dtype
-        and q.shape[-1] == v.shape[-1]  # the kernel wants one head size for q, k and v
-        and (softcap is None or softcap <= 0) and key_padding_mask is None and num_past == 0
-    )
+def _banded_blocked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    scaling: float,
+    softcap: float | None,
+    key_padding_mask: torch.Tensor | None,
+    num_past: int,
+) -> torch.Tensor:
+    """The blocked form through :class:`_BandedSWA`; ``num_past <= window``. Returns ``(B, Hq, Tq, Dv)``."""
+    B, Hq, Tq, d = q.shape
+    Tk, w = k.shape[2], window
+    compute = torch.promote_types(q.dtype, torch.float32)  # bf16/fp16 inputs: fp32 GEMMs and softmax
+    n = -(-Tq // w)
+    tail = n * w - Tq
 
+    def prepared(x: torch.Tensor) -> torch.Tensor:  # no copy when already fine
+        x = x.to(compute)
+        return (F.pad(x, (0, 0, 0, tail)) if tail else x).contiguous()
 
-def _two_pass_blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scaling: float) -> torch.Tensor:
-    """``(B, Hq, T, d)`` queries, ``(B, Hkv, T, .)`` keys/values -> ``(B, Hq, T, D)`` via :class:`_TwoPassBlockedSWA`."""
-    B, Hq, T, d = q.shape
-    Hkv, D, w = k.shape[1], v.shape[-1], window
-    if Hkv != Hq:  # the flash kernel wants equal heads; autograd sums the copies' gradients
-        k = k[:, :, None].expand(B, Hkv, Hq // Hkv, T, d).reshape(B, Hq, T, d)
-        v = v[:, :, None].expand(B, Hkv, Hq // Hkv, T, D).reshape(B, Hq, T, D)
-    n = -(-T // w)
-    tail = n * w - T  # zero rows at the end: only padded queries can see padded keys (causal)
-    blocks = [F.pad(x, (0, 0, 0, tail)).reshape(B * Hq, n, w, x.shape[-1]).contiguous() for x in (q, k, v)]
-    out = _TwoPassBlockedSWA.apply(*blocks, scaling)
-    return out.reshape(B, Hq, n * w, D)[:, :, :T]
+    valid = torch.ones(1, Tk, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask.bool()
+    valid = F.pad(valid, (w - num_past, tail), value=False)  # (B|1, (n + 1) w): query 0 at index w
+    i = torch.arange(w, device=q.device)[:, None]
+    r = torch.arange(2 * w, device=q.device)[None, :]
+    band = (r > i) & (r <= i + w)  # query i of a block sees window keys i+1 .. i+w
+    allowed = band & valid.unfold(1, 2 * w, w)[:, :, None, :]  # (B|1, n, w, 2w)
+    # padded queries (and the tail) keep their own key so no row is all -inf; zeroed below
+    q_valid = valid[:, w:].view(-1, n, w)
+    allowed = allowed | (~q_valid[..., None] & (r == i + w))
+    out = _BandedSWA.apply(prepared(q), prepared(k), prepared(v), allowed[:, None], w, num_past, scaling, softcap)
+    out = out[:, :, :Tq] if tail else out
+    if key_padding_mask is not None:
+        out = out * q_valid.reshape(-1, 1, n * w, 1)[:, :, :Tq].to(out.dtype)
+    return out.to(v.dtype)
 
 
 def sliding_window_attention(
@@ -186,8 +216,8 @@ def sliding_window_attention(
     """Blocked form: queries in blocks of ``w`` attend to their own and the previous key block.
 
     Cost O(Tq * 2w * d) time and memory; uses SDPA (fused on CPU and GPU) unless logit
-    soft-capping is requested, which SDPA cannot express. On CPU without padding, cached keys
-    or soft-capping, the two-pass flash form (O(Tq * w * d), no mask) runs instead.
+    soft-capping is requested, which SDPA cannot express. On CPU the same blocks run as
+    :class:`_BandedSWA` (no k/v copies, no mask expansion over heads, own backward).
     Returns ``(B, Hq, Tq, Dv)``.
     """
     B, Hq, Tq, d = q.shape
@@ -204,12 +234,26 @@ def sliding_window_attention(
             q, k, v, window, scaling=scaling, softcap=softcap,
             key_padding_mask=key_padding_mask, num_past=num_past,
         )
-    w, group = window, Hq // Hkv
     scaling = d**-0.5 if scaling is None else scaling
-    if key_padding_mask is not None and q.device.type == "cpu" and bool(key_padding_mask.all()):
-        key_padding_mask = None  # nothing padded: the mask-free forms apply
-    if _two_pass_applies(q, k, v, softcap, key_padding_mask, num_past):
-        return _two_pass_blocked(q, k, v, window, scaling)
+    softcap = softcap if softcap is not None and softcap > 0 else None
+    blocked = _banded_blocked if q.device.type == "cpu" else _masked_blocked
+    return blocked(q, k, v, window, scaling, softcap, key_padding_mask, num_past)
+
+
+def _masked_blocked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    scaling: float,
+    softcap: float | None,
+    key_padding_mask: torch.Tensor | None,
+    num_past: int,
+) -> torch.Tensor:
+    """The blocked form through SDPA with a boolean (B, n, w, 2w) mask (GPU without flash-attn)."""
+    B, Hq, Tq, d = q.shape
+    Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    w, group = window, Hq // Hkv
     n = -(-Tq // w)
     tail = n * w - Tq
     # key index j (queries at 0..Tq-1, past keys at -num_past..-1) lives at j + w in kp
@@ -236,7 +280,7 @@ def sliding_window_attention(
     allowed = (band & vmask[:, :, None, :]) | (~q_valid[..., None] & diag)  # (B, n, w, 2w)
     allowed = allowed.unsqueeze(2).expand(B, n, group, w, 2 * w).reshape(B, 1, n, group * w, 2 * w)
 
-    if softcap is None or softcap <= 0:
+    if softcap is None:
         out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, scale=scaling)
     else:
         scores = _softcap(_upcast(torch.matmul(qb, kb.transpose(-1, -2))) * scaling, softcap)

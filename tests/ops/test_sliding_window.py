@@ -109,36 +109,58 @@ def test_key_count_must_match():
         sliding_window_attention(q, torch.randn(1, 1, 5, 2), torch.randn(1, 1, 5, 2), 3)
 
 
-# ---- the two-pass flash form (CPU, no padding / cache / soft-cap) ----------------------------
+# ---- the two blocked implementations, called directly -------------------------------------
+# sliding_window_attention runs _banded_blocked on CPU and _masked_blocked elsewhere; both are
+# checked here on CPU against the per-query loop.
 
 from retrofit.ops import sliding_window as swa_module  # noqa: E402
 
-
-def test_two_pass_form_is_what_cpu_training_runs():
-    q, k, v = (torch.randn(1, 2, 64, 8) for _ in range(3))
-    assert swa_module._two_pass_applies(q, k, v, None, None, 0), "PyTorch's CPU flash ops are missing"
-    assert not swa_module._two_pass_applies(q, k, v, 30.0, None, 0)
-    assert not swa_module._two_pass_applies(q, k, v, None, torch.ones(1, 64, dtype=torch.bool), 0)
+BLOCKED = {"banded": swa_module._banded_blocked, "masked": swa_module._masked_blocked}
 
 
-@settings(max_examples=25, deadline=None)
+@pytest.mark.parametrize("impl", sorted(BLOCKED))
+@settings(max_examples=20, deadline=None)
 @given(
-    T=st.integers(2, 70),
-    window=st.integers(1, 16),
+    T=st.integers(2, 60),
+    window=st.integers(1, 14),
+    num_past=st.integers(0, 14),
     heads=st.sampled_from([(2, 2), (4, 2), (3, 1)]),
+    softcap=st.sampled_from([None, 4.0]),
+    pads=st.sampled_from([None, [0, 3], [7, 0]]),
     scale=st.sampled_from([0.5, 8.0]),
 )
-def test_two_pass_matches_loop(T, window, heads, scale):
+def test_blocked_impls_match_loop(impl, T, window, num_past, heads, softcap, pads, scale):
     Hq, Hkv = heads
+    num_past = min(num_past, window)  # the public function trims longer caches first
     q = torch.randn(2, Hq, T, 4, dtype=torch.float64) * scale
-    k = torch.randn(2, Hkv, T, 4, dtype=torch.float64) * scale
-    v = torch.randn(2, Hkv, T, 4, dtype=torch.float64)
-    out = swa_module._two_pass_blocked(q, k, v, window, 0.5)
-    ref = _loop_reference(q, k, v, window, 0.5, None, None, 0)
+    k = torch.randn(2, Hkv, num_past + T, 4, dtype=torch.float64) * scale
+    v = torch.randn(2, Hkv, num_past + T, 3, dtype=torch.float64)
+    mask = None if pads is None else padding_mask(2, num_past + T, pads)
+    out = BLOCKED[impl](q, k, v, window, 0.5, softcap, mask, num_past)
+    ref = _loop_reference(q, k, v, window, 0.5, softcap, mask, num_past)
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
 
 
-def test_two_pass_takes_strided_inputs():
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("T,window,heads,pads", [(13, 4, (2, 1), None), (12, 4, (2, 2), [3]), (9, 1, (2, 2), None), (11, 3, (4, 2), [2])])
+def test_banded_gradcheck(T, window, heads, pads, softcap):
+    q = torch.randn(1, heads[0], T, 3, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, heads[1], T, 3, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, heads[1], T, 3, dtype=torch.float64, requires_grad=True)
+    mask = None if pads is None else padding_mask(1, T, pads)
+    fn = lambda a, b, c: swa_module._banded_blocked(a, b, c, window, 0.7, softcap, mask, 0)  # noqa: E731
+    assert gradcheck(fn, (q, k, v))
+
+
+def test_banded_gradcheck_with_cached_keys():
+    q = torch.randn(1, 2, 10, 3, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 1, 13, 3, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 1, 13, 3, dtype=torch.float64, requires_grad=True)
+    fn = lambda a, b, c: swa_module._banded_blocked(a, b, c, 4, 0.7, None, None, 3)  # noqa: E731
+    assert gradcheck(fn, (q, k, v))
+
+
+def test_blocked_takes_strided_inputs():
     """Attention layers hand over (B, T, H, d) projections transposed to (B, H, T, d)."""
     q, k, v = (torch.randn(1, 256, 2, 8).transpose(1, 2) for _ in range(3))
     out = sliding_window_attention(q, k, v, 64)
@@ -146,27 +168,20 @@ def test_two_pass_takes_strided_inputs():
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("T,window,heads", [(13, 4, (2, 1)), (12, 4, (2, 2)), (5, 8, (1, 1)), (9, 1, (2, 2))])
-def test_two_pass_gradcheck(T, window, heads):
-    q = torch.randn(1, heads[0], T, 3, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(1, heads[1], T, 3, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(1, heads[1], T, 3, dtype=torch.float64, requires_grad=True)
-    assert gradcheck(lambda a, b, c: swa_module._two_pass_blocked(a, b, c, window, 0.7), (q, k, v))
-
-
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_two_pass_long_large_logits_fwd_bwd(dtype, tol):
-    """T = 1000 (not a multiple of w = 128), logits spread ~ +-500, GQA; forward and gradients."""
+def test_long_large_logits_fwd_bwd(dtype, tol):
+    """T = 1000 (not a multiple of w = 128), logit spread ~ +-60, GQA, left padding; forward and gradients."""
     torch.manual_seed(0)
-    q = torch.randn(1, 4, 1000, 32) * 4
-    k = torch.randn(1, 2, 1000, 32) * 4
-    v = torch.randn(1, 2, 1000, 32)
-    g = torch.randn(1, 4, 1000, 32)
+    q = torch.randn(2, 4, 1000, 32) * 4
+    k = torch.randn(2, 2, 1000, 32) * 4
+    v = torch.randn(2, 2, 1000, 32)
+    g = torch.randn(2, 4, 1000, 32)
+    mask = padding_mask(2, 1000, [0, 300])
     results = []
     for fn, cast in ((sliding_window_attention, dtype), (sliding_window_attention_reference, torch.float64)):
         # the reference sees the same (rounded) inputs, so only the kernel's own error is measured
         args = [x.to(dtype).to(cast).detach().requires_grad_() for x in (q, k, v)]
-        out = fn(*args, 128)
+        out = fn(*args, 128, key_padding_mask=mask)
         (out * g.to(dtype).to(cast)).sum().backward()
         results.append([out.detach(), *(x.grad for x in args)])
     for got, want in zip(*results):
