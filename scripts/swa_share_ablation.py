@@ -100,10 +100,14 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.time()
         result = train(recipe)
         metrics = run_dir / "metrics.jsonl"
+        history = read_metrics(metrics, "train")
         results[f"{share:g}"] = {
-            "evals": read_metrics(metrics, "eval"), "train": read_metrics(metrics, "train"),
-            "steps": result.steps, "tokens": result.tokens, "wall_s": round(time.time() - t0, 1),
-            "trainable": result.counts.trainable,
+            "evals": read_metrics(metrics, "eval"), "train": history,
+            "steps": result.steps, "tokens": result.tokens,
+            # optimizer-step time over the whole run (a resumed run's earlier steps included);
+            # wall_s is this invocation only
+            "train_s": round(sum(h.get("step_time_s", 0.0) for h in history), 1),
+            "wall_s": round(time.time() - t0, 1), "trainable": result.counts.trainable,
         }
     recipe = load_recipe(args.recipe, args.overrides)
     base = None if args.no_base else base_reference(recipe)
@@ -117,12 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "ablation.json").write_text(json.dumps(summary, indent=2) + "\n")
 
-    print("\n| init SWA share | held-out loss, untrained | after {} steps | change | wall time |".format(steps))
+    print("\n| init SWA share | held-out loss, untrained | after {} steps | change | step time |".format(steps))
     print("|---|---|---|---|---|")
     for share, r in results.items():
         first, last = r["evals"][0]["loss"], r["evals"][-1]["loss"]
         print(f"| {share} | {first:.4f} (ppl {math.exp(first):.2f}) | {last:.4f} (ppl {math.exp(last):.2f}) "
-              f"| {last - first:+.4f} | {r['wall_s'] / 60:.1f} min |")
+              f"| {last - first:+.4f} | {r['train_s'] / 60:.1f} min |")
     if base is not None:
         print(f"| base model | {base:.4f} (ppl {math.exp(base):.2f}) | | | |")
     print(f"\nplot: {args.plot}; numbers: {out / 'ablation.json'}")

@@ -195,7 +195,7 @@ def _intra_chunk_weights(
     q_f = q * torch.exp(growth.clamp(max=FACTORISED_MAX_RANGE))
     k_f = torch.exp(a - r)
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    w = torch.matmul(q_f, k_f.transpose(-1, -2)).masked_fill(~causal, 0.0)
+    w = torch.matmul(q_f, k_f.transpose(-1, -2)).masked_fill_(~causal, 0.0)  # in place: matmul saves only its inputs
     unsafe = (growth > FACTORISED_MAX_RANGE).any(dim=-1).any(dim=-1)  # (B,H,n)
     if bool(unsafe.any()):
         idx = unsafe.reshape(-1).nonzero().squeeze(-1)

@@ -22,7 +22,7 @@ from retrofit.errors import SpecError
 __all__ = ["ConversionSpec", "DEFAULT_INIT_SWA_SHARE", "DTYPES", "parse_layers"]
 
 # The initial sliding-window share p(0|t) of a fresh Macchiato layer: one constant, defined next
-# to the layer (provisional; to be set by the training engineer's ablation).
+# to the layer (0.9, chosen by the SWA-share ablation in BENCHMARKS.md).
 from retrofit.layers.macchiato import DEFAULT_INIT_SWA_SHARE  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16")
