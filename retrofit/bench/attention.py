@@ -35,6 +35,7 @@ from typing import Any, Callable
 import torch
 
 from retrofit.bench.common import (
+    set_malloc_mode,
     MemoryMeter,
     hardware_info,
     hardware_line,
@@ -129,6 +130,7 @@ def measure_point(payload: dict[str, Any]) -> dict[str, Any]:
     device, dtype = torch.device(cfg["device"]), _dtype(cfg["dtype"])
     if cfg.get("threads"):
         torch.set_num_threads(int(cfg["threads"]))
+    set_malloc_mode(cfg.get("malloc", "cached"))
     set_default_backend(cfg.get("backend"))
     out: dict[str, Any] = {"op": op, "T": T, "backend": _backend_ran(op, device, dtype, cfg), "modes": {}}
     for mode in payload["modes"]:
@@ -191,7 +193,7 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "batch": args.batch, "heads": args.heads, "head_dim": args.head_dim, "latents": args.latents,
         "window": args.window, "chunk_size": args.chunk_size, "dtype": args.dtype, "device": args.device,
         "repeats": args.repeats, "budget_s": args.max_seconds, "backend": args.backend, "seed": args.seed,
-        "threads": args.threads,
+        "threads": args.threads, "malloc": getattr(args, "malloc", "cached"),
     }
 
 
@@ -386,7 +388,8 @@ def _markdown_report(report, table) -> str:
         "",
         f"Hardware: {hardware_line(report['hardware'])}",
         f"Config: B={cfg['batch']} H={cfg['heads']} head_dim={cfg['head_dim']} L_h={cfg['latents']} "
-        f"w={cfg['window']} chunk={cfg['chunk_size'] or 'op default'} dtype={cfg['dtype']} device={cfg['device']}",
+        f"w={cfg['window']} chunk={cfg['chunk_size'] or 'op default'} dtype={cfg['dtype']} device={cfg['device']} "
+        f"malloc={cfg.get('malloc', 'cached')}",
         f"Reference matmul: {report['reference_matmul_flops_per_s'] / 1e9:.1f} GFLOP/s",
         "",
         "Time per call (speed-up over SDPA causal at the same T and mode):",

@@ -5,8 +5,11 @@ Memory on CPU is the peak resident set size (RSS) above a baseline, read from Li
 ``/proc/self/clear_refs`` resets it). Freed memory only leaves the RSS if malloc returns it to
 the OS, so for the measured block :class:`MemoryMeter` switches glibc to mmap every allocation
 of 64 KiB or more (``mallopt``; unmapped on free) and trims the heap first: the RSS then
-follows live tensor memory. Timed runs happen outside the meter, under malloc's usual
-settings (fresh mmaps cost page faults that would slow ops with many temporaries).
+follows live tensor memory. Timed runs happen outside the meter, under the malloc mode the
+suite was given (:func:`set_malloc_mode`): ``cached`` (default) keeps freed blocks for reuse,
+as jemalloc / tcmalloc (PyTorch's CPU tuning advice) or PyTorch's own CUDA caching allocator
+do; ``system`` is glibc's default, where every allocation of 32 MiB or more is a fresh mmap
+whose pages fault in on first touch, which taxes ops with large temporaries.
 On CUDA it is ``torch.cuda.max_memory_allocated`` above the allocation at the start.
 """
 from __future__ import annotations
@@ -28,19 +31,24 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 __all__ = [
+    "MALLOC_MODES",
     "MemoryMeter",
     "hardware_info",
     "matmul_flops",
     "markdown_table",
     "run_worker",
+    "set_malloc_mode",
     "sync",
     "time_call",
     "write_json_atomic",
     "write_text_atomic",
 ]
 
-# glibc mallopt parameters
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+# glibc mallopt parameters and defaults (64-bit)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
+_DEFAULT_MMAP_MAX = 65536
+MALLOC_MODES = ("cached", "system")
+_malloc_mode = "system"
 
 
 def _libc():
@@ -54,18 +62,36 @@ def _libc():
         return None
 
 
+def set_malloc_mode(mode: str) -> bool:
+    """Allocator behaviour for timed runs in this process (glibc only; elsewhere a no-op).
+
+    ``cached``: no mmaps and no heap trimming, so freed blocks are reused without page faults.
+    ``system``: glibc's defaults. Returns whether the setting took effect.
+    """
+    global _malloc_mode
+    if mode not in MALLOC_MODES:
+        raise ValueError(f"malloc mode {mode!r}: choose from {', '.join(MALLOC_MODES)}")
+    _malloc_mode = mode
+    lib = _libc()
+    if lib is None:
+        return False
+    if mode == "cached":
+        return bool(lib.mallopt(_M_MMAP_MAX, 0) and lib.mallopt(_M_TRIM_THRESHOLD, 2**30))
+    return bool(lib.mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX) and lib.mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)
+                and lib.mallopt(_M_TRIM_THRESHOLD, 64 * 2**20))
+
+
 def _malloc_exact(on: bool) -> bool:
-    """on: mmap every allocation >= 64 KiB and trim the heap; off: glibc's usual 32 MiB / 64 MiB."""
+    """on: mmap every allocation >= 64 KiB and trim the heap; off: back to the timing mode."""
     lib = _libc()
     if lib is None:
         return False
     if on:
-        ok = lib.mallopt(_M_MMAP_THRESHOLD, 65536) and lib.mallopt(_M_TRIM_THRESHOLD, 0)
+        ok = (lib.mallopt(_M_MMAP_MAX, _DEFAULT_MMAP_MAX) and lib.mallopt(_M_MMAP_THRESHOLD, 65536)
+              and lib.mallopt(_M_TRIM_THRESHOLD, 0))
         lib.malloc_trim(0)
         return bool(ok)
-    lib.mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)
-    lib.mallopt(_M_TRIM_THRESHOLD, 64 * 2**20)
-    return True
+    return set_malloc_mode(_malloc_mode)
 
 
 def sync(device: torch.device | str) -> None:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from retrofit.bench.common import (
+    set_malloc_mode,
     hardware_info,
     hardware_line,
     markdown_table,
@@ -85,6 +86,7 @@ def run_decode_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     new_tokens = min(args.new_tokens, 8) if args.quick else args.new_tokens
     if args.threads:
         torch.set_num_threads(args.threads)
+    set_malloc_mode(getattr(args, "malloc", "cached"))
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     base, converted, info = build_pair(args, max(lengths) + new_tokens + 1)

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from retrofit.bench.common import (
+    set_malloc_mode,
     MemoryMeter,
     hardware_info,
     hardware_line,
@@ -98,6 +99,7 @@ def run_model_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     repeats = min(args.repeats, 2) if args.quick else args.repeats
     if args.threads:
         torch.set_num_threads(args.threads)
+    set_malloc_mode(getattr(args, "malloc", "cached"))
     device = torch.device(args.device)
     base, converted, info = build_pair(args, max(lengths))
     hw = hardware_info(device)

@@ -16,6 +16,9 @@ def _common(p: argparse.ArgumentParser, out: str) -> None:
                    help="attention kernels: auto | torch | fla | flash | flex, or a comma list "
                         "(default: $RETROFIT_BACKEND, else auto)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--malloc", default="cached", choices=["cached", "system"],
+                   help="CPU allocator behaviour for timed runs: cached (freed memory reused, as with "
+                        "jemalloc/tcmalloc) or system (glibc default: big blocks are fresh mmaps)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point (median)")
     p.add_argument("--quick", action="store_true", help="short smoke run (small lengths, fewer repeats)")
     p.add_argument("--seed", type=int, default=0)

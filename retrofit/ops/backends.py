@@ -393,5 +393,6 @@ def macchiato_attention(
         key_padding_mask=key_padding_mask, initial_state=initial_state, output_final_state=output_final_state,
         backend=backend,
     )
-    out = p[..., :1] * swa + latent
-    return out.to(v.dtype), state
+    if latent.dtype == p.dtype:  # add the window branch into the latent output in place (no T x D temporary)
+        return latent.addcmul_(p[..., :1], swa), state
+    return (p[..., :1] * swa + latent).to(v.dtype), state

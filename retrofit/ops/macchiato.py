@@ -45,8 +45,9 @@ def macchiato_attention(
         p[..., 1:], latent_logits, repeat_kv_heads(v, q.shape[1]), chunk_size=chunk_size,
         key_padding_mask=key_padding_mask, initial_state=initial_state, output_final_state=output_final_state,
     )
-    out = p[..., :1] * swa + latent
-    return out.to(v.dtype), state
+    if latent.dtype == p.dtype:  # add the window branch into the latent output in place (no T x D temporary)
+        return latent.addcmul_(p[..., :1], swa), state
+    return (p[..., :1] * swa + latent).to(v.dtype), state
 
 
 def macchiato_attention_reference(

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from retrofit.bench.common import MALLOC_MODES, set_malloc_mode
 from retrofit.cli.main import main
 
 TINY_ATTENTION = ["--heads", "2", "--head-dim", "16", "--latents", "4", "--window", "8", "--repeats", "1",
@@ -14,10 +15,18 @@ TINY_ATTENTION = ["--heads", "2", "--head-dim", "16", "--latents", "4", "--windo
 
 
 @pytest.fixture(autouse=True)
-def _restore_threads():
+def _restore_threads_and_malloc():
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
+    set_malloc_mode("system")  # in-process suites switch this test process to the cached mode
+
+
+def test_malloc_modes():
+    assert set(MALLOC_MODES) == {"cached", "system"}
+    with pytest.raises(ValueError, match="choose from cached, system"):
+        set_malloc_mode("jemalloc")
+    assert set_malloc_mode("cached") and set_malloc_mode("system")  # glibc (Linux CI)
 
 
 def _png(path):
@@ -49,6 +58,7 @@ def test_attention_all_ops_in_process(tmp_path):
     _png(out / "attention.png")
     md = (out / "results.md").read_text()
     assert "x SDPA" in md and md.count("latte") >= 4
+    assert report["config"]["malloc"] == "cached" and "malloc=cached" in md
 
 
 def test_attention_isolated_worker_measures_memory(tmp_path):
