@@ -6,7 +6,7 @@ Prompt (built in tokens, so its length is exactly L; BOS first when the model us
 
     INTRO    = "There is an important piece of information hidden inside a lot of irrelevant
                 text. Find it and memorize it. I will quiz you about it later.\\n\\n"
-    NEEDLE   = "\\n\\nThe pass key is 48213. Remember it. 48213 is the pass key.\\n\\n"
+    NEEDLE   = " The pass key is 48213. Remember it. 48213 is the pass key. "
     QUESTION = "\\n\\nWhat is the pass key? The pass key is"
 
 The filler is real book text (pg-books by default; a different stretch per trial), and
@@ -33,7 +33,7 @@ INTRO = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "
     "Find it and memorize it. I will quiz you about it later.\n\n"
 )
-NEEDLE = "\n\nThe pass key is {key}. Remember it. {key} is the pass key.\n\n"
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "\n\nWhat is the pass key? The pass key is"
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
