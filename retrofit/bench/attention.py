@@ -63,7 +63,7 @@ OP_LABELS = {
     "sdpa": "SDPA causal (full)",
 }
 # the torch ops' default chunk sizes, for FLOP counts when --chunk-size is not given
-_DEFAULT_CHUNK = {"latte": 128, "macchiato": 128, "exp_linear": 32}
+_DEFAULT_CHUNK = {"latte": 128, "macchiato": 128, "exp_linear": 64}
 
 
 # --------------------------------------------------------------------------------------

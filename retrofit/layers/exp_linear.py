@@ -39,7 +39,7 @@ class ExpLinearAttention(RetrofitAttention):
     method = "exp-linear"
     new_module_names = ()
 
-    def __init__(self, original: nn.Module, patch: Any, *, chunk_size: int = 32):
+    def __init__(self, original: nn.Module, patch: Any, *, chunk_size: int = 64):
         super().__init__(original, patch)
         self.chunk_size = int(chunk_size)
         self.feature_scale = float(self.scaling) ** 0.5

@@ -37,7 +37,7 @@ def exp_linear_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
-    chunk_size: int = 32,
+    chunk_size: int = 64,
     key_padding_mask: torch.Tensor | None = None,
     initial_state: LatteState | None = None,
     output_final_state: bool = False,
