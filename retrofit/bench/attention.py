@@ -30,7 +30,7 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

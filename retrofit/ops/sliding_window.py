@@ -165,6 +165,29 @@ class _BandedSWA(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
+def _window_mask(
+    key_padding_mask: torch.Tensor | None, num_keys: int, window: int, blocks: int, num_past: int, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which keys each query block may see, in the blocked layout of both forms below.
+
+    Keys are front-padded so query 0 sits at padded index ``w`` (``w - num_past`` padding
+    keys, then the cached and the new keys, then the tail up to ``blocks * w`` queries); query
+    block ``c`` scores padded key blocks ``c`` and ``c + 1``. Returns ``allowed (B|1, n, w, 2w)``
+    and ``q_valid (B|1, n, w)``. Padded queries (and the tail) keep their own key, so no row
+    is all -inf; the callers zero their outputs.
+    """
+    w, n = window, blocks
+    valid = (torch.ones(1, num_keys, dtype=torch.bool, device=device) if key_padding_mask is None
+             else key_padding_mask.bool())
+    valid = F.pad(valid, (w - num_past, n * w + num_past - num_keys), value=False)  # (B|1, (n + 1) w)
+    i = torch.arange(w, device=device)[:, None]
+    r = torch.arange(2 * w, device=device)[None, :]
+    band = (r > i) & (r <= i + w)  # query i of a block sees window keys i+1 .. i+w
+    q_valid = valid[:, w:].view(-1, n, w)
+    allowed = (band & valid.unfold(1, 2 * w, w)[:, :, None, :]) | (~q_valid[..., None] & (r == i + w))
+    return allowed, q_valid
+
+
 def _banded_blocked(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -186,15 +209,7 @@ def _banded_blocked(
         x = x.to(compute)
         return (F.pad(x, (0, 0, 0, tail)) if tail else x).contiguous()
 
-    valid = torch.ones(1, Tk, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask.bool()
-    valid = F.pad(valid, (w - num_past, tail), value=False)  # (B|1, (n + 1) w): query 0 at index w
-    i = torch.arange(w, device=q.device)[:, None]
-    r = torch.arange(2 * w, device=q.device)[None, :]
-    band = (r > i) & (r <= i + w)  # query i of a block sees window keys i+1 .. i+w
-    allowed = band & valid.unfold(1, 2 * w, w)[:, :, None, :]  # (B|1, n, w, 2w)
-    # padded queries (and the tail) keep their own key so no row is all -inf; zeroed below
-    q_valid = valid[:, w:].view(-1, n, w)
-    allowed = allowed | (~q_valid[..., None] & (r == i + w))
+    allowed, q_valid = _window_mask(key_padding_mask, Tk, w, n, num_past, q.device)
     out = _BandedSWA.apply(prepared(q), prepared(k), prepared(v), allowed[:, None], w, num_past, scaling, softcap)
     out = out[:, :, :Tq] if tail else out
     if key_padding_mask is not None:
@@ -221,7 +236,7 @@ def sliding_window_attention(
     Returns ``(B, Hq, Tq, Dv)``.
     """
     B, Hq, Tq, d = q.shape
-    Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    Tk = k.shape[2]
     if Tk != num_past + Tq:
         raise ValueError(f"keys ({Tk}) must be num_past ({num_past}) + queries ({Tq})")
     if num_past > window:  # only the last w-1 past keys can be seen; drop the rest
@@ -260,8 +275,6 @@ def _masked_blocked(
     front = w - num_past
     kp = F.pad(k, (0, 0, front, tail))
     vp = F.pad(v, (0, 0, front, tail))
-    valid = torch.ones(B, Tk, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask.bool()
-    valid = F.pad(valid, (front, tail), value=False)  # (B, (n+1) w)
 
     def two_blocks(x: torch.Tensor) -> torch.Tensor:  # (..., (n+1) w, c) -> (..., n, 2w, c)
         prev = x[..., : n * w, :].unflatten(-2, (n, w))
@@ -269,16 +282,12 @@ def _masked_blocked(
         return torch.cat([prev, cur], dim=-2)
 
     kb, vb = two_blocks(kp), two_blocks(vp)  # (B, Hkv, n, 2w, .)
-    vmask = two_blocks(valid.unsqueeze(-1)).squeeze(-1)  # (B, n, 2w)
     qp = F.pad(q, (0, 0, 0, tail)).view(B, Hkv, group, n, w, d)
     qb = qp.permute(0, 1, 3, 2, 4, 5).reshape(B, Hkv, n, group * w, d)
 
-    a = torch.arange(w, device=q.device)
-    band = torch.cat([a[None, :] > a[:, None], a[None, :] <= a[:, None]], dim=1)  # (w, 2w)
-    diag = torch.cat([torch.zeros(w, w, dtype=torch.bool, device=q.device), torch.eye(w, dtype=torch.bool, device=q.device)], dim=1)
-    q_valid = valid[:, w:].view(B, n, w)  # query i lives at kp index i + w
-    allowed = (band & vmask[:, :, None, :]) | (~q_valid[..., None] & diag)  # (B, n, w, 2w)
-    allowed = allowed.unsqueeze(2).expand(B, n, group, w, 2 * w).reshape(B, 1, n, group * w, 2 * w)
+    allowed, q_valid = _window_mask(key_padding_mask, Tk, w, n, num_past, q.device)
+    Bm = allowed.shape[0]
+    allowed = allowed.unsqueeze(2).expand(Bm, n, group, w, 2 * w).reshape(Bm, 1, n, group * w, 2 * w)
 
     if softcap is None:
         out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, scale=scaling)
@@ -288,5 +297,5 @@ def _masked_blocked(
         out = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), vb)
     out = out.view(B, Hkv, n, group, w, Dv).permute(0, 1, 3, 2, 4, 5).reshape(B, Hq, n * w, Dv)[:, :, :Tq]
     if key_padding_mask is not None:
-        out = out * q_valid.reshape(B, 1, n * w, 1)[:, :, :Tq].to(out.dtype)
+        out = out * q_valid.reshape(-1, 1, n * w, 1)[:, :, :Tq].to(out.dtype)
     return out
