@@ -9,9 +9,11 @@ We register both under the name ``"retrofit"``:
 * mask: flash-attention style. ``(B, past + T)`` bool (True = real token), or ``None`` when
   nothing is padded; it is handed on unsliced (a replaced layer takes its last ``T`` columns,
   a full-attention layer its last ``kv_len`` columns). Already-4D masks pass through.
-* attention (used only by layers that stay full / native sliding-window attention): SDPA with
-  a causal (+ window) + padding mask built here for that layer alone, or an eager softmax
-  when Gemma 2 soft-capping is on (SDPA cannot express it).
+* attention (used only by layers that stay full / native sliding-window attention): a native
+  sliding-window layer whose keys outrun its window runs the O(T w) blocked kernel
+  (``retrofit.ops.sliding_window_attention``: no T x T mask, so a hybrid model scores 128K
+  tokens in bounded memory); otherwise SDPA with a causal + padding mask built here for that
+  layer alone, or an eager softmax when Gemma 2 soft-capping is on (SDPA cannot express it).
 
 Padded query rows attend to themselves only (their outputs are discarded), so no row of
 scores is all ``-inf`` and nothing turns NaN.
@@ -96,6 +98,14 @@ def retrofit_attention_forward(
     dropout = dropout if module.training else 0.0
     if attention_mask is not None and attention_mask.ndim == 4:
         mask = attention_mask  # prepared by the caller: use as-is
+    elif sliding_window is not None and K > sliding_window and T > 1 and not (dropout and module.training):
+        from retrofit.ops.backends import sliding_window_attention  # fla/flash on CUDA, banded on CPU
+
+        out = sliding_window_attention(
+            query, key, value, int(sliding_window), scaling=scaling, softcap=softcap or None,
+            key_padding_mask=None if attention_mask is None else attention_mask[:, -K:].bool(), num_past=K - T,
+        )
+        return out.transpose(1, 2).contiguous(), None
     else:
         kv_valid = attention_mask
         window = sliding_window if (sliding_window is not None and K > sliding_window) else None

@@ -7,6 +7,8 @@ Per converted layer a :class:`RetrofitLayerCache` holds
   (post-RoPE) with their padding flags ``(B, <= w-1)``, which is all the sliding-window branch
   can still see (Macchiato; exp-linear keeps none),
 * the last ``conv_size - 1`` latent-branch inputs when the layer has a causal conv,
+* the attention-sink keys / values (the first ``n`` real tokens, kept for good) with their
+  stream indices and flags, when the layer has sinks,
 * the count of tokens seen (positions, ``get_seq_length``).
 
 Layers left as softmax attention keep the usual transformers layer (growing
@@ -50,6 +52,7 @@ class RetrofitLayerCache(CacheLayerMixin):
         self.valid: torch.Tensor | None = None  # (B, P) padding flags of the buffered keys
         self.state: LatteState | None = None
         self.conv_tail: torch.Tensor | None = None  # (B, conv_size - 1, hidden)
+        self.sinks: tuple[torch.Tensor, ...] | None = None  # (idx (B, n), valid (B, n), k, v (B, Hkv, n, d))
         self.cumulative_length = 0
 
     # ------------------------------------------------------------------ converted layers' API
@@ -69,6 +72,7 @@ class RetrofitLayerCache(CacheLayerMixin):
         state: LatteState | None,
         num_new: int,
         conv_tail: torch.Tensor | None = None,
+        sinks: tuple[torch.Tensor, ...] | None = None,
     ) -> None:
         """Keep the last ``window - 1`` of ``keys``/``values``/``valid`` (past ++ new), the new state."""
         keep = max(self.window - 1, 0)
@@ -78,6 +82,8 @@ class RetrofitLayerCache(CacheLayerMixin):
             self.valid = valid[:, -keep:].contiguous() if keep else valid[:, :0]
         self.state = state
         self.conv_tail = conv_tail
+        if sinks is not None:
+            self.sinks = tuple(t.detach() for t in sinks)
         self.cumulative_length += int(num_new)
         if not self.is_initialized:
             ref = keys if keys is not None else state.m
@@ -86,7 +92,7 @@ class RetrofitLayerCache(CacheLayerMixin):
 
     def memory_bytes(self) -> int:
         """Bytes held by this layer's tensors (constant once ``window - 1`` tokens were seen)."""
-        tensors = [self.keys, self.values, self.valid, self.conv_tail]
+        tensors = [self.keys, self.values, self.valid, self.conv_tail, *(self.sinks or ())]
         if self.state is not None:
             tensors += [self.state.m, self.state.z]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
@@ -113,7 +119,7 @@ class RetrofitLayerCache(CacheLayerMixin):
 
     def reset(self) -> None:
         self.keys = self.values = self.valid = self.conv_tail = None
-        self.state = None
+        self.state = self.sinks = None
         self.cumulative_length = 0
         self.is_initialized = False
 
@@ -126,6 +132,8 @@ class RetrofitLayerCache(CacheLayerMixin):
         self.valid, self.conv_tail = _index(self.valid, fn), _index(self.conv_tail, fn)
         if self.state is not None:
             self.state = LatteState(fn(self.state.m), fn(self.state.z))
+        if self.sinks is not None:
+            self.sinks = tuple(fn(t) for t in self.sinks)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._apply(lambda x: x.index_select(0, beam_idx.to(x.device)))

@@ -31,11 +31,12 @@ def _converted(family, method, **kw):
     return model
 
 
-@pytest.mark.parametrize("family,method,conv", [
-    ("llama", "macchiato", 0), ("gemma3", "macchiato", 3), ("gemma2", "exp-linear", 0), ("qwen2", "exp-linear", 0),
+@pytest.mark.parametrize("family,method,conv,sinks", [
+    ("llama", "macchiato", 0, 0), ("gemma3", "macchiato", 3, 0), ("gemma2", "exp-linear", 0, 0),
+    ("qwen2", "exp-linear", 0, 0), ("gemma3", "macchiato", 0, 4), ("gemma2", "macchiato", 2, 1),
 ])
-def test_prefill_then_steps_equal_full_forward(family, method, conv):
-    model = _converted(family, method, conv_size=conv)
+def test_prefill_then_steps_equal_full_forward(family, method, conv, sinks):
+    model = _converted(family, method, conv_size=conv, **({"sinks": sinks} if sinks else {}))
     T, prefill = 320, 100  # w = 16 is far shorter than the prompt
     ids = torch.randint(3, 256, (1, T))
     with torch.no_grad():
@@ -58,11 +59,13 @@ def _left_padded(seqs, pad_id=0):
     return ids, mask
 
 
-@pytest.mark.parametrize("family,method,layers", [
-    ("llama", "macchiato", "all"), ("gemma3", "macchiato", [0]), ("gemma2", "exp-linear", "all"),
+@pytest.mark.parametrize("family,method,layers,sinks", [
+    ("llama", "macchiato", "all", 0), ("gemma3", "macchiato", [0], 0), ("gemma2", "exp-linear", "all", 0),
+    ("llama", "macchiato", "all", 2),
 ])
-def test_batched_left_padded_generation_equals_per_sequence(family, method, layers):
-    model = _converted(family, method, layers=layers, **({"conv_size": 2} if method == "macchiato" else {}))
+def test_batched_left_padded_generation_equals_per_sequence(family, method, layers, sinks):
+    kw = {"conv_size": 2} if method == "macchiato" else {}
+    model = _converted(family, method, layers=layers, **kw, **({"sinks": sinks} if sinks else {}))
     seqs = [torch.randint(3, 256, (n,)) for n in (40, 23, 31)]
     ids, mask = _left_padded(seqs)
     kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)

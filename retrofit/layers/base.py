@@ -13,6 +13,18 @@ Forward contract (what transformers 5.x decoder layers call)::
 
 ``attention_mask`` is what the ``"retrofit"`` mask function produces: ``None`` (no padding) or
 the 2D bool key padding mask ``(B, past + T)``; a converted layer never needs a T x T mask.
+
+Distillation modes (``distill_mode``, set through :func:`retrofit.surgery.distill.distill_mode`):
+the frozen pretrained projections are still here, so the layer can also compute the attention it
+replaced, :meth:`original_attention` (full causal softmax, or the layer's native window):
+
+* ``None``: the method's own forward (inference, LM training);
+* ``"teacher"``: the original attention only; a model whose layers are all teachers is the base;
+* ``"transfer"``: both; the layer hands the *teacher's* output downstream (every layer learns
+  from the original model's hidden states, as in LoLCATs' attention transfer) and keeps
+  ``transfer_loss``: the mean squared error of its output against the teacher's after o_proj
+  (the error the residual stream actually receives), divided by the teacher output's mean
+  square, so every layer's term is a relative error whatever the scale of its o_proj.
 """
 from __future__ import annotations
 
@@ -22,8 +34,11 @@ import torch
 from torch import nn
 
 from retrofit.cache import RetrofitLayerCache
+from retrofit.ops.backends import sliding_window_attention
 
-__all__ = ["RetrofitAttention"]
+__all__ = ["DISTILL_MODES", "RetrofitAttention"]
+
+DISTILL_MODES = (None, "teacher", "transfer")
 
 
 class RetrofitAttention(nn.Module):
@@ -49,6 +64,56 @@ class RetrofitAttention(nn.Module):
         self.original_class = type(original).__name__
         for name, child in patch.submodules(original):
             self.add_module(name, child)
+        self.distill_mode: str | None = None
+        self.transfer_loss: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ distillation
+    def __call__(self, *args: Any, **kwargs: Any):
+        if self.distill_mode is None:
+            return super().__call__(*args, **kwargs)
+        hidden_states = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
+        position_embeddings = kwargs.get("position_embeddings")
+        attention_mask = kwargs.get("attention_mask")
+        with torch.no_grad():
+            teacher = self.original_attention(hidden_states, position_embeddings, attention_mask)
+        if self.distill_mode == "transfer":
+            kwargs["past_key_values"] = None
+            student, _ = super().__call__(hidden_states, **kwargs)
+            self.transfer_loss = self._relative_mse(student, teacher, attention_mask)
+        return teacher, None
+
+    def _relative_mse(self, student: torch.Tensor, teacher: torch.Tensor, attention_mask: Any) -> torch.Tensor:
+        err = (student.float() - teacher.float()).pow(2).mean(-1)  # (B, T)
+        ref = teacher.float().pow(2).mean(-1)
+        valid = self.key_padding(attention_mask, student.shape[1])
+        if valid is not None:
+            w = valid.to(err.dtype)
+            return (err * w).sum() / (ref * w).sum().clamp_min(1e-12)
+        return err.sum() / ref.sum().clamp_min(1e-12)
+
+    def original_attention(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The pretrained attention this layer replaced: ``(B, T, hidden)`` -> ``(B, T, hidden)``.
+
+        Full causal softmax over the T tokens (or the layer's native sliding window), with the
+        family's q/k norms, RoPE, scaling and soft-cap; no cache. Padded keys are never attended.
+        """
+        B, T, _ = hidden_states.shape
+        q, k, v = self.patch.project_qkv(self, hidden_states, position_embeddings)
+        valid = self.key_padding(attention_mask, T)
+        window = self.native_window if self.native_window else T  # a window >= T is full causal attention
+        if valid is None and not self.softcap and window >= T:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads,
+            )
+        else:
+            out = sliding_window_attention(q, k, v, window, scaling=self.scaling, softcap=self.softcap,
+                                           key_padding_mask=valid)
+        return self.patch.project_out(self, out.to(v.dtype))
 
     # ------------------------------------------------------------------ helpers
     @property

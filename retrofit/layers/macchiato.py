@@ -8,6 +8,9 @@
 * ``m_{t,l}``: causal Latte over the pretrained values (shared across a GQA group) with latent
   key logits ``latent_k(u_s)``.
 * ``u = x`` or a short causal depthwise conv of ``x`` (``conv_size > 1``, paper Sec. 2.4).
+* ``sinks > 0``: the SWA state also attends (in the same softmax) to the first ``sinks`` real
+  tokens, StreamingLLM's attention sinks (``retrofit.ops.sinks``): pretrained global layers put
+  much of their attention on BOS, which a plain window drops.
 
 New weights: ``latent_q`` Linear(hidden, Hq (L_h + 1), bias) and ``latent_k`` Linear(hidden,
 Hq L_h, no bias: a per-latent constant would cancel in p(s|l, t)), optional ``conv``.
@@ -28,7 +31,7 @@ from torch import nn
 from retrofit.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.base import RetrofitAttention
 from retrofit.layers.conv import CausalDepthwiseConv
-from retrofit.ops import LatteState, repeat_kv_heads
+from retrofit.ops import LatteState, first_valid, repeat_kv_heads, sink_window_attention
 # the dispatching versions: fla / flash-attn kernels on CUDA when installed, torch otherwise
 from retrofit.ops.backends import causal_latte_chunked, causal_latte_step, macchiato_attention, sliding_window_attention
 
@@ -69,6 +72,7 @@ class MacchiatoAttention(RetrofitAttention):
         init_swa_share: float = DEFAULT_INIT_SWA_SHARE,
         conv_size: int = 0,
         chunk_size: int = 64,
+        sinks: int = 0,
         generator: torch.Generator | None = None,
     ):
         super().__init__(original, patch)
@@ -82,6 +86,7 @@ class MacchiatoAttention(RetrofitAttention):
         self.init_swa_share = float(init_swa_share)
         self.conv_size = int(conv_size)
         self.chunk_size = int(chunk_size)
+        self.sinks = int(sinks)
         ref = self._weight_ref
         kw = dict(device=ref.device, dtype=ref.dtype)
         H, Lh = self.num_heads, self.latents_per_head
@@ -139,7 +144,7 @@ class MacchiatoAttention(RetrofitAttention):
         cache = layer_cache(past_key_values, self.layer_idx, self.new_cache_layer)
         mix, lat, tail = self._mixing(hidden_states, valid, cache.conv_tail if cache is not None else None)
 
-        if cache is None and lat is not None:
+        if cache is None and lat is not None and not self.sinks:
             out, _ = macchiato_attention(
                 q, k, v, mix, lat, window=self.window, scaling=self.scaling, softcap=self.softcap,
                 key_padding_mask=valid, chunk_size=self.chunk_size,
@@ -155,16 +160,30 @@ class MacchiatoAttention(RetrofitAttention):
             num_past = pk.shape[-2]
             k_all, v_all = torch.cat([pk, k], dim=-2), torch.cat([pv, v], dim=-2)
             valid_all = torch.cat([pvalid, valid], dim=-1)
-        swa = sliding_window_attention(
-            q, k_all, v_all, self.window, scaling=self.scaling, softcap=self.softcap,
-            key_padding_mask=valid_all, num_past=num_past,
-        )
+        sinks = None
+        if self.sinks:
+            seen = cache.cumulative_length if cache is not None else 0
+            idx = torch.arange(seen, seen + T, device=q.device).expand(B, T)
+            cand = [idx, torch.ones(B, T, dtype=torch.bool, device=q.device) if valid is None else valid, k, v]
+            if cache is not None and cache.sinks is not None:
+                cand = [torch.cat([a, b], dim=1 if a.dim() == 2 else 2) for a, b in zip(cache.sinks, cand)]
+            sinks = first_valid(self.sinks, *cand)
+            swa = sink_window_attention(
+                q, k_all, v_all, self.window, sinks[2], sinks[3], sinks[0], sinks[1], q_start=seen,
+                scaling=self.scaling, softcap=self.softcap, key_padding_mask=valid_all, num_past=num_past,
+                window_attention=sliding_window_attention,
+            )
+        else:
+            swa = sliding_window_attention(
+                q, k_all, v_all, self.window, scaling=self.scaling, softcap=self.softcap,
+                key_padding_mask=valid_all, num_past=num_past,
+            )
         out = p[..., :1] * swa
         state = None
         if lat is not None:
             vq = repeat_kv_heads(v, self.num_heads)
-            state = cache.state
-            if T == 1:
+            state = cache.state if cache is not None else None
+            if T == 1 and cache is not None:
                 if state is None:
                     state = LatteState.empty(B, self.num_heads, self.latents_per_head, v.shape[-1], device=v.device)
                 latent, state = causal_latte_step(p[:, :, 0, 1:], lat[:, :, 0], vq[:, :, 0], state, valid=valid[:, 0])
@@ -177,11 +196,12 @@ class MacchiatoAttention(RetrofitAttention):
             out = out + latent
         out = out.to(v.dtype)
         if cache is not None:
-            cache.store(k_all, v_all, valid_all, state, T, tail)
+            cache.store(k_all, v_all, valid_all, state, T, tail, sinks=sinks)
         return self.patch.project_out(self, out), None
 
     def extra_repr(self) -> str:
         return (
             f"{super().extra_repr()}, window={self.window}, latents={self.latents} "
             f"({self.latents_per_head}/head), init_swa_share={self.init_swa_share}, conv_size={self.conv_size}"
+            + (f", sinks={self.sinks}" if self.sinks else "")
         )

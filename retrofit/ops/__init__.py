@@ -23,7 +23,8 @@ from retrofit.ops.latte import (
     causal_latte_step,
 )
 from retrofit.ops.macchiato import macchiato_attention, macchiato_attention_reference, repeat_kv_heads
-from retrofit.ops.sliding_window import sliding_window_attention, sliding_window_attention_reference
+from retrofit.ops.sinks import first_valid, sink_window_attention, sink_window_attention_reference
+from retrofit.ops.sliding_window import sliding_window_attention, sliding_window_attention_reference, sliding_window_lse
 
 __all__ = [
     "LLPState",
@@ -53,6 +54,10 @@ __all__ = [
     "macchiato_attention",
     "macchiato_attention_reference",
     "repeat_kv_heads",
+    "first_valid",
+    "sink_window_attention",
+    "sink_window_attention_reference",
     "sliding_window_attention",
     "sliding_window_attention_reference",
+    "sliding_window_lse",
 ]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["sliding_window_attention", "sliding_window_attention_reference"]
+__all__ = ["sliding_window_attention", "sliding_window_attention_reference", "sliding_window_lse"]
 
 
 
@@ -299,3 +299,42 @@ def _masked_blocked(
     if key_padding_mask is not None:
         out = out * q_valid.reshape(-1, 1, n * w, 1)[:, :, :Tq].to(out.dtype)
     return out
+
+
+def sliding_window_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    window: int,
+    *,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    num_past: int = 0,
+) -> torch.Tensor:
+    """``(B, Hq, Tq)`` log-sum-exp (fp32 or wider) of each query's window scores (same window and masks as
+    :func:`sliding_window_attention`), in the same blocked O(T w) layout; differentiable.
+
+    Used to merge the window softmax with other keys (attention sinks) into one softmax.
+    """
+    B, Hq, Tq, d = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    if Tk != num_past + Tq:
+        raise ValueError(f"keys ({Tk}) must be num_past ({num_past}) + queries ({Tq})")
+    if num_past > window:
+        drop = num_past - window
+        k = k[:, :, drop:]
+        key_padding_mask = None if key_padding_mask is None else key_padding_mask[:, drop:]
+        num_past, Tk = window, window + Tq
+    scaling = d**-0.5 if scaling is None else scaling
+    w, group = window, Hq // Hkv
+    n = -(-Tq // w)
+    tail = n * w - Tq
+    kp = F.pad(k, (0, 0, w - num_past, tail))
+    kb = torch.cat([kp[..., : n * w, :].unflatten(-2, (n, w)), kp[..., w:, :].unflatten(-2, (n, w))], dim=-2)
+    qb = F.pad(q, (0, 0, 0, tail)).view(B, Hkv, group, n, w, d).permute(0, 1, 3, 2, 4, 5).reshape(B, Hkv, n, group * w, d)
+    allowed, _ = _window_mask(key_padding_mask, Tk, w, n, num_past, q.device)
+    Bm = allowed.shape[0]
+    allowed = allowed.unsqueeze(2).expand(Bm, n, group, w, 2 * w).reshape(Bm, 1, n, group * w, 2 * w)
+    scores = _softcap(_upcast(torch.matmul(qb, kb.transpose(-1, -2))) * scaling, softcap)
+    lse = torch.logsumexp(scores.masked_fill(~allowed, float("-inf")), dim=-1)  # (B, Hkv, n, group w)
+    return lse.view(B, Hkv, n, group, w).permute(0, 1, 3, 2, 4).reshape(B, Hq, n * w)[:, :, :Tq]

@@ -78,6 +78,7 @@ def convert(model: nn.Module, spec: ConversionSpec | None = None, *, base_model:
         )
     patch = get_patch(model)
     spec.validate_for(model.config)
+    spec = spec.resolved(model.config)
     method = get_method(spec.method)
 
     if spec.dtype is not None:  # parameters only: buffers such as RoPE inv_freq keep their fp32,
@@ -87,7 +88,7 @@ def convert(model: nn.Module, spec: ConversionSpec | None = None, *, base_model:
     sites = patch.attention_sites(model)
     if not sites:
         raise SpecError(f"found no {patch.family} attention modules in {type(model).__name__}")
-    wanted = {s.layer_idx for s in sites} if spec.layers == "all" else set(spec.layers)
+    wanted = {s.layer_idx for s in sites} if spec.layers == "all" else set(spec.layer_indices(model.config))
     missing = wanted - {s.layer_idx for s in sites}
     if missing:
         raise SpecError(f"layers {sorted(missing)} have no attention module in this model")

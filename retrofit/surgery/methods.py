@@ -78,7 +78,7 @@ def _build_macchiato(original, patch, spec, layer_idx, generator):
 
     return MacchiatoAttention(
         original, patch, window=spec.window, latents=spec.latents, init_swa_share=spec.init_swa_share,
-        conv_size=spec.conv_size, chunk_size=spec.chunk_size, generator=generator,
+        conv_size=spec.conv_size, chunk_size=spec.chunk_size, sinks=spec.sinks, generator=generator,
     )
 
 
@@ -98,7 +98,7 @@ def _load_builtin() -> None:
     _BUILTIN_LOADED = True
     builtin = [
         MethodInfo(
-            "macchiato", _build_macchiato, ("window", "latents", "init_swa_share", "conv_size", "chunk_size"), {},
+            "macchiato", _build_macchiato, ("window", "latents", "init_swa_share", "conv_size", "sinks", "chunk_size"), {},
             "Latte Macchiato: pretrained attention as a w-token sliding window + trainable latent states",
         ),
         MethodInfo(

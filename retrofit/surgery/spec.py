@@ -4,11 +4,12 @@ YAML (``configs/convert-*.yaml``) is a flat mapping of the fields below, or a ma
 ``convert:`` section holding them (so training recipes can embed the conversion)::
 
     method: macchiato
-    window: 128
+    window: 128           # default: 128, or the family's native window with layers: global
     latents: 128          # total over query heads (L); L / Hq latents per head
     init_swa_share: 0.9   # initial p(0|t), the sliding-window share
     conv_size: 0          # >1 adds a causal depthwise conv before the latent projections
-    layers: all           # or a list of layer indices, or "0-5,8"
+    sinks: 0              # attention sinks: the window branch also sees the first n tokens
+    layers: all           # "global" (a hybrid model's full-attention layers), indices, or "0-5,8"
 """
 from __future__ import annotations
 
@@ -19,11 +20,16 @@ from typing import Any, Mapping
 
 from retrofit.errors import SpecError
 
-__all__ = ["ConversionSpec", "DEFAULT_INIT_SWA_SHARE", "DTYPES", "parse_layers"]
+__all__ = ["ConversionSpec", "DEFAULT_INIT_SWA_SHARE", "DEFAULT_WINDOW", "DTYPES", "global_layers", "parse_layers"]
 
 # The initial sliding-window share p(0|t) of a fresh Macchiato layer: one constant, defined next
 # to the layer (0.9, chosen by the SWA-share ablation in BENCHMARKS.md).
 from retrofit.layers.macchiato import DEFAULT_INIT_SWA_SHARE  # noqa: E402
+
+# The sliding window of a converted layer unless the spec names one (the paper's w); with
+# ``layers: global`` the family's native window (Gemma 3: 512) is the default instead.
+DEFAULT_WINDOW = 128
+LAYER_KEYWORDS = ("all", "global")
 
 DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
@@ -32,9 +38,15 @@ RECORD_KEYS = ("toolkit_version", "base_model", "converted_layers")
 
 
 def parse_layers(value: Any) -> str | list[int]:
-    """``"all"``, a list of ints, or a string like ``"0-3,6"`` -> ``"all"`` or a sorted list."""
-    if value is None or (isinstance(value, str) and value.strip().lower() == "all"):
+    """``"all"``, ``"global"``, a list of ints, or ``"0-3,6"`` -> a keyword or a sorted list.
+
+    ``global`` names a hybrid model's full-attention layers (``config.layer_types``); it is
+    resolved against the model by :func:`global_layers` at conversion.
+    """
+    if value is None:
         return "all"
+    if isinstance(value, str) and value.strip().lower() in LAYER_KEYWORDS:
+        return value.strip().lower()
     items: list[int] = []
     if isinstance(value, str):
         for part in value.replace(" ", "").split(","):
@@ -62,15 +74,34 @@ def parse_layers(value: Any) -> str | list[int]:
     return sorted(set(items))
 
 
+def global_layers(config: Any) -> list[int]:
+    """Indices of the full-attention layers of a hybrid model (``config.layer_types``).
+
+    Raises ``SpecError`` for a model without ``layer_types`` or without native sliding-window
+    layers: ``layers: global`` only makes sense where some layers already are windowed.
+    """
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None)
+    if not types:
+        raise SpecError(f"layers: global needs a hybrid model with config.layer_types (Gemma 2/3, or Qwen2/Mistral "
+                        f"with sliding layers); {getattr(config, 'model_type', 'this model')} has none: use 'all' "
+                        "or layer indices")
+    if window is None or "sliding_attention" not in types:
+        raise SpecError(f"layers: global: every layer of this {getattr(config, 'model_type', '')} model is full "
+                        "attention (no native sliding-window layers); use 'all' or layer indices")
+    return [i for i, t in enumerate(types) if t != "sliding_attention"]
+
+
 @dataclass
 class ConversionSpec:
     """How to convert a model. Validated on construction (``SpecError`` with what to fix)."""
 
     method: str = "macchiato"
-    window: int = 128
+    window: int | None = None  # None: DEFAULT_WINDOW, or the native window under layers: global
     latents: int = 128
     init_swa_share: float = DEFAULT_INIT_SWA_SHARE
     conv_size: int = 0
+    sinks: int = 0  # the SWA branch also attends to the first `sinks` tokens (StreamingLLM's sinks)
     layers: str | list[int] = "all"
     dtype: str | None = None
     chunk_size: int = 64
@@ -85,14 +116,18 @@ class ConversionSpec:
         from retrofit.surgery.methods import get_method  # registry lives next door
 
         info = get_method(self.method)  # SpecError naming the known methods
-        for name in ("window", "latents", "conv_size", "chunk_size", "seed"):
+        for name in ("window", "latents", "conv_size", "sinks", "chunk_size", "seed"):
             v = getattr(self, name)
+            if name == "window" and v is None:
+                continue
             if isinstance(v, bool) or not isinstance(v, int):
                 raise SpecError(f"{name} must be an integer, got {v!r}")
-        if self.window < 1:
+        if self.window is not None and self.window < 1:
             raise SpecError(f"window must be >= 1 token, got {self.window}")
         if self.latents < 0:
             raise SpecError(f"latents must be >= 0, got {self.latents}")
+        if self.sinks < 0:
+            raise SpecError(f"sinks must be >= 0 (0 = a plain sliding window), got {self.sinks}")
         if self.conv_size < 0:
             raise SpecError(f"conv_size must be >= 0 (0 or 1 = no conv), got {self.conv_size}")
         if self.chunk_size < 1:
@@ -130,10 +165,27 @@ class ConversionSpec:
                 f"latents={self.latents} does not split over the model's {heads} query heads; "
                 f"use a multiple of {heads} (e.g. {lo or hi} or {hi})"
             )
-        if self.layers != "all":
+        if self.layers == "global":
+            global_layers(config)  # SpecError for a model that is not hybrid
+        elif self.layers != "all":
             bad = [i for i in self.layers if i >= n_layers]
             if bad:
                 raise SpecError(f"layers {bad} do not exist: the model has {n_layers} layers (0..{n_layers - 1})")
+
+    def layer_indices(self, config: Any) -> list[int]:
+        """The layer indices this spec converts in a model with ``config``."""
+        if self.layers == "all":
+            return list(range(int(config.num_hidden_layers)))
+        if self.layers == "global":
+            return global_layers(config)
+        return list(self.layers)
+
+    def resolved(self, config: Any) -> "ConversionSpec":
+        """A copy with the window made concrete for this model (what a checkpoint records)."""
+        if self.window is not None:
+            return dataclasses.replace(self)
+        native = getattr(config, "sliding_window", None) if self.layers == "global" else None
+        return dataclasses.replace(self, window=int(native) if native else DEFAULT_WINDOW)
 
     @property
     def torch_dtype(self):
@@ -187,8 +239,9 @@ class ConversionSpec:
         from retrofit.surgery.methods import get_method
 
         uses = get_method(self.method).uses
-        parts = [f"{k}={getattr(self, k)}" for k in ("window", "latents", "init_swa_share", "conv_size") if k in uses]
-        parts.append(f"layers={self.layers if self.layers == 'all' else ','.join(map(str, self.layers))}")
+        parts = [f"{k}={getattr(self, k)}" for k in ("window", "latents", "init_swa_share", "conv_size", "sinks")
+                 if k in uses and not (k == "sinks" and not self.sinks)]
+        parts.append(f"layers={self.layers if isinstance(self.layers, str) else ','.join(map(str, self.layers))}")
         if self.options:
             parts.append(f"options={self.options}")
         return f"{self.method} ({', '.join(parts)})"

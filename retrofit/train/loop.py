@@ -63,6 +63,7 @@ class TrainResult:
     resumed_from: Path | None = None
     history: list[dict] = field(default_factory=list)  # this process's per-step metrics
     evals: list[dict] = field(default_factory=list)
+    stages: list[dict] = field(default_factory=list)  # multi-stage recipes: one summary per stage
 
 
 def total_steps(recipe: Recipe) -> int:
@@ -81,6 +82,8 @@ def _fingerprint(recipe: Recipe) -> dict:
                                            "strip_gutenberg", "bos_every_sequence", "seq_len", "shuffle_buffer", "seed")}
     same = {"model": d["model"]["name"], "conversion": d["conversion"], "trainable": d["trainable"], "data": data_keys,
             "batch_size": d["train"]["batch_size"], "micro_batch_size": d["train"]["micro_batch_size"]}
+    if d["train"]["objective"] != "lm":  # older checkpoints (lm only) keep their hash
+        same["objective"] = {"objective": d["train"]["objective"], "weights": d["train"]["objective_weights"]}
     return {"hash": hashlib.sha256(json.dumps(same, sort_keys=True, default=str).encode()).hexdigest()[:16], **same}
 
 
@@ -189,10 +192,20 @@ class _Run:
         self.use_cache = getattr(model.config, "use_cache", True)  # restored in the exported config
         model.config.use_cache = False
         new = new_parameter_names(model)
+        from retrofit.train.objectives import Objective, objective_weights
+
+        self.objective = Objective(objective_weights(r.train.objective, r.train.objective_weights))
+        if "attention" in self.objective.weights and not new:
+            raise SpecError(f"train.objective={r.train.objective} trains converted layers against their original "
+                            "attention, but the model has no converted layers with new weights")
         model = apply_trainable(model, r.trainable.mode, new, lora=dataclasses.asdict(r.trainable.lora),
                                 extra=r.trainable.extra)
         self.counts = count_parameters(model)
-        if r.train.gradient_checkpointing:
+        if r.train.gradient_checkpointing and "attention" in self.objective.weights:
+            # the transfer pass keeps a graph only through the new weights of converted layers;
+            # recomputing a decoder layer in backward would run it outside the transfer mode
+            self.log("[retrofit] note: gradient checkpointing is off for the attention objective (nothing to save)")
+        elif r.train.gradient_checkpointing:
             model.activation_checkpointing_enable()
         act_bytes = 2 if self.precision == "bf16" else 4
         reserved = 0
@@ -226,7 +239,8 @@ class _Run:
             f"[retrofit] batch {t.batch_size} x {r.data.seq_len} tokens = {tok_step:,} tokens/step "
             f"(micro {t.micro_batch_size} x {self.world} ranks x {self.accum} accumulation); "
             f"{self.total_steps:,} steps = {self.total_steps * tok_step:,} tokens",
-            f"[retrofit] lr {t.lr:g}, warmup {t.warmup_steps}, {t.schedule} to {t.min_lr_ratio:g} x lr, clip {t.grad_clip:g}",
+            f"[retrofit] objective {self.objective.name}; lr {t.lr:g}, warmup {t.warmup_steps}, {t.schedule} to "
+            f"{t.min_lr_ratio:g} x lr, clip {t.grad_clip:g}",
             f"[retrofit] data: {self.data_desc}; eval: {len(self.eval_data)} sequences from {self.eval_desc}",
             f"[retrofit] output: {self.output_dir}" + (f" (resuming from {self.resume_from.name})" if self.resume_from else ""),
         ]
@@ -285,12 +299,14 @@ class _Run:
     def train_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
         lr = self._set_lr()
-        losses = []
+        losses, parts = [], {}
         for micro in range(self.accum):
             batch = self._next_batch()
             try:
                 with self.acc.accumulate(self.model):
-                    loss = self.model(input_ids=batch, labels=batch).loss
+                    loss, terms = self.objective(self.model, batch)
+                    for k, v in terms.items():
+                        parts[k] = parts.get(k, 0.0) + v / self.accum
                     mean = self._global_mean(loss)
                     if not math.isfinite(mean):
                         self._stop_non_finite("the training loss", mean, micro)
@@ -311,8 +327,11 @@ class _Run:
         step_tokens = self.recipe.train.batch_size * self.recipe.data.seq_len
         self.tokens += step_tokens
         dt = time.perf_counter() - t0
-        return {"loss": sum(losses) / len(losses), "lr": lr, "grad_norm": gnorm if gnorm is not None else float("nan"),
-                "tokens": self.tokens, "tokens_per_s": step_tokens / dt, "step_time_s": dt}
+        out = {"loss": sum(losses) / len(losses), "lr": lr, "grad_norm": gnorm if gnorm is not None else float("nan"),
+               "tokens": self.tokens, "tokens_per_s": step_tokens / dt, "step_time_s": dt}
+        if len(parts) > 1 or (parts and "lm" not in parts):
+            out.update({f"loss_{k}": v for k, v in parts.items()})
+        return out
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float] | None:
@@ -467,7 +486,13 @@ def _teardown() -> None:
 
 
 def train(recipe: Recipe, *, callbacks: Sequence[TrainCallback] = ()) -> TrainResult:
-    """Run (or resume) the recipe's training. Launch-agnostic: plain process, ``torchrun`` or ``deepspeed``."""
+    """Run (or resume) the recipe's training. Launch-agnostic: plain process, ``torchrun`` or ``deepspeed``.
+
+    A recipe with ``stages`` runs them in order (:mod:`retrofit.train.stages`)."""
+    if recipe.stages:
+        from retrofit.train.stages import train_stages
+
+        return train_stages(recipe, callbacks=callbacks)
     with single_process_env() as made_world:
         run = _Run(recipe, callbacks)
         try:

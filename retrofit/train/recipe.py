@@ -100,6 +100,8 @@ class TrainSection:
     betas: list = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     grad_clip: float = 1.0
+    objective: str = "lm"  # lm | attention | kl | mix (see retrofit.train.objectives)
+    objective_weights: dict = field(default_factory=dict)  # mix only: {lm: w, attention: w, kl: w}
     gradient_checkpointing: bool = True
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     seed: int = 0
@@ -143,6 +145,7 @@ class Recipe:
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
+    stages: list = field(default_factory=list)  # partial recipes run in order (retrofit.train.stages)
     base_dir: str = field(default=".", metadata={"internal": True})  # folder inputs resolve against
 
     def to_dict(self) -> dict:
@@ -195,6 +198,13 @@ class Recipe:
             raise SpecError("train.warmup_steps, data.holdout_last, data.shuffle_buffer, eval.every and eval.sequences must be >= 0")
         if self.checkpoint.keep_last < 1:
             raise SpecError(f"checkpoint.keep_last must be >= 1, got {self.checkpoint.keep_last}")
+        from retrofit.train.objectives import objective_weights
+
+        objective_weights(t.objective, t.objective_weights)  # SpecError naming the bad key
+        if self.stages:
+            from retrofit.train.stages import stage_recipes
+
+            stage_recipes(self)  # every stage validated now, before any weight is loaded
         if self.deepspeed.zero_stage is not None and self.deepspeed.zero_stage not in (0, 1, 2, 3):
             raise SpecError(f"deepspeed.zero_stage must be 0, 1, 2 or 3, got {self.deepspeed.zero_stage}")
         if d.files is None and d.holdout_last:

@@ -34,6 +34,22 @@ def test_closed_latent_path_equals_sliding_window_original(family):
     assert (full - ref)[valid].abs().max() > 1e-2  # the window really cuts (the test can fail)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_closed_latent_path_with_sinks_equals_window_plus_sinks_original(family):
+    model = tiny_model(family)
+    ids, mask = _batch()
+    reference = band_reference(model, W, sinks=2)
+    with torch.no_grad():
+        ref = reference(ids, attention_mask=mask).logits
+        no_sinks = band_reference(model, W)(ids, attention_mask=mask).logits
+    convert(model, ConversionSpec(window=W, latents=8, init_swa_share=1.0, sinks=2))
+    with torch.no_grad():
+        got = model(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    torch.testing.assert_close(got[valid], ref[valid], rtol=1e-4, atol=1e-4)
+    assert (no_sinks - ref)[valid].abs().max() > 1e-2  # the sinks really change the output
+
+
 @pytest.mark.parametrize("family", ["gemma2", "mistral"])
 def test_partial_conversion_keeps_other_layers_exact(family):
     """Only layer 1 converted; layer 0 stays softmax attention (Gemma 2: native 24-token window +

@@ -1,6 +1,7 @@
 """ConversionSpec validation, YAML recipes, the method registry and convert()'s error paths."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from retrofit.layers import RetrofitAttention
 from retrofit.surgery import (
     ConversionSpec, available_methods, convert, converted_layers, new_parameter_names, register_method,
 )
-from retrofit.surgery.spec import parse_layers
+from retrofit.surgery.spec import DEFAULT_WINDOW, parse_layers
 from tests.surgery.tiny import tiny_model
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -71,7 +72,8 @@ def test_unsupported_model():
 
 def test_yaml_recipes(tmp_path):
     spec = ConversionSpec.from_yaml(CONFIGS / "convert-macchiato.yaml")
-    assert spec == ConversionSpec()  # the shipped recipe spells out the defaults
+    # the shipped recipe spells out the defaults (the window as resolved for layers: all)
+    assert spec == dataclasses.replace(ConversionSpec(), window=DEFAULT_WINDOW)
     assert ConversionSpec.from_yaml(CONFIGS / "convert-exp-linear.yaml").method == "exp-linear"
     nested = tmp_path / "recipe.yaml"
     nested.write_text("convert:\n  method: macchiato\n  window: 64\n  layers: '0-1'\ntrain: {lr: 1.0}\n")
@@ -121,3 +123,20 @@ def test_register_a_method_without_editing_surgery():
         assert torch.isfinite(model(torch.randint(3, 256, (1, 9))).logits).all()
     with pytest.raises(SpecError, match="has no option"):
         ConversionSpec(method="toy-test", options={"rank": 2})
+
+
+def test_layers_global_converts_the_full_attention_layers_with_the_native_window():
+    model = tiny_model("gemma3", num_hidden_layers=4,
+                       layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+    convert(model, ConversionSpec(layers="global", latents=8))
+    assert converted_layers(model) == [1, 3]
+    assert model.config.retrofit["window"] == 24 and model.config.retrofit["layers"] == "global"
+    other = convert(tiny_model("gemma3"), ConversionSpec(layers="global", window=8, latents=8))
+    assert other.config.retrofit["window"] == 8  # an explicit window wins
+    assert ConversionSpec().resolved(model.config).window == DEFAULT_WINDOW  # layers: all -> 128
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_layers_global_needs_a_hybrid_model(family):
+    with pytest.raises(SpecError, match="layers: global"):
+        convert(tiny_model(family), ConversionSpec(layers="global", latents=8))

@@ -70,6 +70,7 @@ def _reference_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, ma
 def _reference_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                          sliding_window=None, softcap=None, **kwargs):
     window = module.config.reference_windows.get(str(module.layer_idx), sliding_window)
+    sinks = getattr(module.config, "reference_sinks", 0) if str(module.layer_idx) in module.config.reference_windows else 0
     B, H, T, d = query.shape
     K = key.shape[2]
     group = H // key.shape[1]
@@ -84,6 +85,10 @@ def _reference_attention(module, query, key, value, attention_mask, dropout=0.0,
     if window is not None:
         allowed = allowed & (s > t - window)
     allowed = allowed[None, None].expand(B, 1, T, K)
+    if sinks:  # attention sinks: the first `sinks` real tokens stay visible to every later query
+        real = torch.ones(B, K, dtype=torch.bool) if attention_mask is None else attention_mask[:, -K:].bool()
+        is_sink = real & (real.long().cumsum(-1) <= sinks)
+        allowed = allowed | (is_sink[:, None, None, :] & (s <= t)[None, None])
     if attention_mask is not None:
         kv_valid = attention_mask[:, -K:].bool()
         allowed = (allowed & kv_valid[:, None, None, :]) | ((s == t)[None, None] & ~kv_valid[:, None, -T:, None])
@@ -92,13 +97,15 @@ def _reference_attention(module, query, key, value, attention_mask, dropout=0.0,
     return out.transpose(1, 2).contiguous(), None
 
 
-def band_reference(model: torch.nn.Module, window: int, layers=None) -> torch.nn.Module:
-    """A deep copy of the base ``model`` whose ``layers`` (default all) attend to the last ``window`` tokens."""
+def band_reference(model: torch.nn.Module, window: int, layers=None, sinks: int = 0) -> torch.nn.Module:
+    """A deep copy of the base ``model`` whose ``layers`` (default all) attend to the last ``window`` tokens
+    (and to the first ``sinks`` real tokens)."""
     AttentionInterface.register(REFERENCE, _reference_attention)
     AttentionMaskInterface.register(REFERENCE, _reference_mask)
     ref = copy.deepcopy(model)
     n = ref.config.num_hidden_layers
     ref.config.reference_windows = {str(i): window for i in (range(n) if layers is None else layers)}
+    ref.config.reference_sinks = sinks
     ref.set_attn_implementation(REFERENCE)
     return ref
 

@@ -1,0 +1,59 @@
+"""Distillation switches on a converted model: its frozen pretrained attention is the teacher.
+
+Every converted layer keeps the pretrained q/k/v/o, so the original model is the converted model
+with its layers switched back (``"teacher"``), and attention transfer needs no second model
+(``"transfer"``). See ``retrofit/layers/base.py`` for what each mode computes.
+
+    with distill_mode(model, "teacher"):
+        base_logits = model(ids).logits            # the original model
+    with distill_mode(model, "transfer"):
+        model.model(ids)                            # hidden states of the original model
+        loss = sum(transfer_losses(model))          # each layer vs its original attention
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from retrofit.errors import SpecError
+from retrofit.layers.base import DISTILL_MODES
+
+__all__ = ["converted_modules", "distill_mode", "transfer_losses"]
+
+
+def converted_modules(model: nn.Module) -> list[nn.Module]:
+    """The converted attention modules of ``model`` (through PEFT / DeepSpeed wrappers), by layer."""
+    found = [m for m in model.modules() if getattr(m, "is_retrofit_attention", False)]
+    return sorted(found, key=lambda m: int(m.layer_idx))
+
+
+@contextlib.contextmanager
+def distill_mode(model: nn.Module, mode: str | None, layers: Iterable[int] | None = None) -> Iterator[list[nn.Module]]:
+    """Put the converted layers (all, or those in ``layers``) in ``mode`` for the ``with`` block."""
+    if mode not in DISTILL_MODES:
+        raise SpecError(f"distill mode must be one of {DISTILL_MODES}, got {mode!r}")
+    modules = converted_modules(model)
+    if not modules:
+        raise SpecError("the model has no converted layers: distillation needs a converted model "
+                        "(convert it first, or set a `conversion` section in the recipe)")
+    if layers is not None:
+        wanted = set(layers)
+        modules = [m for m in modules if int(m.layer_idx) in wanted]
+    before = [(m, m.distill_mode) for m in modules]
+    for m in modules:
+        m.distill_mode = mode
+        m.transfer_loss = None
+    try:
+        yield modules
+    finally:
+        for m, old in before:
+            m.distill_mode = old
+            m.transfer_loss = None
+
+
+def transfer_losses(model: nn.Module) -> list[torch.Tensor]:
+    """The ``transfer_loss`` each converted layer recorded in its last ``"transfer"`` forward."""
+    return [m.transfer_loss for m in converted_modules(model) if m.transfer_loss is not None]

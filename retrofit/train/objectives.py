@@ -1,0 +1,172 @@
+"""Training objectives: next-token loss, attention transfer and KL to the original model.
+
+``train.objective`` (a recipe key) is one of
+
+* ``lm``: next-token cross-entropy (what the model's forward returns with ``labels``);
+* ``attention``: each converted layer's output vs the frozen original attention of the same
+  layer on the original model's hidden states (relative MSE after o_proj, summed over the
+  converted layers; see ``retrofit/layers/base.py``). The LM head is never computed;
+* ``kl``: KL(p_orig || p_conv) over next tokens, the teacher being the same model with its
+  converted layers switched back to their original attention under ``no_grad``. Logits live
+  one slice of positions at a time (recomputed in backward), never whole;
+* ``mix``: ``sum_k train.objective_weights[k] * loss_k`` over any of the three.
+
+Every objective returns ``(loss, parts)``: the scalar to back-propagate and each term's value.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from retrofit.errors import SpecError
+from retrofit.surgery.distill import distill_mode, transfer_losses
+
+__all__ = ["OBJECTIVES", "TERMS", "Objective", "objective_weights"]
+
+TERMS = ("lm", "attention", "kl")
+OBJECTIVES = TERMS + ("mix",)
+DEFAULT_LOGIT_BUDGET = 1 << 24  # fp32 logits per slice (64 MiB): the KL holds two slices at once
+
+
+def objective_weights(objective: str, weights: dict | None = None) -> dict[str, float]:
+    """``{term: weight}`` for a recipe's ``train.objective`` / ``train.objective_weights``."""
+    weights = dict(weights or {})
+    if objective not in OBJECTIVES:
+        raise SpecError(f"train.objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    if objective != "mix":
+        if weights:
+            raise SpecError(f"train.objective_weights is only read with train.objective=mix (got objective {objective!r})")
+        return {objective: 1.0}
+    unknown = set(weights) - set(TERMS)
+    if unknown:
+        raise SpecError(f"train.objective_weights: unknown term(s) {', '.join(sorted(unknown))}; terms: {', '.join(TERMS)}")
+    out = {}
+    for k, v in weights.items():
+        try:
+            v = float(v)
+        except (TypeError, ValueError):
+            raise SpecError(f"train.objective_weights.{k} must be a number, got {v!r}") from None
+        if not v >= 0.0 or v == float("inf"):
+            raise SpecError(f"train.objective_weights.{k} must be a finite number >= 0, got {v}")
+        if v > 0:
+            out[k] = v
+    if not out:
+        raise SpecError("train.objective=mix needs train.objective_weights with at least one positive weight, "
+                        "e.g. {attention: 1.0, kl: 0.1}")
+    return out
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    """The transformers CausalLM under PEFT / DeepSpeed / accelerate wrappers."""
+    model = getattr(model, "module", model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _head_fn(causal_lm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    head = causal_lm.get_output_embeddings()
+    cfg = causal_lm.config
+    cap = getattr(cfg, "final_logit_softcapping", None)
+
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        out = head(hidden).float()
+        return torch.tanh(out / cap) * cap if cap else out
+
+    return logits
+
+
+@contextlib.contextmanager
+def _capture_final_hidden(causal_lm: nn.Module):
+    """Collects the decoder's final (normed) hidden states of the next forward: ``box[0]``."""
+    box: list[torch.Tensor] = []
+    decoder = causal_lm.get_decoder()
+
+    def hook(_module, _args, output):
+        box.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
+
+    handle = decoder.register_forward_hook(hook)
+    try:
+        yield box
+    finally:
+        handle.remove()
+
+
+class Objective:
+    """Computes a recipe's training loss for one micro-batch of packed token ids ``(B, T)``."""
+
+    def __init__(self, weights: dict[str, float], *, logit_budget: int = DEFAULT_LOGIT_BUDGET):
+        self.weights = dict(weights)
+        self.logit_budget = int(logit_budget)
+
+    @property
+    def name(self) -> str:
+        return "+".join(f"{w:g}*{k}" if len(self.weights) > 1 else k for k, w in self.weights.items())
+
+    def __call__(self, model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """``model``: what the training loop calls (the DeepSpeed engine or a plain module)."""
+        if self.weights == {"lm": 1.0}:  # today's path, bit for bit
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+            return loss, {"lm": float(loss.detach())}
+        causal_lm = _inner(model)
+        total, parts = None, {}
+        if "attention" in self.weights:
+            with distill_mode(causal_lm, "transfer"):
+                model(input_ids=input_ids, logits_to_keep=1)  # decoder on teacher states; 1 head position
+                terms = transfer_losses(causal_lm)
+            att = torch.stack(terms).sum()
+            parts["attention"] = float(att.detach())
+            total = self.weights["attention"] * att
+        if "kl" in self.weights or "lm" in self.weights:
+            teacher = None
+            if "kl" in self.weights:
+                with torch.no_grad(), distill_mode(causal_lm, "teacher"), _capture_final_hidden(causal_lm) as box:
+                    model(input_ids=input_ids, logits_to_keep=1)
+                teacher = box[0].detach()
+            with _capture_final_hidden(causal_lm) as box:
+                model(input_ids=input_ids, logits_to_keep=1)
+            student = box[0]
+            for term, value in self._sliced_terms(causal_lm, student, teacher, input_ids).items():
+                parts[term] = float(value.detach())
+                total = self.weights[term] * value if total is None else total + self.weights[term] * value
+        return total, parts
+
+    def _sliced_terms(self, causal_lm: nn.Module, student: torch.Tensor, teacher: torch.Tensor | None,
+                      input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Mean KL and/or next-token CE over positions, one slice of logits at a time."""
+        logits_of = _head_fn(causal_lm)
+        B, T, _ = student.shape
+        vocab = causal_lm.get_output_embeddings().weight.shape[0]
+        step = max(1, self.logit_budget // max(1, vocab * B))
+        want_kl, want_lm = "kl" in self.weights, "lm" in self.weights
+        targets = input_ids[:, 1:]
+
+        def piece(hs: torch.Tensor, ht: torch.Tensor | None, tgt: torch.Tensor, n_pred: int) -> torch.Tensor:
+            logp = torch.log_softmax(logits_of(hs), dim=-1)
+            out = []
+            if want_kl:
+                with torch.no_grad():
+                    logq = torch.log_softmax(logits_of(ht), dim=-1)
+                out.append(F.kl_div(logp, logq, log_target=True, reduction="sum"))
+            if want_lm:
+                lp = logp[:, :n_pred]
+                out.append(F.nll_loss(lp.reshape(-1, lp.shape[-1]), tgt.reshape(-1), reduction="sum"))
+            return torch.stack(out)
+
+        sums = None
+        for s in range(0, T, step):
+            e = min(T, s + step)
+            n_pred = max(0, min(e, T - 1) - s)  # positions in this slice that have a next token
+            args = (student[:, s:e], None if teacher is None else teacher[:, s:e], targets[:, s:s + n_pred], n_pred)
+            val = checkpoint(piece, *args, use_reentrant=False) if student.requires_grad else piece(*args)
+            sums = val if sums is None else sums + val
+        out, i = {}, 0
+        if want_kl:
+            out["kl"] = sums[i] / (B * T)
+            i += 1
+        if want_lm:
+            out["lm"] = sums[i] / (B * (T - 1))
+        return out

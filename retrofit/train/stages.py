@@ -1,0 +1,175 @@
+"""Multi-stage recipes: attention transfer, then KL, then (optionally) LoRA, from one YAML.
+
+A recipe with a ``stages:`` list runs each stage as a recipe of its own: the stage's keys are
+merged over the recipe's (a partial recipe; ``name`` names the stage), and stage ``i + 1``
+starts from the model stage ``i`` exported. Every stage writes into
+``OUTPUT_DIR/stage-<i>-<name>/`` (checkpoints, metrics, ``final/``); the last stage's
+``final/`` is the result, also linked from ``OUTPUT_DIR/final`` as a copy-free pointer file.
+
+    stages:
+      - {name: transfer, train: {objective: attention, max_steps: 300, lr: 3e-3}}
+      - {name: kl, train: {objective: kl, max_steps: 50, lr: 1e-3}}
+
+Resume (``checkpoint.resume: auto``) continues inside whichever stage was running; finished
+stages (their ``DONE`` marker) are skipped. ``OUTPUT_DIR/stages.json`` records the stage list:
+a run with a different list refuses to continue the folder.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+from retrofit.errors import CheckpointError, SpecError
+from retrofit.train.recipe import Recipe, recipe_from_dict
+
+if TYPE_CHECKING:
+    from retrofit.train.loop import TrainCallback, TrainResult
+
+__all__ = ["stage_recipes", "train_stages"]
+
+_FORBIDDEN = {("model",): "a stage starts from the previous stage's model; set model.name at the top level",
+              ("stages",): "stages do not nest",
+              ("checkpoint", "output_dir"): "each stage writes into OUTPUT_DIR/stage-<i>-<name>; set "
+                                            "checkpoint.output_dir at the top level"}
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def _stage_name(i: int, stage: dict) -> str:
+    name = str(stage.get("name") or f"stage{i}")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise SpecError(f"stages[{i - 1}].name {name!r}: use letters, digits, '_', '-' or '.'")
+    return name
+
+
+def _check_stage(i: int, stage: Any) -> dict:
+    if not isinstance(stage, dict):
+        raise SpecError(f"stages[{i - 1}] must be a mapping (a partial recipe), got {stage!r}")
+    for path, why in _FORBIDDEN.items():
+        node = stage
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None:
+            raise SpecError(f"stages[{i - 1}] sets {'.'.join(path)}: {why}")
+    if i > 1 and stage.get("conversion"):
+        raise SpecError(f"stages[{i - 1}] sets conversion: only the first stage converts the model "
+                        "(later stages continue the converted model)")
+    return {k: v for k, v in stage.items() if k != "name"}
+
+
+def stage_recipes(recipe: Recipe) -> list[tuple[str, Recipe]]:
+    """``[(folder name, recipe)]`` of every stage, validated before any weight is loaded.
+
+    Stage ``i > 1``'s ``model.name`` points at stage ``i - 1``'s ``final/`` folder.
+    """
+    if not isinstance(recipe.stages, list) or not recipe.stages:
+        raise SpecError("stages must be a non-empty list of partial recipes")
+    base = recipe.to_dict()
+    base.pop("stages")
+    out_dir = Path(recipe.checkpoint.output_dir).expanduser().resolve()
+    result: list[tuple[str, Recipe]] = []
+    names = set()
+    prev_final: Path | None = None
+    for i, raw in enumerate(recipe.stages, start=1):
+        stage = _check_stage(i, raw)
+        name = _stage_name(i, raw)
+        if name in names:
+            raise SpecError(f"stages: two stages are named {name!r}")
+        names.add(name)
+        folder = f"stage-{i}-{name}"
+        data = _merge(base, stage)
+        data["checkpoint"]["output_dir"] = str(out_dir / folder)
+        if prev_final is not None:
+            data["model"]["name"] = str(prev_final)
+            data["conversion"] = {}
+        if i < len(recipe.stages):
+            data["checkpoint"]["export"] = True  # the next stage starts from it
+        try:
+            sub = recipe_from_dict(data, base_dir=recipe.base_dir)
+        except SpecError as exc:
+            raise SpecError(f"stages[{i - 1}] ({name}): {exc}") from None
+        result.append((folder, sub))
+        prev_final = out_dir / folder / "final"
+    return result
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def _stage_list_hash(recipe: Recipe) -> dict:
+    data = recipe.to_dict()
+    data["checkpoint"].pop("resume", None)
+    data["logging"] = {}
+    text = json.dumps(data, sort_keys=True, default=str)
+    return {"hash": hashlib.sha256(text.encode()).hexdigest()[:16],
+            "stages": [_stage_name(i, s) for i, s in enumerate(recipe.stages, start=1)]}
+
+
+def _claim(out_dir: Path, recipe: Recipe, main: bool) -> None:
+    """Write ``stages.json``, or refuse a folder written by another stage list."""
+    record = out_dir / "stages.json"
+    mine = _stage_list_hash(recipe)
+    if record.is_file():
+        theirs = json.loads(record.read_text())
+        if theirs.get("hash") != mine["hash"]:
+            raise CheckpointError(
+                f"{out_dir} was written by a different multi-stage recipe (stages {theirs.get('stages')}, now "
+                f"{mine['stages']}, or other keys changed): use another checkpoint.output_dir, or restore the recipe")
+        return
+    if recipe.checkpoint.resume == "none" and any(out_dir.glob("stage-*")):
+        raise SpecError(f"{out_dir} already holds stages; continue with checkpoint.resume=auto or use another output_dir")
+    if main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        _write_json(record, mine)
+
+
+def train_stages(recipe: Recipe, *, callbacks: Sequence["TrainCallback"] = ()) -> "TrainResult":
+    """Run every stage in order (skipping finished ones); the last stage's result, with ``stages`` set."""
+    from retrofit.train.distributed import world_from_env
+    from retrofit.train.loop import train
+
+    stages = stage_recipes(recipe)
+    rank, _ = world_from_env()
+    out_dir = Path(recipe.checkpoint.output_dir).expanduser().resolve()
+    _claim(out_dir, recipe, rank == 0)
+    results: list[dict] = []
+    last = None
+    for i, (folder, sub) in enumerate(stages, start=1):
+        done = out_dir / folder / "DONE"
+        final = out_dir / folder / "final"
+        if done.is_file() and (final.is_dir() or not sub.checkpoint.export):
+            if rank == 0:
+                print(f"[retrofit] stage {i}/{len(stages)} ({folder}) is finished; skipping it", flush=True)
+            results.append(json.loads(done.read_text()))
+            continue
+        if rank == 0:
+            print(f"[retrofit] stage {i}/{len(stages)}: {folder} (objective {sub.train.objective})", flush=True)
+        result = last = train(sub, callbacks=callbacks)
+        summary = {"stage": folder, "steps": result.steps, "tokens": result.tokens,
+                   "final_dir": str(result.final_dir) if result.final_dir else None,
+                   "evals": result.evals}
+        if rank == 0:
+            _write_json(done, summary)
+        results.append(summary)
+    if last is None:  # every stage was already finished
+        from retrofit.train.loop import TrainResult
+        from retrofit.train.trainable import ParameterCounts
+
+        s = results[-1]
+        last = TrainResult(out_dir / stages[-1][0], Path(s["final_dir"]) if s.get("final_dir") else None,
+                           int(s["steps"]), int(s["tokens"]), ParameterCounts(0, 0), None, [], list(s.get("evals", [])))
+    last.stages = results
+    return last

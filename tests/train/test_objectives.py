@@ -1,0 +1,115 @@
+"""Distillation objectives on tiny models: the attention and KL terms against independent references."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from retrofit.errors import SpecError
+from retrofit.surgery import ConversionSpec, convert
+from retrofit.surgery.distill import distill_mode, transfer_losses
+from retrofit.train.objectives import Objective, objective_weights
+from tests.surgery.tiny import FAMILIES, kl_divergence, tiny_model
+
+T = 40
+
+
+def _ids(seed: int = 0, batch: int = 2) -> torch.Tensor:
+    return torch.randint(3, 256, (batch, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_attention_loss_is_zero_when_latent_path_closed_and_window_covers_sequence(family):
+    # natively windowed layers (Gemma 2/3 local layers) have a windowed teacher: convert the global ones
+    layers = "global" if family in ("gemma2", "gemma3") else "all"
+    model = convert(tiny_model(family), ConversionSpec(window=T, latents=8, init_swa_share=1.0, layers=layers))
+    loss, parts = Objective({"attention": 1.0})(model, _ids())
+    assert parts["attention"] < 1e-10, parts
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_teacher_mode_is_the_base_model(family):
+    base = tiny_model(family)
+    with torch.no_grad():
+        ref = base(input_ids=_ids()).logits
+    model = convert(tiny_model(family), ConversionSpec(window=8, latents=8))
+    with torch.no_grad(), distill_mode(model, "teacher"):
+        got = model(input_ids=_ids()).logits
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=2e-5)
+    with torch.no_grad():
+        converted = model(input_ids=_ids()).logits
+    assert (converted - ref).abs().max() > 1e-3  # the converted model itself differs
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3"])
+def test_kl_is_zero_for_unconverted_pair_and_matches_dense_reference(family):
+    layers = "global" if family in ("gemma2", "gemma3") else "all"
+    model = convert(tiny_model(family), ConversionSpec(window=T, latents=8, init_swa_share=1.0, layers=layers))
+    ids = _ids()
+    _, parts = Objective({"kl": 1.0})(model, ids)
+    assert parts["kl"] < 1e-6  # fp32 rounding of two identical forwards
+    model = convert(tiny_model(family), ConversionSpec(window=6, latents=8, init_swa_share=0.5))
+    obj = Objective({"kl": 1.0, "lm": 1.0}, logit_budget=256 * 7)  # slices of 3 positions x 2 rows
+    _, parts = obj(model, ids)
+    with torch.no_grad():
+        student = model(input_ids=ids).logits
+        with distill_mode(model, "teacher"):
+            teacher = model(input_ids=ids).logits
+        ce = torch.nn.functional.cross_entropy(student[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1))
+    assert parts["kl"] == pytest.approx(kl_divergence(teacher, student), rel=1e-4)
+    assert parts["lm"] == pytest.approx(float(ce), rel=1e-5)
+
+
+def test_attention_transfer_matches_per_layer_reference_and_trains_only_new_weights():
+    model = convert(tiny_model("llama"), ConversionSpec(window=6, latents=8, init_swa_share=0.5))
+    ids = _ids()
+    loss, parts = Objective({"attention": 1.0})(model, ids)
+    # reference: the unconverted model's attention inputs/outputs, fed to each converted layer by hand
+    base = tiny_model("llama")
+    captured = {}
+    handles = [layer.self_attn.register_forward_hook(
+        lambda m, a, kw, out, i=i: captured.__setitem__(i, (kw, out[0])), with_kwargs=True)
+        for i, layer in enumerate(base.model.layers)]
+    with torch.no_grad():
+        base(input_ids=ids)
+    for h in handles:
+        h.remove()
+    expected = 0.0
+    for i, layer in enumerate(model.model.layers):
+        kw, teacher = captured[i]
+        kw = {k: v for k, v in kw.items() if k != "past_key_values"}
+        with torch.no_grad():
+            student, _ = layer.self_attn.forward(**kw)
+        expected += float(((student - teacher) ** 2).mean() / (teacher ** 2).mean())
+    assert parts["attention"] == pytest.approx(expected, rel=1e-5)
+    loss.backward()
+    grads = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert grads and all("latent_" in n for n in grads), grads
+
+
+def test_attention_transfer_ignores_padding():
+    model = convert(tiny_model("gemma3"), ConversionSpec(window=6, latents=8, init_swa_share=0.5))
+    ids = _ids(batch=1)
+    with distill_mode(model, "transfer"):
+        model(input_ids=ids)
+        clean = [float(x.detach()) for x in transfer_losses(model)]
+    pad = torch.cat([torch.zeros(1, 5, dtype=torch.long), ids], dim=1)
+    mask = torch.cat([torch.zeros(1, 5, dtype=torch.long), torch.ones_like(ids)], dim=1)
+    with distill_mode(model, "transfer"):
+        model(input_ids=pad, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp_min(0))
+        padded = [float(x.detach()) for x in transfer_losses(model)]
+    assert padded == pytest.approx(clean, rel=1e-4)
+
+
+def test_objective_validation():
+    assert objective_weights("lm") == {"lm": 1.0}
+    assert objective_weights("mix", {"attention": 1, "kl": 0.5, "lm": 0}) == {"attention": 1.0, "kl": 0.5}
+    for args in [("nope", None), ("mix", {}), ("mix", {"ce": 1}), ("mix", {"kl": -1}), ("kl", {"kl": 1}),
+                 ("mix", {"kl": float("nan")})]:
+        with pytest.raises(SpecError):
+            objective_weights(*args)
+
+
+def test_distill_mode_needs_converted_model():
+    with pytest.raises(SpecError, match="no converted layers"):
+        with distill_mode(tiny_model("llama"), "teacher"):
+            pass
