@@ -140,6 +140,7 @@ def model_info(model: Any, label: str) -> dict:
         "converted": is_converted(model),
         "parameters": n_params,
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),
     }
     if is_converted(model):
         info["retrofit"] = retrofit_section(model)

@@ -117,7 +117,7 @@ def run_passkey(
     baseline_tokenizer: Any = None,
     lengths: list[int] | tuple[int, ...] = DEFAULT_LENGTHS,
     depths: list[float] | tuple[float, ...] = DEFAULT_DEPTHS,
-    trials: int = 3,
+    trials: int = 5,
     haystack: str = "pg-books",
     key_digits: int = 5,
     seed: int = 0,

@@ -280,6 +280,12 @@ def plot_perplexity(res: dict, path: str | Path) -> Path:
                 ls, mk = styles[role]
                 ax.plot(xs, ys, ls, marker=mk, color=colors[i % len(colors)],
                         label=f"{res['models'][role]['label']} - {ds}")
+    trained = (res["models"].get("baseline") or {}).get("max_position_embeddings")
+    if trained and lengths and min(lengths) < trained <= max(lengths) * 2:
+        # where the base model's pretraining context ends: past it, its curve may rise
+        ax.axvline(trained, color="grey", linestyle=":", linewidth=1)
+        ax.annotate("base's trained context", (trained, 0.98), xycoords=("data", "axes fraction"),
+                    ha="right", va="top", rotation=90, fontsize=7, color="grey")
     ax.set_xscale("log", base=2)
     if all_ys and max(all_ys) / max(min(all_ys), 1e-9) > 5:  # log only when curves span a wide range
         from matplotlib.ticker import ScalarFormatter

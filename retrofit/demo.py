@@ -36,7 +36,7 @@ class DemoSettings:
     ppl_windows: int = 1
     passkey_lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048])
     passkey_depths: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])
-    passkey_trials: int = 2
+    passkey_trials: int = 5  # prompts per (length, depth) cell: a cell is not one coin flip
     eval_sequences: int | None = None
     prompt_tokens: int = 256
     new_tokens: int = 48

@@ -37,6 +37,12 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--delta", action="store_true", help="save only the new weights + spec + base id")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("--probe-tokens", type=int, default=256, help="tokens for the KL sanity probe (0 = skip)")
+    p.add_argument("--sinks", type=int, default=None, help="attention sinks: the window also sees the first n tokens")
+    p.add_argument("--rank-layers", action="store_true",
+                   help="rank the candidate layers by KL(base || only that layer converted) on the probe text, "
+                        "write OUT/layer_ranking.json and stop (no conversion saved)")
+    p.add_argument("--keep-full", type=int, default=0, metavar="K",
+                   help="rank the candidate layers (as --rank-layers) and keep the K most costly as full attention")
     p.set_defaults(handler=_run)
 
 
@@ -59,6 +65,7 @@ def build_spec(args: argparse.Namespace):
     flags = dict(
         method=args.method, window=args.window, latents=args.latents, init_swa_share=args.init_swa_share,
         conv_size=args.conv_size, layers=args.layers, dtype=args.dtype, seed=args.seed,
+        sinks=getattr(args, "sinks", None),
     )
     if args.config:
         spec = ConversionSpec.from_yaml(args.config, **flags)
@@ -94,6 +101,12 @@ def _run(args: argparse.Namespace) -> int:
     print(f"loaded {args.model}: {type(model).__name__} ({patch.family}), "
           f"{model.config.num_hidden_layers} layers, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
           f"{next(model.parameters()).dtype} [{t_load:.1f}s]")
+
+    if args.rank_layers or args.keep_full:
+        spec = _ranked_spec(args, spec, model, tokenizer, out)
+        if spec is None:
+            return 0
+        model, tokenizer = load_any(args.model, dtype=spec.dtype)  # ranking converted the candidates
 
     ids = base_lp = None
     if args.probe_tokens > 0:
@@ -134,3 +147,35 @@ def _run(args: argparse.Namespace) -> int:
     print(f"saved {kind} to {out} ({size / 2**20:.1f} MiB) [{time.perf_counter() - t0:.1f}s]")
     print(f"next: retrofit train ... or retrofit generate {out} --prompt '...'")
     return 0
+
+
+def _ranked_spec(args: argparse.Namespace, spec, model, tokenizer, out):
+    """Rank the spec's layers (KL of converting each alone); the spec without the K costliest, or None."""
+    import dataclasses
+    import json
+    import time
+
+    from retrofit.errors import SpecError
+    from retrofit.surgery import probe as P
+
+    if args.keep_full < 0:
+        raise SpecError(f"--keep-full must be >= 0, got {args.keep_full}")
+    t0 = time.perf_counter()
+    ids = P.probe_ids(tokenizer, max(args.probe_tokens, 64), model.config.vocab_size, seed=spec.seed)
+    candidates = spec.layer_indices(model.config)
+    if args.keep_full >= len(candidates):
+        raise SpecError(f"--keep-full {args.keep_full} keeps every one of the {len(candidates)} candidate layers")
+    ranking = P.rank_layers(model, spec, ids)
+    print(f"layer ranking on {ids.shape[1]} probe tokens, KL(base || only that layer converted), most costly first "
+          f"[{time.perf_counter() - t0:.1f}s]:")
+    for r in ranking:
+        print(f"  layer {r['layer']:>3}  KL {r['kl']:.4f}")
+    if args.rank_layers and not args.keep_full:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "layer_ranking.json").write_text(json.dumps({"spec": spec.to_dict(), "probe_tokens": int(ids.shape[1]),
+                                                            "ranking": ranking}, indent=1) + "\n")
+        print(f"wrote {out / 'layer_ranking.json'}")
+        return None
+    keep = {r["layer"] for r in ranking[: args.keep_full]}
+    print(f"keeping layers {sorted(keep)} as full attention")
+    return dataclasses.replace(spec, layers=[i for i in candidates if i not in keep])

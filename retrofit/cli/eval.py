@@ -85,7 +85,7 @@ def _passkey_args(p: argparse.ArgumentParser, lengths_flag: str = "--lengths") -
                    default=[1024, 2048, 4096, 8192, 16384, 32768], help="prompt lengths (default 1K..32K)")
     g.add_argument("--depths", type=_depth, nargs="+", metavar="D", default=[0.0, 0.25, 0.5, 0.75, 1.0],
                    help="needle depths in [0, 1] (default 0 0.25 0.5 0.75 1)")
-    g.add_argument("--trials", type=int, default=3, help="prompts per (length, depth) cell")
+    g.add_argument("--trials", type=int, default=5, help="prompts per (length, depth) cell")
     g.add_argument("--haystack", default="pg-books", help="corpus for the filler text (default pg-books)")
     g.add_argument("--key-digits", type=int, default=5)
 

@@ -4,6 +4,8 @@
 * for Macchiato, the SWA anchor: the same converted model with the latent path closed
   (p(0|t) = 1, i.e. the pretrained attention restricted to the window): ``KL(anchor || converted)``
   isolates what the untrained latent states add at the initial SWA share.
+* :func:`rank_layers`: ``KL(base || model with only layer i converted)`` for each candidate
+  layer, so the most costly layers can stay full attention (``retrofit convert --keep-full K``).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-__all__ = ["PROBE_TEXT", "closed_latent_path", "kl_divergence", "log_probs", "probe_ids"]
+__all__ = ["PROBE_TEXT", "closed_latent_path", "kl_divergence", "log_probs", "probe_ids", "rank_layers"]
 
 # Public domain (Jane Austen, Pride and Prejudice, 1813), used only to get natural token statistics.
 PROBE_TEXT = (
@@ -73,3 +75,29 @@ def log_probs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def kl_divergence(ref_log_probs: torch.Tensor, log_probs_: torch.Tensor) -> float:
     """Mean over positions of KL(ref || other), inputs are log-probabilities ``(..., V)``."""
     return float((ref_log_probs.exp() * (ref_log_probs - log_probs_)).sum(-1).mean())
+
+
+def rank_layers(model: nn.Module, spec: Any, ids: torch.Tensor) -> list[dict]:
+    """Zero-shot cost of converting each layer alone: ``[{layer, kl}]``, most costly first.
+
+    Converts ``model`` in place with ``spec`` (its ``layers`` are the candidates), then for each
+    converted layer runs the model with every *other* converted layer switched back to its
+    original attention (``retrofit.surgery.distill``) and measures ``KL(base || model)`` on
+    ``ids``. Keeping the top entries as full attention is the cheap version of the layer
+    selection of the hybrid-distillation literature (which ranks after training).
+    """
+    from retrofit.surgery.convert import convert, is_converted
+    from retrofit.surgery.distill import converted_modules, distill_mode
+
+    if is_converted(model):
+        raise ValueError("rank_layers needs the base model (it converts the candidate layers itself)")
+    base = log_probs(model, ids)
+    convert(model, spec)
+    ranking = []
+    with distill_mode(model, "teacher") as modules:
+        for module in modules:
+            module.distill_mode = None
+            ranking.append({"layer": int(module.layer_idx), "kl": kl_divergence(base, log_probs(model, ids))})
+            module.distill_mode = "teacher"
+    assert len(ranking) == len(converted_modules(model))
+    return sorted(ranking, key=lambda r: -r["kl"])

@@ -42,6 +42,7 @@ def build_model(recipe: Recipe, *, dtype: torch.dtype, log=print) -> tuple[nn.Mo
             spec = surgery.ConversionSpec.from_dict(recipe.conversion)
         except SpecError as exc:
             raise SpecError(f"recipe section 'conversion': {exc}") from None
+        spec = spec.resolved(model.config)  # the window as converted (native under layers: global)
         surgery.convert(model, spec)
         log(f"[retrofit] converted {recipe.model.name}: {spec.describe()}")
     return model, tokenizer
