@@ -91,3 +91,122 @@ def test_gradients_match_reference_fp32(chunk):
         grads.append([x.grad for x in args])
     for got, want in zip(grads[1], grads[0]):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------------------
+# the chunked linear-attention form (issue 16): fast path taken, agrees forward and backward
+
+
+@pytest.fixture
+def fallbacks(monkeypatch):
+    """Counts calls that the chunked form hands to the log-space form."""
+    import retrofit.ops.exp_linear as mod
+
+    calls = []
+    original = mod._exp_linear_latte_form
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(mod, "_exp_linear_latte_form", spy)
+    return calls
+
+
+@pytest.mark.parametrize("T,chunk,pads", [(9, 4, [2]), (13, 8, [0, 5]), (16, 16, [3]), (5, 32, [1])])
+def test_gradcheck_chunked_form_padding_and_ragged_chunks(T, chunk, pads, fallbacks):
+    B = len(pads)
+    q, k, v = (x.requires_grad_() for x in _qkv(B, 2, T, 3, 2))
+    mask = padding_mask(B, T, pads)
+    fn = lambda a, b, c: exp_linear_attention(a, b, c, chunk_size=chunk, key_padding_mask=mask)[0]  # noqa: E731
+    assert gradcheck(fn, (q, k, v))
+    torch.testing.assert_close(fn(q, k, v), exp_linear_attention_reference(q, k, v, key_padding_mask=mask), atol=1e-12, rtol=1e-10)
+    assert fallbacks == []  # the chunked linear-attention form answered, not the log-space one
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_forward_and_gradients_with_padding_match_reference(dtype, tol, fallbacks):
+    T, chunk = 150, 32  # 32 does not divide 150
+    q, k, v = _qkv(2, 3, T, 16, 8, scale=1.5, dtype=torch.float32)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    mask = padding_mask(2, T, [0, 40])
+    g = torch.randn(2, 3, T, 8)
+    results = []
+    for fn in (lambda a, b, c: exp_linear_attention_reference(a.double(), b.double(), c.double(), key_padding_mask=mask),
+               lambda a, b, c: exp_linear_attention(a, b, c, chunk_size=chunk, key_padding_mask=mask)[0]):
+        args = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = fn(*args)
+        (out.double() * g).sum().backward()
+        results.append([out.double()] + [x.grad.double() for x in args])
+    assert results[1][0].dtype == torch.float64 and fallbacks == []
+    for got, want in zip(results[1], results[0]):
+        scale = want.abs().max().clamp_min(1.0)
+        torch.testing.assert_close(got / scale, want / scale, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("jump,fast", [(55.0, True), (300.0, False)])
+def test_large_logit_spread_inside_a_chunk(jump, fast, fallbacks):
+    """A key that exceeds every earlier key of its feature by `jump` nats in the middle of a
+    chunk: up to MAX_QUERY_GAIN the chunked form handles it, beyond that the log-space form."""
+    T = 200
+    q, k, v = _qkv(1, 2, T, 16, 8, scale=1.0, dtype=torch.float32)
+    k[:, :, 100, 3] += jump
+    q[:, 1] *= 30.0  # query spreads of 100+ too
+    ref = exp_linear_attention_reference(q.double(), k.double(), v.double())
+    args = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, _ = exp_linear_attention(*args, chunk_size=64)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+    out.sum().backward()
+    assert all(torch.isfinite(x.grad).all() for x in args)
+    assert (fallbacks == []) == fast
+
+
+def test_query_shift_per_token_cancels_exactly_in_chunked_form(fallbacks):
+    q, k, v = _qkv(1, 2, 70, 8, 4)
+    out, _ = exp_linear_attention(q, k, v, chunk_size=16)
+    shifted, _ = exp_linear_attention(q + torch.randn(1, 2, 70, 1, dtype=torch.float64) * 1000, k, v, chunk_size=16)
+    torch.testing.assert_close(shifted, out, atol=1e-12, rtol=1e-10)
+    assert fallbacks == []
+
+
+def test_split_chunked_prefill_then_steps_equal_one_forward(fallbacks):
+    """Prefill in two chunked calls (the second from the first's state), then decode: equals the
+    reference on the whole sequence; the state carries the key shift."""
+    T = 90
+    q, k, v = _qkv(2, 2, T, 6, 4, scale=3.0)
+    mask = padding_mask(2, T, [0, 20])
+    ref = exp_linear_attention_reference(q, k, v, key_padding_mask=mask)
+    sl = lambda x, a, b: x[:, :, a:b]  # noqa: E731
+    o1, st1 = exp_linear_attention(sl(q, 0, 30), sl(k, 0, 30), sl(v, 0, 30), chunk_size=8, key_padding_mask=mask[:, :30], output_final_state=True)
+    o2, st2 = exp_linear_attention(sl(q, 30, 80), sl(k, 30, 80), sl(v, 30, 80), chunk_size=16, key_padding_mask=mask[:, 30:80],
+                                   initial_state=st1, output_final_state=True)
+    outs = [o1, o2]
+    for t in range(80, T):
+        o, st2 = exp_linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], st2, valid=mask[:, t])
+        outs.append(o[:, :, None])
+    torch.testing.assert_close(torch.cat(outs, 2), ref, atol=1e-10, rtol=1e-10)
+    # the chunked final state is the recurrent one
+    _, st_rec = exp_linear_attention(q, k, v, chunk_size=1000, key_padding_mask=mask, output_final_state=True)
+    st_loop = LatteState.empty(2, 2, 6, 4, dtype=torch.float64)
+    for t in range(T):
+        _, st_loop = exp_linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], st_loop, valid=mask[:, t])
+    torch.testing.assert_close(st_rec.z, st_loop.z, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(st_rec.m, st_loop.m, atol=1e-10, rtol=1e-10)
+    assert fallbacks == []
+
+
+def test_differentiable_states_take_the_log_space_form(fallbacks):
+    q, k, v = _qkv(1, 2, 12, 3, 2)
+    init = LatteState(m=torch.randn(1, 2, 3, 2, dtype=torch.float64, requires_grad=True),
+                      z=torch.randn(1, 2, 3, dtype=torch.float64, requires_grad=True))
+    assert gradcheck(lambda m, z: exp_linear_attention(q, k, v, chunk_size=4, initial_state=LatteState(m, z))[0], (init.m, init.z))
+    assert len(fallbacks) > 0
+
+
+def test_inputs_are_not_modified(fallbacks):
+    q, k, v = _qkv(1, 2, 64, 8, 4)  # T a multiple of the chunk: the op sees views of the inputs
+    before = [x.clone() for x in (q, k, v)]
+    exp_linear_attention(q, k, v, chunk_size=16)
+    for x, y in zip((q, k, v), before):
+        assert torch.equal(x, y)
