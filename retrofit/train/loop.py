@@ -195,12 +195,17 @@ class _Run:
         from retrofit.train.objectives import Objective, objective_weights
 
         self.objective = Objective(objective_weights(r.train.objective, r.train.objective_weights))
-        if "attention" in self.objective.weights and not new:
-            raise SpecError(f"train.objective={r.train.objective} trains converted layers against their original "
-                            "attention, but the model has no converted layers with new weights")
+
         model = apply_trainable(model, r.trainable.mode, new, lora=dataclasses.asdict(r.trainable.lora),
                                 extra=r.trainable.extra)
         self.counts = count_parameters(model)
+        if "attention" in self.objective.weights:
+            from retrofit.surgery.distill import converted_modules
+
+            if not any(p.requires_grad for m in converted_modules(model) for p in m.parameters()):
+                raise SpecError(f"train.objective={r.train.objective} trains converted layers against their original "
+                                "attention, but nothing inside a converted layer is trainable (exp-linear adds no "
+                                "weights: use trainable.mode lora or attention)")
         if r.train.gradient_checkpointing and "attention" in self.objective.weights:
             # the transfer pass keeps a graph only through the new weights of converted layers;
             # recomputing a decoder layer in backward would run it outside the transfer mode

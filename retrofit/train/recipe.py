@@ -165,7 +165,7 @@ class Recipe:
                             "or a converted checkpoint folder")
         if self.trainable.mode not in TRAINABLE_MODES:
             raise SpecError(f"trainable.mode must be one of {', '.join(TRAINABLE_MODES)}, got {self.trainable.mode!r}")
-        if t.max_steps is None and t.max_tokens is None:
+        if t.max_steps is None and t.max_tokens is None and not self.stages:  # stages: checked per stage
             raise SpecError("set train.max_steps or train.max_tokens (or both: training stops at the first reached)")
         for name, value in (("train.max_steps", t.max_steps), ("train.max_tokens", t.max_tokens)):
             if value is not None and value < 1:
