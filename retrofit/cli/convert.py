@@ -35,7 +35,9 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: as stored)")
     p.add_argument("--seed", type=int, default=None, help="seed for the new weights' initialisation")
     p.add_argument("--delta", action="store_true", help="save only the new weights + spec + base id")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing checkpoint folder (never the input, the current directory or a folder "
+                        "holding anything but a checkpoint)")
     p.add_argument("--probe-tokens", type=int, default=256, help="tokens for the KL sanity probe (0 = skip)")
     p.set_defaults(handler=_run)
 

@@ -49,7 +49,8 @@ def is_replaceable_checkpoint(folder: str | os.PathLike) -> tuple[bool, str]:
     names = {p.name: p for p in folder.iterdir()}
     marker = ("config.json" in names and any(_WEIGHTS.match(n) for n in names)) or "retrofit_delta.json" in names
     if not marker:
-        return False, "it holds no config.json with model weights (nor a retrofit delta)"
+        listed = ", ".join(sorted(names)[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
+        return False, f"no config.json with model weights nor a retrofit delta; it holds {listed or 'nothing'}"
     foreign = sorted(n for n, p in names.items() if p.is_dir() or p.is_symlink() or not _CHECKPOINT_FILE.match(n))
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" (+{len(foreign) - 5} more)" if len(foreign) > 5 else "")

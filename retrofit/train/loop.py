@@ -200,7 +200,6 @@ class _Run:
         from retrofit.surgery.fingerprint import section_digest, weights_fingerprint
         from retrofit.train.data_checks import check_positions
 
-        check_positions(r, model.config)
         self.section_digest = section_digest(retrofit_record(model) or {})
         model = apply_trainable(model, r.trainable.mode, new, lora=dataclasses.asdict(r.trainable.lora),
                                 extra=r.trainable.extra)
@@ -215,6 +214,7 @@ class _Run:
             reserved = sum(p.numel() for p in model.parameters()) * act_bytes
         check_step_fits(model.config, micro_batch_size=r.train.micro_batch_size, seq_len=r.data.seq_len,
                         act_bytes=act_bytes, device=self.device, reserved=reserved)
+        check_positions(r, model.config)  # after the memory check: an impossible length is reported as such
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         decay = [p for p in params if p.ndim >= 2]
