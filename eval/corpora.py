@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from retrofit.data.text import check_utf8, current_text_errors, read_text
 from retrofit.errors import DataError
 
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".json")
@@ -187,10 +188,13 @@ def _iter_local(spec: CorpusSpec) -> Iterator[Document]:
     root = resolve_local_path(spec)
     for f in files:
         rel = f.name if root.is_file() else str(f.relative_to(root))
-        if f.suffix == ".txt":
-            yield Document(rel, f.read_text(encoding="utf-8", errors="replace"))
+        if f.suffix == ".txt":  # the same policy as training: strict (error + byte offset) unless asked
+            yield Document(rel, read_text(f))
             continue
-        with f.open(encoding="utf-8") as fh:
+        policy = current_text_errors()
+        if policy == "strict":
+            check_utf8(f)  # streams the file once; the error names the byte offset
+        with f.open(encoding="utf-8", errors=policy) as fh:
             for i, line in enumerate(fh):
                 if not line.strip():
                     continue

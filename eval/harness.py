@@ -53,18 +53,33 @@ TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 
 
 def parse_fewshot(spec: str | int | dict | None) -> int | dict[str, int] | None:
-    """``"5"`` -> 5; ``"hellaswag=10,piqa=0"`` -> {...}; dict/int/None pass through."""
-    if spec is None or isinstance(spec, (int, dict)):
-        return spec
+    """``"5"`` -> 5; ``"hellaswag=10,piqa=0"`` -> {...}; dict/int/None pass through. Counts must be >= 0."""
+    from retrofit.errors import SpecError
+
+    def count(value: Any, where: str) -> int:
+        try:
+            n = int(value)
+        except (TypeError, ValueError):
+            raise SpecError(f"num_fewshot: {where} {value!r} is not a whole number") from None
+        if n < 0 or isinstance(value, bool):
+            raise SpecError(f"num_fewshot: {where} must be >= 0, got {value!r}")
+        return n
+
+    if spec is None:
+        return None
+    if isinstance(spec, dict):
+        return {k: count(v, f"task {k}") for k, v in spec.items()}
+    if isinstance(spec, int):
+        return count(spec, "the count")
     spec = spec.strip()
     if not spec:
         return None
     if "=" not in spec:
-        return int(spec)
+        return count(spec, "the count")
     out = {}
     for item in spec.split(","):
         k, _, v = item.partition("=")
-        out[k.strip()] = int(v)
+        out[k.strip()] = count(v, f"task {k.strip()}")
     return out
 
 

@@ -35,7 +35,9 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: as stored)")
     p.add_argument("--seed", type=int, default=None, help="seed for the new weights' initialisation")
     p.add_argument("--delta", action="store_true", help="save only the new weights + spec + base id")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing checkpoint folder (never the input, the current directory or a folder "
+                        "holding anything but a checkpoint)")
     p.add_argument("--probe-tokens", type=int, default=256, help="tokens for the KL sanity probe (0 = skip)")
     p.add_argument("--sinks", type=int, default=None, help="attention sinks: the window also sees the first n tokens")
     p.add_argument("--rank-layers", action="store_true",
@@ -71,21 +73,66 @@ def build_spec(args: argparse.Namespace):
         spec = ConversionSpec.from_yaml(args.config, **flags)
         if options:
             spec = ConversionSpec.from_dict({**spec.to_dict(), "options": {**spec.options, **options}})
-        return spec
-    flags = {k: v for k, v in flags.items() if v is not None}
-    return ConversionSpec(**flags, options=options) if options else ConversionSpec(**flags)
+    else:
+        given = {k: v for k, v in flags.items() if v is not None}
+        spec = ConversionSpec(**given, options=options) if options else ConversionSpec(**given)
+    _check_flags_apply(args, spec)
+    return spec
+
+
+_METHOD_FLAGS = {"window": "--window", "latents": "--latents", "init_swa_share": "--init-swa-share",
+                 "conv_size": "--conv-size"}
+
+
+def _check_flags_apply(args: argparse.Namespace, spec) -> None:
+    """A flag the chosen method does not use is an error, not silently ignored."""
+    from retrofit.errors import SpecError
+    from retrofit.surgery.methods import get_method
+
+    uses = set(get_method(spec.method).uses)
+    ignored = [flag for key, flag in _METHOD_FLAGS.items() if getattr(args, key, None) is not None and key not in uses]
+    if ignored:
+        used = ", ".join(f for k, f in _METHOD_FLAGS.items() if k in uses) or "none of them"
+        raise SpecError(f"{', '.join(ignored)} do(es) not apply to method {spec.method!r} (it uses {used}); "
+                        "drop the flag or choose another --method")
+
+
+def _precheck_layers(model: str, spec) -> None:
+    """For a local model folder, check the layer selection against config.json before loading weights."""
+    import json
+    from pathlib import Path
+
+    cfg = Path(model).expanduser() / "config.json"
+    if not isinstance(spec.layers, list) or not cfg.is_file():
+        return
+    try:
+        raw = json.loads(cfg.read_text())
+        n_layers = int((raw.get("text_config") or raw)["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return  # load_any reports a broken config with its own message
+    from retrofit.errors import SpecError
+
+    bad = [i for i in spec.layers if i >= n_layers]
+    if bad:
+        raise SpecError(f"layers {bad[:8]}{' ...' if len(bad) > 8 else ''} do not exist: {model} has {n_layers} "
+                        f"layers (0..{n_layers - 1})")
 
 
 def _run(args: argparse.Namespace) -> int:
-    import time
     from pathlib import Path
 
-    from retrofit.errors import CheckpointError
+    from retrofit.fs import check_replaceable, output_lock
 
     spec = build_spec(args)  # bad specs fail before any model is loaded
+    _precheck_layers(args.model, spec)
     out = Path(args.out)
-    if out.exists() and not args.overwrite:
-        raise CheckpointError(f"{out} already exists; choose another --out or pass --overwrite")
+    check_replaceable(out, overwrite=args.overwrite, protect=[args.model])
+    with output_lock(out):  # a second convert into the same --out fails now, not after the work
+        return _convert(args, spec, out)
+
+
+def _convert(args: argparse.Namespace, spec, out) -> int:
+    import time
 
     from retrofit.patches import get_patch
     from retrofit.surgery import (
@@ -138,7 +185,7 @@ def _run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     if args.delta:
-        save_delta(model, out, overwrite=args.overwrite)
+        save_delta(model, out, overwrite=args.overwrite)  # refuses an --out that is or contains its base
         kind = "delta (new weights + spec + base id)"
     else:
         save(model, out, tokenizer=tokenizer, overwrite=args.overwrite)

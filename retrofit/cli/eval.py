@@ -45,6 +45,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="cast the models (default: as loaded)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--text-errors", choices=("strict", "replace"), default="strict",
+                   help="local text that is not UTF-8: strict = error naming file and byte offset (default), "
+                        "replace = decode bad bytes as U+FFFD (the same policy as data.text_errors in training)")
 
 
 def _ppl_args(p: argparse.ArgumentParser, lengths_flag: str = "--lengths") -> None:
@@ -133,10 +136,24 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
 
 
 def _out(args: argparse.Namespace, name: str) -> Path:
+    from retrofit.cli.devices import check_device
+    from retrofit.fs import check_output_folder
+
+    check_device(args.device)  # every eval command calls _out first: bad flags fail before any model loads
+    if getattr(args, "num_fewshot", None) is not None:
+        from retrofit.eval.harness import parse_fewshot
+
+        parse_fewshot(args.num_fewshot)
     if args.out is not None:
-        return args.out
+        return check_output_folder(args.out)
     slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(str(args.model).rstrip("/")).name) or "model"
-    return Path("runs") / "eval" / slug / name
+    return check_output_folder(Path("runs") / "eval" / slug / name)
+
+
+def _text_policy(args: argparse.Namespace):
+    from retrofit.data.text import text_errors
+
+    return text_errors(getattr(args, "text_errors", "strict"))
 
 
 def _command() -> str | None:
@@ -184,8 +201,9 @@ def _run_ppl(args: argparse.Namespace) -> int:
     from retrofit.eval.perplexity import run_perplexity
 
     out = _out(args, "ppl")
-    res = run_perplexity(args.model, baseline=args.baseline, device=args.device, dtype=args.dtype, out=out,
-                         command=_command(), **_ppl_kwargs(args))
+    with _text_policy(args):
+        res = run_perplexity(args.model, baseline=args.baseline, device=args.device, dtype=args.dtype, out=out,
+                             command=_command(), **_ppl_kwargs(args))
     return _finish(res, out)
 
 
@@ -202,8 +220,9 @@ def _run_passkey(args: argparse.Namespace) -> int:
     from retrofit.eval.passkey import run_passkey
 
     out = _out(args, "passkey")
-    res = run_passkey(args.model, baseline=args.baseline, device=args.device, dtype=args.dtype, out=out,
-                      command=_command(), **_passkey_kwargs(args))
+    with _text_policy(args):
+        res = run_passkey(args.model, baseline=args.baseline, device=args.device, dtype=args.dtype, out=out,
+                          command=_command(), **_passkey_kwargs(args))
     return _finish(res, out)
 
 
@@ -211,12 +230,19 @@ def _run_all(args: argparse.Namespace) -> int:
     from retrofit.eval.suite import run_all
 
     out = _out(args, "all")
-    res = run_all(
-        args.model, baseline=args.baseline, out=out, skip=args.skip, device=args.device, dtype=args.dtype,
-        perplexity=_ppl_kwargs(args), harness=_harness_kwargs(args), passkey=_passkey_kwargs(args),
-        command=_command(),
-    )
+    with _text_policy(args):
+        res = _run_all_sections(args, out)
     print()
     print(res["markdown"])
     print(f"wrote {res['report']}")
     return 0
+
+
+def _run_all_sections(args: argparse.Namespace, out: Path) -> dict:
+    from retrofit.eval.suite import run_all
+
+    return run_all(
+        args.model, baseline=args.baseline, out=out, skip=args.skip, device=args.device, dtype=args.dtype,
+        perplexity=_ppl_kwargs(args), harness=_harness_kwargs(args), passkey=_passkey_kwargs(args),
+        command=_command(),
+    )

@@ -34,6 +34,9 @@ def _run(args: argparse.Namespace) -> int:
         raise RetrofitError("--max-new-tokens must be >= 1")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         raise RetrofitError("--temperature must be >= 0 and --top-p in (0, 1]")
+    from retrofit.cli.devices import check_device
+
+    check_device(args.device)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
 
     import torch

@@ -7,6 +7,7 @@ Each verb lives in its own module (``retrofit/cli/<verb>.py``) exposing
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 
@@ -41,18 +42,50 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2
+    from retrofit.fs.tempdirs import Terminated, terminate_on_sigterm
+
+    terminate_on_sigterm()  # SIGTERM unwinds like Ctrl-C: temporary folders and locks are removed
     try:
         return int(args.handler(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return 143
     except Exception as exc:  # one clear message, non-zero exit; full trace with RETROFIT_DEBUG=1
         from retrofit.errors import RetrofitError
 
-        if isinstance(exc, RetrofitError) and not _debug():
+        if _debug():
+            raise
+        if isinstance(exc, RetrofitError):
             print(f"retrofit {args.verb}: error: {exc}", file=sys.stderr)
             return 1
+        if isinstance(exc, OSError):
+            print(f"retrofit {args.verb}: error: {os_error_message(exc)}", file=sys.stderr)
+            return 1
         raise
+
+
+_OS_ADVICE = {
+    errno.ENOSPC: "free disk space or write somewhere else",
+    errno.EDQUOT: "free disk space or write somewhere else",
+    errno.EACCES: "choose a folder you may write to (or fix its permissions)",
+    errno.EPERM: "choose a folder you may write to (or fix its permissions)",
+    errno.EROFS: "the file system is read-only: write somewhere else",
+    errno.ENOTDIR: "a path component is a file, not a folder: choose another path",
+    errno.EISDIR: "the path is a folder where a file is expected",
+    errno.EEXIST: "the path exists already: choose another one",
+    errno.ENOENT: "check the path",
+}
+
+
+def os_error_message(exc: OSError) -> str:
+    """``PATH: what happened; what to do`` for an OSError (disk full, read-only, permissions, ...)."""
+    where = exc.filename if exc.filename is not None else ""
+    what = exc.strerror or str(exc)
+    advice = _OS_ADVICE.get(exc.errno or -1, "check the path and the disk")
+    return f"{where}: {what}; {advice}" if where else f"{what}; {advice}"
 
 
 def _debug() -> bool:

@@ -72,10 +72,13 @@ def load_documents(
     dataset_config: str | None = None,
     split: str = "train",
     text_field: str = "text",
+    errors: str = "strict",
 ) -> Any:
     """A streamed ``datasets.IterableDataset`` of documents with a ``text_field`` column.
 
     ``files`` (local, one format) take precedence over ``dataset`` (a hub id, streamed).
+    ``errors``: how local txt/jsonl bytes that are not UTF-8 decode (``strict`` | ``replace``;
+    :func:`retrofit.data.text.check_utf8` turns strict failures into an error with the byte offset).
     """
     import datasets
 
@@ -85,6 +88,8 @@ def load_documents(
             raise DataError(f"data files mix formats ({', '.join(sorted(formats))}); use one format per run")
         fmt = formats.pop()
         kwargs: dict[str, Any] = {"sample_by": "document"} if fmt == "text" else {}
+        if fmt in ("text", "json"):
+            kwargs["encoding_errors"] = errors
         ds = datasets.load_dataset(fmt, data_files={"train": [str(f) for f in files]}, split="train",
                                    streaming=True, **kwargs)
         if fmt == "text" and text_field != "text":

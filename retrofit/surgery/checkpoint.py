@@ -22,8 +22,6 @@ import dataclasses
 import json
 import os
 import shutil
-import tempfile
-import uuid
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -32,6 +30,9 @@ from torch import nn
 
 from retrofit.errors import CheckpointError, SpecError
 from retrofit.surgery.convert import convert, converted_layers, is_converted, new_parameter_names, retrofit_record
+from retrofit.surgery.fingerprint import (
+    SECTION_DIGEST_KEY, compare_fingerprints, section_digest, weights_fingerprint,
+)
 from retrofit.surgery.spec import ConversionSpec
 
 __all__ = [
@@ -53,28 +54,47 @@ DELTA_FORMAT = "retrofit-delta/1"
 
 # ---------------------------------------------------------------------- helpers
 @contextlib.contextmanager
-def atomic_directory(out_dir: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a fresh temporary folder next to ``out_dir``; rename it to ``out_dir`` on success."""
+def atomic_directory(
+    out_dir: str | os.PathLike, *, overwrite: bool = False, protect: Iterable[str | os.PathLike | None] = (),
+) -> Iterator[Path]:
+    """Yield a fresh temporary folder next to ``out_dir``; rename it to ``out_dir`` on success.
+
+    The target is locked for the whole write (``.NAME.lock``, see :mod:`retrofit.fs.locks`). An
+    existing target is replaced only with ``overwrite`` and only if it is a checkpoint folder that
+    neither is nor contains the current directory or a ``protect`` path (see
+    :func:`retrofit.fs.check_replaceable`). The temporary folder is named after this process
+    (``.NAME.tmp-PID-HOST-RAND``): a failure or SIGTERM removes it, and after a SIGKILL the next
+    writer of the same target removes it.
+    """
+    from retrofit.fs import check_replaceable, clean_stale_temps, make_temp_dir, output_lock
+
     out = Path(out_dir)
-    if out.exists() and not overwrite:
-        raise CheckpointError(f"{out} already exists; choose another output folder or pass overwrite (--overwrite)")
-    if out.exists() and not out.is_dir():
-        raise CheckpointError(f"{out} exists and is not a folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        yield tmp
-        os.chmod(tmp, 0o755)
-        if out.exists():
-            trash = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(out, trash)
-            os.rename(tmp, out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    check_replaceable(out, overwrite=overwrite, protect=protect)
+    with output_lock(out):
+        clean_stale_temps(out.parent, out.name)
+        try:
+            tmp = make_temp_dir(out.parent, out.name)
+        except OSError as exc:
+            raise CheckpointError(f"cannot write into {out.parent}: {exc.strerror or exc}; choose a writable "
+                                  "output folder") from None
+        try:
+            yield tmp
+            os.chmod(tmp, 0o755)
+            if out.exists() or out.is_symlink():
+                check_replaceable(out, overwrite=overwrite, protect=protect)  # appeared or changed meanwhile
+                trash = make_temp_dir(out.parent, out.name, kind="old")
+                os.rename(out, trash / "old")
+                os.rename(tmp, out)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.rename(tmp, out)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"cannot write {out}: {exc.strerror or exc}; free space or choose a writable "
+                                  "output folder (nothing was written)") from None
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
 
 @contextlib.contextmanager
@@ -91,6 +111,8 @@ def quiet_transformers() -> Iterator[None]:
 
 
 def spec_from_record(record: Any, where: str = "checkpoint") -> ConversionSpec:
+    if isinstance(record, dict):
+        record = {k: v for k, v in record.items() if k != SECTION_DIGEST_KEY}
     try:
         spec = ConversionSpec.from_dict(record, allow_record_keys=True)
     except SpecError as exc:
@@ -103,10 +125,40 @@ def _safetensors_keys(files: Iterable[Path]) -> dict[str, Path]:
 
     where: dict[str, Path] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as fh:
-            for k in fh.keys():
-                where[k] = f
+        try:
+            with safe_open(str(f), framework="pt") as fh:
+                for k in fh.keys():
+                    where[k] = f
+        except Exception as exc:  # SafetensorError, OSError: truncated, corrupt or unreadable
+            raise CheckpointError(f"{f} is not a readable safetensors file ({_first_line(exc)}); it is truncated or "
+                                  "corrupt: write or download it again") from None
     return where
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:300]
+
+
+def check_section_digest(record: dict, where: str) -> None:
+    """The record's conversion fields still hash to the digest written with the weights (if any)."""
+    recorded = record.get(SECTION_DIGEST_KEY)
+    if recorded is not None and recorded != section_digest(record):
+        raise CheckpointError(f"{where}: its retrofit section was edited after the weights were written (digest "
+                              f"{recorded} recorded, {section_digest(record)} now); restore the original section "
+                              "(method, window, latents, layers, ...) or convert and train again")
+
+
+def _local_base(name: str | None) -> str | None:
+    """An existing local base path made absolute (hub ids and aliases unchanged)."""
+    if not name:
+        return name
+    from retrofit.surgery.loading import ALIASES
+
+    if name in ALIASES:
+        return name
+    p = Path(name).expanduser()
+    return str(p.resolve()) if p.exists() else name
 
 
 def _copy_tensors(model: nn.Module, names: Iterable[str], where: dict[str, Path], origin: str) -> None:
@@ -120,7 +172,11 @@ def _copy_tensors(model: nn.Module, names: Iterable[str], where: dict[str, Path]
         for f, keys in by_file.items():
             with safe_open(str(f), framework="pt") as fh:
                 for k in keys:
-                    t = fh.get_tensor(k)
+                    try:
+                        t = fh.get_tensor(k)
+                    except Exception as exc:
+                        raise CheckpointError(f"{f}: cannot read {k} ({_first_line(exc)}); the file is truncated "
+                                              "or corrupt: write or download it again") from None
                     p = params[k]
                     if tuple(t.shape) != tuple(p.shape):
                         raise CheckpointError(
@@ -159,7 +215,10 @@ def save(
     if not is_converted(model):
         raise CheckpointError("model is not converted (no config.retrofit); run retrofit.convert first")
     out = Path(out_dir)
-    with atomic_directory(out, overwrite=overwrite) as tmp:
+    record = dict(retrofit_record(model))
+    record[SECTION_DIGEST_KEY] = section_digest(record)
+    model.config.retrofit = record
+    with atomic_directory(out, overwrite=overwrite, protect=[_local_base(record.get("base_model"))]) as tmp:
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
@@ -207,8 +266,8 @@ def load(
             model, info = AutoModelForCausalLM.from_pretrained(
                 path, dtype=dtype if dtype is not None else "auto", output_loading_info=True, device_map=device_map,
             )
-        except (OSError, ValueError, RuntimeError) as exc:
-            raise CheckpointError(f"cannot rebuild the base architecture from {path}: {exc}") from None
+        except (OSError, ValueError, RuntimeError, TypeError, KeyError) as exc:
+            raise CheckpointError(f"cannot rebuild the base architecture from {path}: {_first_line(exc)}") from None
     missing = sorted(info.get("missing_keys") or [])
     mismatched = info.get("mismatched_keys") or []
     if missing:
@@ -235,6 +294,8 @@ def load(
             f"{path}: recorded converted_layers {recorded_layers} but the spec converts {converted_layers(model)}"
         )
     _copy_tensors(model, new, where, str(path))
+    # an edit the weights cannot reveal (window, init share, chunk size, ...) fails here
+    check_section_digest(record, str(path))
     model.config.retrofit = dict(record)  # the checkpoint's record, verbatim
     return model.eval()
 
@@ -259,6 +320,8 @@ def save_delta(
         record["base_model"] = base_model
     if not record.get("base_model"):
         raise CheckpointError("the delta must name its base model: pass base_model= (a hub id, folder, GGUF or alias)")
+    record["base_model"] = _local_base(str(record["base_model"]))  # bound by absolute path, not by cwd
+    record[SECTION_DIGEST_KEY] = section_digest(record)
     params = dict(model.named_parameters())
     if names is None:
         chosen = list(dict.fromkeys([*new_parameter_names(model), *(n for n, p in params.items() if p.requires_grad)]))
@@ -268,9 +331,11 @@ def save_delta(
         if unknown:
             raise CheckpointError(f"not parameters of this model: {_sample(unknown)}")
     tensors = {n: params[n].detach().to("cpu").contiguous().clone() for n in chosen}
-    manifest = {"format": DELTA_FORMAT, "retrofit": record, "parameters": chosen}
+    held = set(chosen)
+    base_fp = weights_fingerprint(model, [n for n in params if n not in held])
+    manifest = {"format": DELTA_FORMAT, "retrofit": record, "parameters": chosen, "base_fingerprint": base_fp}
     out = Path(out_dir)
-    with atomic_directory(out, overwrite=overwrite) as tmp:
+    with atomic_directory(out, overwrite=overwrite, protect=[record["base_model"]]) as tmp:
         save_file(tensors, str(tmp / DELTA_WEIGHTS), metadata={"format": "pt", "retrofit": DELTA_FORMAT})
         (tmp / DELTA_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return out
@@ -293,9 +358,14 @@ def load_delta(
     if not isinstance(record, dict):
         raise CheckpointError(f"{path}: the delta manifest has no retrofit section")
     spec = spec_from_record(record, str(path))
+    check_section_digest(record, str(path))
     base = base if base is not None else record.get("base_model")
     if not base:
         raise CheckpointError(f"{path}: the delta names no base model; pass base=")
+    base_path = Path(str(base)).expanduser()
+    if base_path.exists() and (base_path.resolve() == path.resolve() or is_delta(base_path)):
+        raise CheckpointError(f"{path}: its base {base} is {'the delta itself' if base_path.resolve() == path.resolve() else 'another delta'}; "
+                              "a delta attaches to a base model: pass the original base (base=...)")
     weights = path / DELTA_WEIGHTS
     if not weights.is_file():
         raise CheckpointError(f"{path} lacks {DELTA_WEIGHTS}")
@@ -319,6 +389,13 @@ def load_delta(
         if foreign:
             msg.append(f"delta tensors the model does not have: {_sample(foreign)}")
         raise CheckpointError("; ".join(msg))
+    recorded_fp = manifest.get("base_fingerprint")
+    if recorded_fp:
+        held = set(where)
+        why = compare_fingerprints(recorded_fp, weights_fingerprint(model, [n for n in params if n not in held]))
+        if why:
+            raise CheckpointError(f"{path}: the base {base} is not the model this delta was made from ({why}); "
+                                  "attach it to its original base (base=...)")
     _copy_tensors(model, list(where), where, str(path))
     model.config.retrofit = dict(record)
     return model.eval(), tokenizer

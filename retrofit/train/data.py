@@ -56,7 +56,7 @@ def train_stream(recipe: Recipe, tokenizer: Any, files: DataFiles, rank: int, wo
     if files.train is not None:
         names = [f.name for f in files.train]
         desc = f"{len(names)} local files ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
-        docs = load_documents(files=files.train, text_field=d.text_field)
+        docs = load_documents(files=files.train, text_field=d.text_field, errors=d.text_errors)
     else:
         desc = f"{d.dataset} ({d.split}, streamed)"
         docs = load_documents(dataset=d.dataset, dataset_config=d.dataset_config, split=d.split, text_field=d.text_field)
@@ -73,7 +73,8 @@ def heldout_sequences(recipe: Recipe, tokenizer: Any, files: DataFiles) -> tuple
     if e.sequences == 0:
         return [], "none"
     if files.held_out:
-        desc, docs, spread = ", ".join(f.name for f in files.held_out), load_documents(files=files.held_out, text_field=d.text_field), True
+        desc, docs, spread = ", ".join(f.name for f in files.held_out), load_documents(files=files.held_out, text_field=d.text_field,
+                                                                                 errors=d.text_errors), True
     elif files.train is None:
         desc = f"{d.dataset} ({e.split}, first {e.sequences} sequences)"
         docs, spread = load_documents(dataset=d.dataset, dataset_config=d.dataset_config, split=e.split,

@@ -124,6 +124,7 @@ class _Run:
         self.evals: list[dict] = []
         self.last_saved: Path | None = None
         self.logger: MetricsLogger | None = None
+        self.resources = contextlib.ExitStack()  # the output folder's lock; closed by train()
 
     def log(self, msg: str) -> None:
         if self.main:
@@ -134,10 +135,16 @@ class _Run:
         from accelerate import Accelerator
         from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs, set_seed
 
+        from retrofit.fs import check_output_folder, output_lock
         from retrofit.train.data import data_files
+        from retrofit.train.data_checks import check_decodable
 
         r = self.recipe
         self.files = data_files(r)  # a bad data path fails here, before any model loads
+        check_decodable(r, self.files)  # and so does undecodable text
+        check_output_folder(self.output_dir, "checkpoint.output_dir")
+        if self.main:  # one run per output folder: a second one fails here, before touching it
+            self.resources.enter_context(output_lock(self.output_dir))
         self.precision = resolve_precision(r.train.precision, self.cuda)
         ds_cfg = deepspeed_config(r, world_size=self.world, precision=self.precision, cuda=self.cuda)
         self.zero_stage = int(ds_cfg["zero_optimization"].get("stage", 0))
@@ -196,8 +203,15 @@ class _Run:
 
         self.objective = Objective(objective_weights(r.train.objective, r.train.objective_weights))
 
+        from retrofit.surgery import retrofit_record
+        from retrofit.surgery.fingerprint import section_digest, weights_fingerprint
+        from retrofit.train.data_checks import check_positions
+
+        self.section_digest = section_digest(retrofit_record(model) or {})
         model = apply_trainable(model, r.trainable.mode, new, lora=dataclasses.asdict(r.trainable.lora),
                                 extra=r.trainable.extra)
+        # the frozen base weights, recorded in every checkpoint and checked on resume
+        self.base_fingerprint = weights_fingerprint(model, [n for n, p in model.named_parameters() if not p.requires_grad])
         self.counts = count_parameters(model)
         if "attention" in self.objective.weights:
             from retrofit.surgery.distill import converted_modules
@@ -218,6 +232,7 @@ class _Run:
             reserved = sum(p.numel() for p in model.parameters()) * act_bytes
         check_step_fits(model.config, micro_batch_size=r.train.micro_batch_size, seq_len=r.data.seq_len,
                         act_bytes=act_bytes, device=self.device, reserved=reserved)
+        check_positions(r, model.config)  # after the memory check: an impossible length is reported as such
         model.train()
         params = [p for p in model.parameters() if p.requires_grad]
         decay = [p for p in params if p.ndim >= 2]
@@ -229,8 +244,10 @@ class _Run:
         self.engine = self.model  # the DeepSpeedEngine
 
     def _build_data(self) -> None:
-        from retrofit.train.data import heldout_sequences, train_stream
+        from retrofit.train.data import heldout_sequences, recipe_tokenize, train_stream
+        from retrofit.train.data_checks import check_enough_tokens
 
+        check_enough_tokens(self.recipe, recipe_tokenize(self.recipe, self.tokenizer), self.files, self.rank, self.world)
         self.train_data, self.data_desc = train_stream(self.recipe, self.tokenizer, self.files, self.rank, self.world)
         self.eval_data, self.eval_desc = heldout_sequences(self.recipe, self.tokenizer, self.files)
 
@@ -264,10 +281,24 @@ class _Run:
             raise CheckpointError(f"{folder} was written by a different recipe (differs in: {', '.join(diff)}); "
                                   "resume with the same model, conversion, trainable set, data and batch, or use "
                                   "another checkpoint.output_dir")
+        if state.get("section_digest") is not None and state["section_digest"] != self.section_digest:
+            raise CheckpointError(f"{folder} was written for another retrofit section (digest {state['section_digest']}, "
+                                  f"this model's is {self.section_digest}): the converted model's config.json was "
+                                  "edited; restore it or start fresh in another checkpoint.output_dir")
+        from retrofit.surgery.fingerprint import compare_fingerprints
+
+        why = compare_fingerprints(state.get("base_fingerprint"), self.base_fingerprint)
+        if why:
+            raise CheckpointError(f"{folder} was trained on other base weights than {self.recipe.model.name} holds now "
+                                  f"({why}): resume with the original base model, or start fresh in another "
+                                  "checkpoint.output_dir")
         if int(state.get("total_steps", self.total_steps)) != self.total_steps:
             self.log(f"[retrofit] note: the run was planned for {state['total_steps']} steps, now {self.total_steps}: "
                      "the LR schedule after the resume point follows the new length")
-        self.acc.load_state(str(folder), load_module_strict=False)
+        from retrofit.train.safe_load import weights_only_loads
+
+        with weights_only_loads():  # DeepSpeed/accelerate pickles: tensors and plain data only, never code
+            self.acc.load_state(str(folder), load_module_strict=False)
         self.train_data.load_state_dict(_load_data_state(folder, self.rank))
         self.step = int(state["step"])
         self.tokens = int(state["tokens"])
@@ -296,9 +327,10 @@ class _Run:
     def _stop_non_finite(self, what: str, value: float, micro: int | None = None) -> None:
         where = f"step {self.step + 1}" + (f", micro-batch {micro + 1}/{self.accum}" if micro is not None else "")
         last = f"the last good checkpoint is {self.last_saved}" if self.last_saved else "no checkpoint was written yet"
+        fp32 = "" if self.precision == "fp32" else ", or use train.precision=fp32"
         raise TrainingError(
             f"{what} is {value} at {where}: stopped without saving ({last}). Lower train.lr or train.grad_clip, "
-            "lengthen train.warmup_steps, or use train.precision=fp32; resume with checkpoint.resume=auto"
+            f"lengthen train.warmup_steps{fp32}; resume with checkpoint.resume=auto"
         )
 
     def train_step(self) -> dict[str, float]:
@@ -376,18 +408,27 @@ class _Run:
     def save(self) -> Path:
         self._check_finite_weights()
         tmp, final = ckpt.temp_dir(self.output_dir, self.step), ckpt.checkpoint_dir(self.output_dir, self.step)
-        if self.main:
-            ckpt.remove_dir(tmp)
-            tmp.mkdir(parents=True)
-        self.acc.wait_for_everyone()
-        self.acc.save_state(str(tmp), exclude_frozen_parameters=True)
-        _save_data_state(self.train_data.state_dict(), tmp, self.rank)
-        self.acc.wait_for_everyone()
-        if self.main:
-            state = {"step": self.step, "tokens": self.tokens, "world_size": self.world, "total_steps": self.total_steps,
-                     "fingerprint": _fingerprint(self.recipe), "time": time.time()}
-            ckpt.publish(tmp, final, state)
-            ckpt.rotate(self.output_dir, self.recipe.checkpoint.keep_last)
+        try:
+            if self.main:
+                ckpt.remove_dir(tmp)
+                tmp.mkdir(parents=True)
+            self.acc.wait_for_everyone()
+            self.acc.save_state(str(tmp), exclude_frozen_parameters=True)
+            _save_data_state(self.train_data.state_dict(), tmp, self.rank)
+            self.acc.wait_for_everyone()
+            if self.main:
+                state = {"step": self.step, "tokens": self.tokens, "world_size": self.world,
+                         "total_steps": self.total_steps, "fingerprint": _fingerprint(self.recipe),
+                         "base_fingerprint": self.base_fingerprint, "section_digest": self.section_digest,
+                         "time": time.time()}
+                ckpt.publish(tmp, final, state)
+                ckpt.rotate(self.output_dir, self.recipe.checkpoint.keep_last)
+        except OSError as exc:  # full or read-only disk: no half-written checkpoint stays behind
+            if self.main:
+                ckpt.remove_dir(tmp)
+            raise TrainingError(f"cannot write checkpoint {final.name} into {self.output_dir}: {exc.strerror or exc}; "
+                                f"free space or choose a writable checkpoint.output_dir (the last complete checkpoint "
+                                f"is {self.last_saved or 'none'})") from None
         self.acc.wait_for_everyone()
         self.last_saved = final
         for cb in self.callbacks:
@@ -504,5 +545,6 @@ def train(recipe: Recipe, *, callbacks: Sequence[TrainCallback] = ()) -> TrainRe
             run.setup()
             return run.run()
         finally:
+            run.resources.close()
             if made_world:
                 _teardown()

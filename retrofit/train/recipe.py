@@ -23,6 +23,7 @@ Paths: inputs (data files, the DeepSpeed JSON) resolve against the recipe file's
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import typing
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from retrofit.data.paths import expand_path
+from retrofit.data.text import TEXT_ERRORS
 from retrofit.errors import SpecError
 
 __all__ = [
@@ -76,6 +78,8 @@ class DataSection:
     seq_len: int = 4096
     shuffle_buffer: int = 1000  # packed sequences held for shuffling (0 = off)
     seed: int = 0
+    allow_long_positions: bool = False  # allow seq_len > the model's max_position_embeddings
+    text_errors: str = "strict"  # strict: non-UTF-8 text is an error (file + byte offset) | replace: U+FFFD
 
 
 @dataclass
@@ -185,6 +189,14 @@ class Recipe:
             raise SpecError(f"train.precision must be auto, bf16 or fp32, got {t.precision!r}")
         if self.model.dtype not in ("auto", "float32", "bfloat16"):
             raise SpecError(f"model.dtype must be auto, float32 or bfloat16, got {self.model.dtype!r}")
+        for name, value, low, strict in (("train.lr", t.lr, 0.0, True), ("train.eps", t.eps, 0.0, True),
+                                         ("train.grad_clip", t.grad_clip, 0.0, False),
+                                         ("train.weight_decay", t.weight_decay, 0.0, False)):
+            if not math.isfinite(value) or value < low or (strict and value == low):
+                bound = "> 0" if strict else ">= 0 (0 = off)" if name == "train.grad_clip" else ">= 0"
+                raise SpecError(f"{name} must be a finite number {bound}, got {value}")
+        if d.text_errors not in TEXT_ERRORS:
+            raise SpecError(f"data.text_errors must be one of {', '.join(TEXT_ERRORS)}, got {d.text_errors!r}")
         if not 0.0 <= t.min_lr_ratio <= 1.0:
             raise SpecError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
         try:

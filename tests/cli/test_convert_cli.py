@@ -77,9 +77,16 @@ def test_errors(base, tmp_path, capsys):
     (out / "keep.txt").write_text("mine")
     _fails(["convert", str(base), "--out", str(out), "--window", "8", "--latents", "8"], capsys, "already exists")
     assert os.listdir(out) == ["keep.txt"]
-    assert main(["convert", str(base), "--out", str(out), "--window", "8", "--latents", "8", "--overwrite",
-                 "--probe-tokens", "0"]) == 0
-    assert "keep.txt" not in os.listdir(out) and (out / "config.json").is_file()
+    # --overwrite replaces checkpoints only, never a folder holding other files (issue 15)
+    _fails(["convert", str(base), "--out", str(out), "--window", "8", "--latents", "8", "--overwrite",
+            "--probe-tokens", "0"], capsys, "not a checkpoint folder")
+    assert os.listdir(out) == ["keep.txt"]
+    (out / "keep.txt").unlink()
+    out.rmdir()
+    for window in ("8", "4"):  # a fresh write, then a replacement of that checkpoint
+        assert main(["convert", str(base), "--out", str(out), "--window", window, "--latents", "8", "--overwrite",
+                     "--probe-tokens", "0"]) == 0
+    assert (out / "config.json").is_file() and '"window": 4' in (out / "config.json").read_text()
 
 
 @pytest.mark.parametrize("method,flags,check", [

@@ -1,0 +1,12 @@
+"""File-system safety: advisory locks, recognisable temporary folders, guarded overwrites.
+
+Depends on nothing else in retrofit but :mod:`retrofit.errors`, so every layer may use it.
+"""
+from retrofit.fs.guard import check_output_folder, check_replaceable, is_replaceable_checkpoint
+from retrofit.fs.locks import LockError, output_lock
+from retrofit.fs.tempdirs import clean_stale_temps, make_temp_dir, pid_alive, terminate_on_sigterm
+
+__all__ = [
+    "LockError", "check_output_folder", "check_replaceable", "clean_stale_temps", "is_replaceable_checkpoint",
+    "make_temp_dir", "output_lock", "pid_alive", "terminate_on_sigterm",
+]

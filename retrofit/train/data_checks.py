@@ -1,0 +1,64 @@
+"""Checks on a recipe's data before step 1: decodable text, enough tokens, positions the model has.
+
+Each failure is one :class:`~retrofit.errors.DataError` saying what to change; none of them
+silently trains on garbage (a corpus repeated inside every sequence, empty documents packed
+into BOS/EOS pairs, positions the model never saw, text with replacement characters).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from retrofit.data.sources import LOCAL_FORMATS, load_documents, shard_documents
+from retrofit.data.text import check_utf8
+from retrofit.errors import DataError
+from retrofit.train.recipe import Recipe
+
+__all__ = ["check_decodable", "check_positions", "check_enough_tokens"]
+
+_TEXT_SUFFIXES = tuple(s for s, fmt in LOCAL_FORMATS.items() if fmt in ("text", "json"))
+
+
+def check_decodable(recipe: Recipe, files: Any) -> None:
+    """Under ``data.text_errors=strict``, every local txt/jsonl file must be valid UTF-8 (error: file + byte offset)."""
+    if recipe.data.text_errors != "strict":
+        return
+    for f in [*(files.train or []), *files.held_out]:
+        if f.suffix.lower() in _TEXT_SUFFIXES:
+            check_utf8(f, option="data.text_errors=replace")
+
+
+def check_positions(recipe: Recipe, config: Any) -> None:
+    """``data.seq_len`` within the model's ``max_position_embeddings`` unless ``data.allow_long_positions``."""
+    max_pos = getattr(config, "max_position_embeddings", None)
+    seq_len = recipe.data.seq_len
+    if max_pos is None or seq_len <= int(max_pos) or recipe.data.allow_long_positions:
+        return
+    raise DataError(f"data.seq_len={seq_len} exceeds the model's max_position_embeddings={max_pos}: lower "
+                    f"data.seq_len to {max_pos} or less, or set data.allow_long_positions=true to train on positions "
+                    "the model was not pretrained on (length extrapolation)")
+
+
+def check_enough_tokens(recipe: Recipe, tokenize: Any, files: Any, rank: int, world: int) -> int:
+    """This rank's local training documents must hold at least one step's tokens (``batch_size / world x seq_len``).
+
+    Counts the tokens of non-blank documents (plus their EOS) and stops as soon as there are enough,
+    so the cost is one step's worth of tokenisation. A streamed hub dataset is not checked. Returns
+    the tokens counted.
+    """
+    if files.train is None:
+        return -1
+    d = recipe.data
+    need = recipe.train.batch_size // max(world, 1) * d.seq_len
+    docs = shard_documents(load_documents(files=files.train, text_field=d.text_field, errors=d.text_errors), rank, world)
+    have = 0
+    for doc in docs:
+        text = doc.get(d.text_field) if isinstance(doc, dict) else None
+        if isinstance(text, str) and text.strip():
+            have += len(tokenize(text)) + 1
+            if have >= need:
+                return have
+    who = f"rank {rank}'s share of " if world > 1 else ""
+    names = ", ".join(f.name for f in files.train[:4]) + (", ..." if len(files.train) > 4 else "")
+    raise DataError(f"{who}the training data ({names}) holds {have} tokens but one step needs {need} "
+                    f"(train.batch_size x data.seq_len{' / ranks' if world > 1 else ''}): add text, or lower "
+                    "data.seq_len or train.batch_size")
