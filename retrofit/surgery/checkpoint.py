@@ -202,23 +202,30 @@ def load(
 
     from transformers import AutoModelForCausalLM
 
+    from retrofit.surgery import hf
+
+    hf.register()
+    # folders written before model_type "retrofit_<family>" carry their base's model_type: transformers
+    # builds the base, which is converted here (and warned about: plain transformers loads it as the base)
+    legacy = not str(raw.get("model_type", "")).startswith(hf.PREFIX)
     with quiet_transformers():
         try:
             model, info = AutoModelForCausalLM.from_pretrained(
                 path, dtype=dtype if dtype is not None else "auto", output_loading_info=True, device_map=device_map,
+                ignore_mismatched_sizes=True,  # reported below, with the retrofit section named
             )
         except (OSError, ValueError, RuntimeError) as exc:
-            raise CheckpointError(f"cannot rebuild the base architecture from {path}: {exc}") from None
-    missing = sorted(info.get("missing_keys") or [])
+            raise CheckpointError(f"cannot rebuild the converted architecture from {path}: {exc}") from None
+    if legacy:
+        del model.config.retrofit  # from config.json; convert writes it again
+        convert(model, spec, base_model=record.get("base_model"))
+    new = new_parameter_names(model)
+    missing = sorted(set(info.get("missing_keys") or []) - set(new))
     mismatched = info.get("mismatched_keys") or []
     if missing:
         raise CheckpointError(f"{path} lacks pretrained weights: {_sample(missing)}")
     if mismatched:
         raise CheckpointError(f"{path} has weights of the wrong shape: {_sample(str(m) for m in mismatched)}")
-
-    del model.config.retrofit  # from config.json; convert writes it again
-    convert(model, spec, base_model=record.get("base_model"))
-    new = new_parameter_names(model)
     model_keys = set(model.state_dict().keys())
     extra = set(where) - model_keys
     absent = set(new) - set(where)
@@ -234,9 +241,30 @@ def load(
         raise CheckpointError(
             f"{path}: recorded converted_layers {recorded_layers} but the spec converts {converted_layers(model)}"
         )
-    _copy_tensors(model, new, where, str(path))
+    if legacy:
+        _copy_tensors(model, new, where, str(path))
+        _warn_legacy(path, str(raw.get("model_type")))
     model.config.retrofit = dict(record)  # the checkpoint's record, verbatim
     return model.eval()
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_legacy(path: Path, model_type: str) -> None:
+    """Once per folder: it loads here, but plain transformers would load it as its base model."""
+    import logging
+
+    key = str(path.resolve())
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    logging.getLogger("retrofit").warning(
+        "%s was written by an older retrofit (config.json model_type %r, which plain transformers loads as the "
+        "base model, silently dropping the new weights); loaded and converted here. Re-save it to give it its own "
+        "model_type: retrofit.surgery.save(retrofit.load(%r), NEW_FOLDER)",
+        path, model_type, str(path),
+    )
 
 
 # ---------------------------------------------------------------------- deltas
