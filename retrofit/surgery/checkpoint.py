@@ -154,15 +154,33 @@ def save(
     *,
     overwrite: bool = False,
     max_shard_size: str | int = "5GB",
+    card: dict | None = None,
 ) -> Path:
-    """Write a converted model (and tokenizer) as a safetensors ``save_pretrained`` folder, atomically."""
+    """Write a converted model (and tokenizer) as a safetensors ``save_pretrained`` folder, atomically.
+
+    The folder gets a ``README.md`` model card (``retrofit/surgery/card.py``); ``card`` adds
+    ``training`` facts, held-out ``metrics`` and an ``adapter`` location to it.
+    """
+    from retrofit.surgery.card import model_card
+    from retrofit.surgery.hf import adopt
+
     if not is_converted(model):
         raise CheckpointError("model is not converted (no config.retrofit); run retrofit.convert first")
+    adopt(model)  # model_type retrofit_<family> even for a model converted before this version
     out = Path(out_dir)
+    new = set(new_parameter_names(model))
+    counts = [0, 0]
+    for name, p in model.named_parameters():
+        counts[0] += p.numel() if name in new else 0
+        counts[1] += p.numel()
     with atomic_directory(out, overwrite=overwrite) as tmp:
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        (tmp / "README.md").write_text(model_card(
+            dict(model.config.retrofit), model_type=model.config.model_type, new_parameters=counts[0],
+            total_parameters=counts[1], path=str(out), **(card or {}),
+        ))
         pickles = [p.name for p in tmp.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl")]
         if pickles or not list(tmp.glob("*.safetensors")):
             raise CheckpointError(f"save_pretrained did not write safetensors only (found {pickles or 'no weights'})")

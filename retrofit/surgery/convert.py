@@ -25,7 +25,10 @@ from retrofit.errors import SpecError
 from retrofit.surgery.methods import get_method
 from retrofit.surgery.spec import ConversionSpec
 
-__all__ = ["convert", "converted_layers", "is_converted", "mark_new_trainable", "new_parameter_names", "retrofit_record"]
+__all__ = [
+    "convert", "converted_layers", "is_converted", "mark_new_trainable", "new_module_names", "new_parameter_names",
+    "retrofit_record",
+]
 
 
 def is_converted(model: nn.Module) -> bool:
@@ -48,6 +51,29 @@ def new_parameter_names(model: nn.Module) -> list[str]:
         if getattr(module, "is_retrofit_attention", False):
             names.extend(f"{prefix}.{n}" if prefix else n for n in module.new_parameter_names())
     return names
+
+
+def new_module_names(model: nn.Module) -> list[str]:
+    """Names of the modules holding the new weights, for ``peft.LoraConfig(modules_to_save=...)``.
+
+    Short names (``latent_q``, ``latent_k``, ...; PEFT matches them as suffixes) when no pretrained
+    module shares them, else full dotted paths. ``get_peft_model`` freezes everything it does not
+    adapt, so a converted model keeps its new weights trainable with
+    ``LoraConfig(..., modules_to_save=retrofit.surgery.new_module_names(model))``.
+    """
+    full = []
+    for prefix, module in model.named_modules():
+        if getattr(module, "is_retrofit_attention", False):
+            full.extend(f"{prefix}.{m}" if prefix else m for m in module.new_module_names
+                        if getattr(module, m, None) is not None)
+    owners: dict[str, set[str]] = {}
+    for name, _ in model.named_modules():
+        owners.setdefault(name.rsplit(".", 1)[-1], set()).add(name)
+    out = []
+    for path in full:
+        short = path.rsplit(".", 1)[-1]
+        out.append(short if owners.get(short, set()) <= set(full) else path)
+    return sorted(set(out))
 
 
 def mark_new_trainable(model: nn.Module) -> nn.Module:
