@@ -45,6 +45,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
                    help="cast the models (default: as loaded)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--json", action="store_true",
+                   help="print the results (as in results.json) as JSON on stdout instead of the table")
 
 
 def _ppl_args(p: argparse.ArgumentParser, lengths_flag: str = "--lengths") -> None:
@@ -173,7 +175,14 @@ def _passkey_kwargs(args: argparse.Namespace) -> dict:
     )
 
 
-def _finish(res: dict, out: Path) -> int:
+def _finish(res: dict, out: Path, as_json: bool = False) -> int:
+    if as_json:
+        import json
+
+        from retrofit.cli.common import print_json
+
+        print_json(json.loads((out / "results.json").read_text()))
+        return 0
     print()
     print(res["table"])
     print(f"\nwrote {out}/results.json, {out}/table.md" + "".join(f", {out}/{i}" for i in res.get("images", [])))
@@ -186,7 +195,7 @@ def _run_ppl(args: argparse.Namespace) -> int:
     out = _out(args, "ppl")
     res = run_perplexity(args.model, baseline=args.baseline, device=args.device, dtype=args.dtype, out=out,
                          command=_command(), **_ppl_kwargs(args))
-    return _finish(res, out)
+    return _finish(res, out, args.json)
 
 
 def _run_harness(args: argparse.Namespace) -> int:
@@ -195,7 +204,7 @@ def _run_harness(args: argparse.Namespace) -> int:
     out = _out(args, "harness")
     res = run_harness(args.model, baseline=args.baseline, device=args.device, dtype=args.dtype, out=out,
                       command=_command(), **_harness_kwargs(args))
-    return _finish(res, out)
+    return _finish(res, out, args.json)
 
 
 def _run_passkey(args: argparse.Namespace) -> int:
@@ -204,7 +213,7 @@ def _run_passkey(args: argparse.Namespace) -> int:
     out = _out(args, "passkey")
     res = run_passkey(args.model, baseline=args.baseline, device=args.device, dtype=args.dtype, out=out,
                       command=_command(), **_passkey_kwargs(args))
-    return _finish(res, out)
+    return _finish(res, out, args.json)
 
 
 def _run_all(args: argparse.Namespace) -> int:
@@ -216,6 +225,11 @@ def _run_all(args: argparse.Namespace) -> int:
         perplexity=_ppl_kwargs(args), harness=_harness_kwargs(args), passkey=_passkey_kwargs(args),
         command=_command(),
     )
+    if args.json:
+        from retrofit.cli.common import print_json
+
+        print_json({"report": str(res["report"]), **{k: v for k, v in res.items() if k not in ("report", "markdown")}})
+        return 0
     print()
     print(res["markdown"])
     print(f"wrote {res['report']}")

@@ -77,7 +77,9 @@ def load_documents(
 
     ``files`` (local, one format) take precedence over ``dataset`` (a hub id, streamed).
     """
-    import datasets
+    from retrofit.extras import require
+
+    datasets = require("datasets", "training data")
 
     if files:
         formats = {LOCAL_FORMATS[Path(f).suffix.lower()] for f in files}
