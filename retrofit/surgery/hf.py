@@ -217,6 +217,8 @@ def adopt(model: nn.Module) -> nn.Module:
         return model
     if type(cfg) is cfg_cls.__mro__[1]:
         cfg.__class__ = cfg_cls
+    if type(cfg) is cfg_cls and "model_type" in vars(cfg):  # a config read from config.json keeps it per instance
+        cfg.model_type = cfg_cls.model_type
     model_cls = _MODELS.get(mt)
     if model_cls is not None and type(model) is model_cls.__mro__[2]:
         model.__class__ = model_cls
