@@ -26,7 +26,7 @@ def __getattr__(name: str):  # lazy: importing retrofit must not import transfor
 
 
 def _register_transformers() -> None:
-    from retrofit.surgery.hf import register
+    from retrofit.hf import register
 
     register()
 
@@ -34,7 +34,7 @@ def _register_transformers() -> None:
 def _register_peft() -> None:
     import transformers  # noqa: F401  (runs the transformers registration first)
 
-    from retrofit.surgery.hf import register, register_peft
+    from retrofit.hf import register, register_peft
 
     register()
     register_peft()

@@ -162,7 +162,7 @@ def save(
     ``training`` facts, held-out ``metrics`` and an ``adapter`` location to it.
     """
     from retrofit.surgery.card import model_card
-    from retrofit.surgery.hf import adopt
+    from retrofit.hf import adopt
 
     if not is_converted(model):
         raise CheckpointError("model is not converted (no config.retrofit); run retrofit.convert first")
@@ -220,7 +220,7 @@ def load(
 
     from transformers import AutoModelForCausalLM
 
-    from retrofit.surgery import hf
+    from retrofit import hf
 
     hf.register()
     # folders written before model_type "retrofit_<family>" carry their base's model_type: transformers

@@ -149,6 +149,6 @@ def convert(model: nn.Module, spec: ConversionSpec | None = None, *, base_model:
         base_model=base_model if base_model is not None else _base_model_id(model),
     )
     model.config.retrofit = record
-    from retrofit.surgery.hf import adopt
+    from retrofit.hf import adopt
 
     return adopt(model)  # model_type "retrofit_<family>": never saved or loaded as its base

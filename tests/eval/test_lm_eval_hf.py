@@ -16,6 +16,16 @@ from retrofit.eval import harness
 TASK = "retrofit_tiny_mc"
 
 
+@pytest.fixture(autouse=True)
+def _reset_accelerate():
+    """lm-eval's HFLM builds an accelerate.Accelerator for a path `pretrained`; its process-wide state
+    would make a later training test's Accelerator skip DeepSpeed."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def _evaluate(model_name: str, model_args: str) -> dict:
     from lm_eval import simple_evaluate
     from lm_eval.api.registry import get_model

@@ -95,3 +95,13 @@ def test_clear_errors():
         apply_trainable(model, "lora", new_parameter_names(model), lora={"target_modules": ["query"]})
     with pytest.raises(SpecError, match="not a valid regex"):
         apply_trainable(model, "new", [], extra=["(unclosed"])
+
+
+def test_peft_knows_the_retrofit_model_types():
+    """PEFT's default LoRA targets apply to retrofit_<family> as to its base family."""
+    from peft import LoraConfig, get_peft_model
+
+    model = _converted()
+    assert model.config.model_type.startswith("retrofit_")
+    peft_model = get_peft_model(model, LoraConfig(r=2))  # no target_modules: PEFT's table for the family
+    assert set(peft_model.peft_config["default"].target_modules) >= {"q_proj", "v_proj"}
