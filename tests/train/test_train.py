@@ -50,7 +50,7 @@ def test_zero2_trains_only_the_new_weights_and_held_out_loss_drops(pretrained_ba
     assert all(not torch.equal(before[k], after[k]) for k in new)
     assert result.counts.trainable == sum(before[k].numel() for k in new)
     exported = retrofit.load(result.final_dir)
-    assert type(exported).__name__ == "LlamaForCausalLM" and exported.config.use_cache  # decoding config restored
+    assert type(exported).__name__ == "RetrofitLlamaForCausalLM" and exported.config.use_cache  # decoding config restored
 
     # optimizer state exists for the trainable weights only; the checkpoint holds no frozen weights
     [(step, ckpt)] = list_checkpoints(out)  # keep_last=1
