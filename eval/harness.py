@@ -93,7 +93,9 @@ def fewshot_for(task: str, override: int | dict[str, int] | None) -> int | None:
 
 def task_manager(tasks: list[str], include_path: list[str | Path] | None = None):
     """A TaskManager over our task folders; lm-eval's ~10k built-in tasks are indexed only if needed."""
-    from lm_eval.tasks import TaskManager
+    from retrofit.extras import require
+
+    TaskManager = require("lm_eval.tasks", "lm-eval benchmarks").TaskManager
 
     paths = [str(TASKS_DIR)] + [str(p) for p in (include_path or [])]
     for p in paths[1:]:
@@ -146,7 +148,9 @@ def evaluate_model(
     gen_kwargs: str | dict | None = None,
 ) -> dict:
     """Run lm-eval on one LM instance; tasks with different few-shot counts run in separate calls."""
-    from lm_eval import simple_evaluate
+    from retrofit.extras import require
+
+    simple_evaluate = require("lm_eval", "lm-eval benchmarks").simple_evaluate
 
     tm = task_manager(tasks, include_path)
     groups: dict[int | None, list[str]] = {}

@@ -1,8 +1,13 @@
-"""lm-eval's own CLI with the ``retrofit`` model registered (lm-eval has no plugin entry points).
+"""``retrofit-lm-eval``: lm-eval's own CLI with retrofit imported (lm-eval has no plugin entry points).
 
-    python -m retrofit.eval.lm_eval_cli run --model retrofit \\
-        --model_args pretrained=runs/gemma-macchiato --tasks hellaswag --num_fewshot 10 --device cpu
+    retrofit-lm-eval run --model hf --model_args pretrained=runs/gemma-macchiato --tasks hellaswag
+    retrofit-lm-eval run --model retrofit --model_args pretrained=runs/gemma-macchiato --tasks hellaswag
 
+Importing retrofit registers the converted model types with transformers, so lm-eval's own ``hf``
+model loads a converted folder as the converted model, and adds the ``retrofit`` model (which
+also takes base folders, GGUF files and the ``gemma3-270m`` alias). Plain ``lm_eval --model hf``
+refuses a converted folder (transformers does not know ``retrofit_<family>``) instead of
+evaluating its base. ``python -m retrofit.eval.lm_eval_cli`` is the same program.
 Every lm-eval argument works as usual. Without ``--include_path``, the bundled task folder
 (``eval/tasks``: the offline ``retrofit_tiny`` tasks) is added so ``--tasks retrofit_tiny`` works.
 """
@@ -16,7 +21,7 @@ def main(argv: list[str] | None = None) -> None:
     from retrofit.eval.harness import TASKS_DIR
 
     if not register_lm_eval_model():
-        raise SystemExit("lm-eval is not installed: pip install 'retrofit[eval]'")
+        raise SystemExit("retrofit-lm-eval: error: lm-eval is not installed: pip install 'retrofit[eval]'")
     args = with_task_folder(list(sys.argv[1:] if argv is None else argv), str(TASKS_DIR))
     from lm_eval.__main__ import cli_evaluate
 

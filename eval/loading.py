@@ -166,7 +166,9 @@ def needs_bos(model: Any, tokenizer: Any, policy: str = "auto") -> bool:
     if policy == "always":
         return True
     ids = tokenizer("a", add_special_tokens=True)["input_ids"]
-    model_type = str(getattr(getattr(model, "config", None), "model_type", "") or "")
+    from retrofit.hf import base_model_type
+
+    model_type = str(base_model_type(getattr(getattr(model, "config", None), "model_type", "")) or "")
     return (len(ids) > 0 and ids[0] == bos) or model_type.startswith("gemma")
 
 

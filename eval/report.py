@@ -68,8 +68,9 @@ def save_figure(fig, path: str | Path) -> Path:
 
 def pyplot():
     """matplotlib.pyplot on the non-interactive Agg backend (headless machines)."""
-    import matplotlib
+    from retrofit.extras import require
 
+    matplotlib = require("matplotlib", "plots (PNG files)")
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 

@@ -49,6 +49,8 @@ def get_patch(model_or_config: Any) -> AttentionPatch:
     _load_builtin()
     config = getattr(model_or_config, "config", model_or_config)
     model_type = getattr(config, "model_type", None)
+    # a converted checkpoint's config (model_type "retrofit_<base>") names its base family
+    model_type = getattr(config, "retrofit_base_model_type", None) or model_type
     if model_type in _REGISTRY:
         return _REGISTRY[model_type]
     supported = ", ".join(f"{f} ({mt})" for mt, f in supported_model_types().items())

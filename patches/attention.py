@@ -46,6 +46,8 @@ def retrofit_mask(
     if attention_mask.ndim != 2:
         return attention_mask
     mask = attention_mask.bool()
+    if torch.compiler.is_compiling():  # no data-dependent branch (graph break); an all-True mask is exact too
+        return mask
     return None if bool(mask.all()) else mask
 
 

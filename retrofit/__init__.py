@@ -4,6 +4,11 @@ Layers of the package (dependency arrows point one way):
 ``ops`` (pure tensor math) <- ``layers`` (modules holding new weights) <-
 ``patches`` / ``surgery`` (model families, conversion, checkpoints, cache) <-
 ``train`` / ``eval`` / ``cli``.
+
+Importing retrofit registers the converted checkpoints' model types (``retrofit_llama``,
+``retrofit_gemma3_text``, ...) with transformers' ``AutoConfig`` / ``AutoModelForCausalLM``
+(and PEFT's LoRA defaults): at once if transformers is already imported, otherwise right after
+its import, so ``import retrofit`` itself stays instant.
 """
 from __future__ import annotations
 
@@ -18,3 +23,25 @@ def __getattr__(name: str):  # lazy: importing retrofit must not import transfor
 
         return getattr(surgery, name)
     raise AttributeError(f"module 'retrofit' has no attribute {name!r}")
+
+
+def _register_transformers() -> None:
+    from retrofit.hf import register
+
+    register()
+
+
+def _register_peft() -> None:
+    import transformers  # noqa: F401  (runs the transformers registration first)
+
+    from retrofit.hf import register, register_peft
+
+    register()
+    register_peft()
+
+
+from retrofit._hooks import when_imported  # noqa: E402
+
+when_imported("transformers", _register_transformers)
+when_imported("peft", _register_peft)
+del when_imported

@@ -104,8 +104,9 @@ def _continuation(model: Any, tokenizer: Any, text: str, prompt_tokens: int, new
 def _loss_curve(history: list[dict], evals: list[dict], path: Path) -> Path | None:
     if not history:
         return None
-    import matplotlib
+    from retrofit.extras import require
 
+    matplotlib = require("matplotlib", "plots (PNG files)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

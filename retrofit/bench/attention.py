@@ -406,8 +406,9 @@ def _markdown_report(report, table) -> str:
 
 
 def _plot(report, path: Path) -> None:
-    import matplotlib
+    from retrofit.extras import require
 
+    matplotlib = require("matplotlib", "plots (PNG files)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -167,8 +167,9 @@ def render_table(report: dict[str, Any]) -> str:
 
 
 def _plot(report: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    from retrofit.extras import require
 
+    matplotlib = require("matplotlib", "plots (PNG files)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -45,6 +45,8 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
                         "write OUT/layer_ranking.json and stop (no conversion saved)")
     p.add_argument("--keep-full", type=int, default=0, metavar="K",
                    help="rank the candidate layers (as --rank-layers) and keep the K most costly as full attention")
+    p.add_argument("--json", action="store_true",
+                   help="print a JSON summary on stdout (the progress lines go to stderr)")
     p.set_defaults(handler=_run)
 
 
@@ -132,7 +134,12 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _convert(args: argparse.Namespace, spec, out) -> int:
+    import functools
+    import sys
     import time
+
+    say = functools.partial(print, file=sys.stderr) if args.json else print
+    summary: dict = {"model": args.model, "out": str(args.out)}
 
     from retrofit.patches import get_patch
     from retrofit.surgery import (
@@ -145,7 +152,9 @@ def _convert(args: argparse.Namespace, spec, out) -> int:
     t_load = time.perf_counter() - t0
     patch = get_patch(model)  # unsupported families fail here, before any work
     spec.validate_for(model.config)
-    print(f"loaded {args.model}: {type(model).__name__} ({patch.family}), "
+    summary.update(family=patch.family, num_layers=model.config.num_hidden_layers,
+                   parameters=sum(p.numel() for p in model.parameters()), load_seconds=round(t_load, 3))
+    say(f"loaded {args.model}: {type(model).__name__} ({patch.family}), "
           f"{model.config.num_hidden_layers} layers, {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, "
           f"{next(model.parameters()).dtype} [{t_load:.1f}s]")
 
@@ -167,20 +176,26 @@ def _convert(args: argparse.Namespace, spec, out) -> int:
     params = dict(model.named_parameters())
     n_new = sum(params[n].numel() for n in new)
     layers = converted_layers(model)
-    print(f"converted {len(layers)}/{model.config.num_hidden_layers} layers to {spec.describe()} [{t_conv:.1f}s]")
-    print(f"new weights: {len(new)} tensors, {n_new / 1e6:.3f}M params (trainable); pretrained weights frozen")
+    summary.update(retrofit=dict(model.config.retrofit), model_type=model.config.model_type,
+                   converted_layers=layers, new_tensors=len(new), new_parameters=n_new,
+                   convert_seconds=round(t_conv, 3))
+    say(f"converted {len(layers)}/{model.config.num_hidden_layers} layers to {spec.describe()} [{t_conv:.1f}s]")
+    say(f"new weights: {len(new)} tensors, {n_new / 1e6:.3f}M params (trainable); pretrained weights frozen")
 
     if ids is not None:
         t0 = time.perf_counter()
         conv_lp = P.log_probs(model, ids)
-        msg = f"KL probe on {ids.shape[1]} tokens: KL(base || converted) = {P.kl_divergence(base_lp, conv_lp):.4f}"
+        probe = summary["probe"] = {"tokens": int(ids.shape[1]), "kl_base_converted": P.kl_divergence(base_lp, conv_lp)}
+        msg = f"KL probe on {ids.shape[1]} tokens: KL(base || converted) = {probe['kl_base_converted']:.4f}"
         with P.closed_latent_path(model) as closed:
             if closed:
                 anchor_lp = P.log_probs(model, ids)
         if closed:
+            probe.update(kl_anchor_converted=P.kl_divergence(anchor_lp, conv_lp),
+                         kl_base_anchor=P.kl_divergence(base_lp, anchor_lp))
             msg += (f", KL(SWA anchor || converted) = {P.kl_divergence(anchor_lp, conv_lp):.4f}"
                     f", KL(base || SWA anchor) = {P.kl_divergence(base_lp, anchor_lp):.4f}")
-        print(f"{msg} [{time.perf_counter() - t0:.1f}s]")
+        say(f"{msg} [{time.perf_counter() - t0:.1f}s]")
         del base_lp, conv_lp
 
     t0 = time.perf_counter()
@@ -191,8 +206,13 @@ def _convert(args: argparse.Namespace, spec, out) -> int:
         save(model, out, tokenizer=tokenizer, overwrite=args.overwrite)
         kind = "checkpoint (safetensors + config.json with a retrofit section" + (" + tokenizer)" if tokenizer else ")")
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    print(f"saved {kind} to {out} ({size / 2**20:.1f} MiB) [{time.perf_counter() - t0:.1f}s]")
-    print(f"next: retrofit train ... or retrofit generate {out} --prompt '...'")
+    say(f"saved {kind} to {out} ({size / 2**20:.1f} MiB) [{time.perf_counter() - t0:.1f}s]")
+    say(f"next: retrofit train ... or retrofit generate {out} --prompt '...'")
+    if args.json:
+        from retrofit.cli.common import print_json
+
+        summary.update(kind="delta" if args.delta else "checkpoint", size_bytes=size)
+        print_json(summary)
     return 0
 
 

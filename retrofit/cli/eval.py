@@ -48,6 +48,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-errors", choices=("strict", "replace"), default="strict",
                    help="local text that is not UTF-8: strict = error naming file and byte offset (default), "
                         "replace = decode bad bytes as U+FFFD (the same policy as data.text_errors in training)")
+    p.add_argument("--json", action="store_true",
+                   help="print the results (as in results.json) as JSON on stdout instead of the table")
 
 
 def _ppl_args(p: argparse.ArgumentParser, lengths_flag: str = "--lengths") -> None:
@@ -190,7 +192,14 @@ def _passkey_kwargs(args: argparse.Namespace) -> dict:
     )
 
 
-def _finish(res: dict, out: Path) -> int:
+def _finish(res: dict, out: Path, as_json: bool = False) -> int:
+    if as_json:
+        import json
+
+        from retrofit.cli.common import print_json
+
+        print_json(json.loads((out / "results.json").read_text()))
+        return 0
     print()
     print(res["table"])
     print(f"\nwrote {out}/results.json, {out}/table.md" + "".join(f", {out}/{i}" for i in res.get("images", [])))
@@ -204,7 +213,7 @@ def _run_ppl(args: argparse.Namespace) -> int:
     with _text_policy(args):
         res = run_perplexity(args.model, baseline=args.baseline, device=args.device, dtype=args.dtype, out=out,
                              command=_command(), **_ppl_kwargs(args))
-    return _finish(res, out)
+    return _finish(res, out, args.json)
 
 
 def _run_harness(args: argparse.Namespace) -> int:
@@ -213,7 +222,7 @@ def _run_harness(args: argparse.Namespace) -> int:
     out = _out(args, "harness")
     res = run_harness(args.model, baseline=args.baseline, device=args.device, dtype=args.dtype, out=out,
                       command=_command(), **_harness_kwargs(args))
-    return _finish(res, out)
+    return _finish(res, out, args.json)
 
 
 def _run_passkey(args: argparse.Namespace) -> int:
@@ -223,7 +232,7 @@ def _run_passkey(args: argparse.Namespace) -> int:
     with _text_policy(args):
         res = run_passkey(args.model, baseline=args.baseline, device=args.device, dtype=args.dtype, out=out,
                           command=_command(), **_passkey_kwargs(args))
-    return _finish(res, out)
+    return _finish(res, out, args.json)
 
 
 def _run_all(args: argparse.Namespace) -> int:
@@ -232,6 +241,11 @@ def _run_all(args: argparse.Namespace) -> int:
     out = _out(args, "all")
     with _text_policy(args):
         res = _run_all_sections(args, out)
+    if args.json:
+        from retrofit.cli.common import print_json
+
+        print_json({"report": str(res["report"]), **{k: v for k, v in res.items() if k not in ("report", "markdown")}})
+        return 0
     print()
     print(res["markdown"])
     print(f"wrote {res['report']}")

@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from retrofit import __version__
+from retrofit.cli.common import HelpFormatter, configure_output, finish_parser
 
 VERBS: tuple[tuple[str, str], ...] = (
     ("convert", "model surgery: swap attention for a linear-time method and save a checkpoint"),
@@ -20,6 +21,7 @@ VERBS: tuple[tuple[str, str], ...] = (
     ("generate", "constant-memory text generation from a converted checkpoint"),
     ("bench", "speed and memory benchmarks (attention ops, decoding, whole model)"),
     ("demo", "the end-to-end main job on the real Gemma 3 270M (convert, train, eval, generate)"),
+    ("ls", "list the bundled recipes, convert specs, datasets and DeepSpeed configs"),
 )
 
 
@@ -27,12 +29,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="retrofit",
         description="Give pretrained LLMs linear-time attention and a longer usable context.",
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"retrofit {__version__}")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     for name, help_text in VERBS:
         module = importlib.import_module(f"retrofit.cli.{name}")
         module.register(sub, help_text)
+    finish_parser(parser)  # defaults in every --help, -q / -v on every verb
     return parser
 
 
@@ -45,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from retrofit.fs.tempdirs import Terminated, terminate_on_sigterm
 
     terminate_on_sigterm()  # SIGTERM unwinds like Ctrl-C: temporary folders and locks are removed
+    configure_output(args)
     try:
         return int(args.handler(args) or 0)
     except KeyboardInterrupt:

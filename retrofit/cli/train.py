@@ -39,6 +39,12 @@ def _run(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(recipe.to_dict(), sort_keys=False), end="")
         return 0
+    from retrofit.extras import require
+
+    for module in ("accelerate", "deepspeed"):  # before any model loads: one line naming the extra
+        require(module, "retrofit train")
+    if recipe.trainable.mode == "lora":
+        require("peft", "trainable.mode: lora")
     from retrofit.train.loop import train
 
     result = train(recipe)

@@ -80,7 +80,9 @@ def load_documents(
     ``errors``: how local txt/jsonl bytes that are not UTF-8 decode (``strict`` | ``replace``;
     :func:`retrofit.data.text.check_utf8` turns strict failures into an error with the byte offset).
     """
-    import datasets
+    from retrofit.extras import require
+
+    datasets = require("datasets", "training data")
 
     if files:
         formats = {LOCAL_FORMATS[Path(f).suffix.lower()] for f in files}

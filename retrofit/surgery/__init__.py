@@ -7,7 +7,9 @@
     model = retrofit.load("out/g270-mac")
 """
 from retrofit.surgery.checkpoint import load, load_delta, save, save_delta
-from retrofit.surgery.convert import convert, converted_layers, is_converted, new_parameter_names, retrofit_record
+from retrofit.surgery.convert import (
+    convert, converted_layers, is_converted, new_module_names, new_parameter_names, retrofit_record,
+)
 from retrofit.surgery.methods import MethodInfo, available_methods, get_method, register_method
 from retrofit.surgery.loading import load_any
 from retrofit.surgery.spec import DEFAULT_INIT_SWA_SHARE, ConversionSpec
@@ -24,6 +26,7 @@ __all__ = [
     "load",
     "load_any",
     "load_delta",
+    "new_module_names",
     "new_parameter_names",
     "register_method",
     "retrofit_record",

@@ -210,18 +210,36 @@ def save(
     *,
     overwrite: bool = False,
     max_shard_size: str | int = "5GB",
+    card: dict | None = None,
 ) -> Path:
-    """Write a converted model (and tokenizer) as a safetensors ``save_pretrained`` folder, atomically."""
+    """Write a converted model (and tokenizer) as a safetensors ``save_pretrained`` folder, atomically.
+
+    The folder gets a ``README.md`` model card (``retrofit/surgery/card.py``); ``card`` adds
+    ``training`` facts, held-out ``metrics`` and an ``adapter`` location to it.
+    """
+    from retrofit.surgery.card import model_card
+    from retrofit.hf import adopt
+
     if not is_converted(model):
         raise CheckpointError("model is not converted (no config.retrofit); run retrofit.convert first")
+    adopt(model)  # model_type retrofit_<family> even for a model converted before this version
     out = Path(out_dir)
     record = dict(retrofit_record(model))
     record[SECTION_DIGEST_KEY] = section_digest(record)
     model.config.retrofit = record
+    new = set(new_parameter_names(model))
+    counts = [0, 0]
+    for name, p in model.named_parameters():
+        counts[0] += p.numel() if name in new else 0
+        counts[1] += p.numel()
     with atomic_directory(out, overwrite=overwrite, protect=[_local_base(record.get("base_model"))]) as tmp:
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        (tmp / "README.md").write_text(model_card(
+            dict(model.config.retrofit), model_type=model.config.model_type, new_parameters=counts[0],
+            total_parameters=counts[1], path=str(out), **(card or {}),
+        ))
         pickles = [p.name for p in tmp.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl")]
         if pickles or not list(tmp.glob("*.safetensors")):
             raise CheckpointError(f"save_pretrained did not write safetensors only (found {pickles or 'no weights'})")
@@ -261,23 +279,30 @@ def load(
 
     from transformers import AutoModelForCausalLM
 
+    from retrofit import hf
+
+    hf.register()
+    # folders written before model_type "retrofit_<family>" carry their base's model_type: transformers
+    # builds the base, which is converted here (and warned about: plain transformers loads it as the base)
+    legacy = not str(raw.get("model_type", "")).startswith(hf.PREFIX)
     with quiet_transformers():
         try:
             model, info = AutoModelForCausalLM.from_pretrained(
                 path, dtype=dtype if dtype is not None else "auto", output_loading_info=True, device_map=device_map,
+                ignore_mismatched_sizes=True,  # reported below, with the retrofit section named
             )
         except (OSError, ValueError, RuntimeError, TypeError, KeyError) as exc:
-            raise CheckpointError(f"cannot rebuild the base architecture from {path}: {_first_line(exc)}") from None
-    missing = sorted(info.get("missing_keys") or [])
+            raise CheckpointError(f"cannot rebuild the converted architecture from {path}: {_first_line(exc)}") from None
+    if legacy:
+        del model.config.retrofit  # from config.json; convert writes it again
+        convert(model, spec, base_model=record.get("base_model"))
+    new = new_parameter_names(model)
+    missing = sorted(set(info.get("missing_keys") or []) - set(new))
     mismatched = info.get("mismatched_keys") or []
     if missing:
         raise CheckpointError(f"{path} lacks pretrained weights: {_sample(missing)}")
     if mismatched:
         raise CheckpointError(f"{path} has weights of the wrong shape: {_sample(str(m) for m in mismatched)}")
-
-    del model.config.retrofit  # from config.json; convert writes it again
-    convert(model, spec, base_model=record.get("base_model"))
-    new = new_parameter_names(model)
     model_keys = set(model.state_dict().keys())
     extra = set(where) - model_keys
     absent = set(new) - set(where)
@@ -293,11 +318,32 @@ def load(
         raise CheckpointError(
             f"{path}: recorded converted_layers {recorded_layers} but the spec converts {converted_layers(model)}"
         )
-    _copy_tensors(model, new, where, str(path))
+    if legacy:
+        _copy_tensors(model, new, where, str(path))
+        _warn_legacy(path, str(raw.get("model_type")))
     # an edit the weights cannot reveal (window, init share, chunk size, ...) fails here
     check_section_digest(record, str(path))
     model.config.retrofit = dict(record)  # the checkpoint's record, verbatim
     return model.eval()
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_legacy(path: Path, model_type: str) -> None:
+    """Once per folder: it loads here, but plain transformers would load it as its base model."""
+    import logging
+
+    key = str(path.resolve())
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    logging.getLogger("retrofit").warning(
+        "%s was written by an older retrofit (config.json model_type %r, which plain transformers loads as the "
+        "base model, silently dropping the new weights); loaded and converted here. Re-save it to give it its own "
+        "model_type: retrofit.surgery.save(retrofit.load(%r), NEW_FOLDER)",
+        path, model_type, str(path),
+    )
 
 
 # ---------------------------------------------------------------------- deltas

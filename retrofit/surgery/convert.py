@@ -9,7 +9,9 @@
 * switches the model to the ``"retrofit"`` attention implementation (2D padding masks only;
   see ``retrofit/patches/attention.py``),
 * records ``model.config.retrofit = {method, hyper-parameters, converted_layers,
-  toolkit_version, base_model}`` (saved into config.json by ``save_pretrained``).
+  toolkit_version, base_model}`` (saved into config.json by ``save_pretrained``),
+* gives the model its own identity (``retrofit/surgery/hf.py``): config ``model_type``
+  ``retrofit_<family>`` and class ``Retrofit<Base>ForCausalLM``, subclasses of the originals.
 """
 from __future__ import annotations
 
@@ -23,7 +25,10 @@ from retrofit.errors import SpecError
 from retrofit.surgery.methods import get_method
 from retrofit.surgery.spec import ConversionSpec
 
-__all__ = ["convert", "is_converted", "new_parameter_names", "retrofit_record", "converted_layers"]
+__all__ = [
+    "convert", "converted_layers", "is_converted", "mark_new_trainable", "new_module_names", "new_parameter_names",
+    "retrofit_record",
+]
 
 
 def is_converted(model: nn.Module) -> bool:
@@ -46,6 +51,37 @@ def new_parameter_names(model: nn.Module) -> list[str]:
         if getattr(module, "is_retrofit_attention", False):
             names.extend(f"{prefix}.{n}" if prefix else n for n in module.new_parameter_names())
     return names
+
+
+def new_module_names(model: nn.Module) -> list[str]:
+    """Names of the modules holding the new weights, for ``peft.LoraConfig(modules_to_save=...)``.
+
+    Short names (``latent_q``, ``latent_k``, ...; PEFT matches them as suffixes) when no pretrained
+    module shares them, else full dotted paths. ``get_peft_model`` freezes everything it does not
+    adapt, so a converted model keeps its new weights trainable with
+    ``LoraConfig(..., modules_to_save=retrofit.surgery.new_module_names(model))``.
+    """
+    full = []
+    for prefix, module in model.named_modules():
+        if getattr(module, "is_retrofit_attention", False):
+            full.extend(f"{prefix}.{m}" if prefix else m for m in module.new_module_names
+                        if getattr(module, m, None) is not None)
+    owners: dict[str, set[str]] = {}
+    for name, _ in model.named_modules():
+        owners.setdefault(name.rsplit(".", 1)[-1], set()).add(name)
+    out = []
+    for path in full:
+        short = path.rsplit(".", 1)[-1]
+        out.append(short if owners.get(short, set()) <= set(full) else path)
+    return sorted(set(out))
+
+
+def mark_new_trainable(model: nn.Module) -> nn.Module:
+    """Freeze every pretrained weight and make exactly the new weights ``requires_grad=True``."""
+    new = set(new_parameter_names(model))
+    for name, p in model.named_parameters():
+        p.requires_grad_(name in new)
+    return model
 
 
 def _base_model_id(model: nn.Module) -> str | None:
@@ -102,13 +138,9 @@ def convert(model: nn.Module, spec: ConversionSpec | None = None, *, base_model:
             except ValueError as exc:  # layer-level checks -> one clear spec error
                 raise SpecError(f"layer {site.layer_idx}: {exc}") from None
 
-    for p in model.parameters():
-        p.requires_grad_(False)
     for site, new in built:
         setattr(site.parent, site.attr, new)
-    params = dict(model.named_parameters())
-    for name in new_parameter_names(model):
-        params[name].requires_grad_(True)
+    mark_new_trainable(model)
 
     model.set_attn_implementation(register_attention())
     record = spec.to_dict()
@@ -118,4 +150,6 @@ def convert(model: nn.Module, spec: ConversionSpec | None = None, *, base_model:
         base_model=base_model if base_model is not None else _base_model_id(model),
     )
     model.config.retrofit = record
-    return model
+    from retrofit.hf import adopt
+
+    return adopt(model)  # model_type "retrofit_<family>": never saved or loaded as its base

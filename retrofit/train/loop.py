@@ -445,10 +445,14 @@ class _Run:
         gather = self._gathered(params) if self.zero_stage == 3 else contextlib.nullcontext()
         with gather:
             if self.main:
-                if hasattr(model, "merge_and_unload"):
-                    model = model.merge_and_unload()
+                from retrofit.train.export import export_lora, training_card
+
+                card = training_card(self.recipe, self.step, self.tokens, self.evals)
+                if hasattr(model, "merge_and_unload"):  # LoRA: adapter/ + adapter-base/ beside final/, then merge
+                    model = export_lora(model, self.output_dir, tokenizer=self.tokenizer, card=card)
+                    card["adapter"] = str((self.output_dir / "adapter").resolve())
                 model.config.use_cache = self.use_cache
-                surgery.save(model, final, tokenizer=self.tokenizer, overwrite=True)
+                surgery.save(model, final, tokenizer=self.tokenizer, overwrite=True, card=card)
         self.acc.wait_for_everyone()
         return final
 

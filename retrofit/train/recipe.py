@@ -29,7 +29,7 @@ import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from retrofit.data.paths import expand_path
 from retrofit.data.text import TEXT_ERRORS
@@ -56,6 +56,10 @@ class LoraSection:
     alpha: int = 32
     dropout: float = 0.0
     target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    # any other peft.LoraConfig field written in this section (use_dora, modules_to_save, rank_pattern,
+    # init_lora_weights, ...) is collected here and passed through; PEFT's field list checks it
+    peft: dict = field(default_factory=dict)
+    PASSTHROUGH: ClassVar[str] = "peft"
 
 
 @dataclass
@@ -298,6 +302,11 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         raise SpecError(f"{prefix.rstrip('.') or 'the recipe'} must be a mapping of keys, got {data!r}")
     fields = _public_fields(cls)
     unknown = [k for k in data if k not in fields]
+    passthrough = getattr(cls, "PASSTHROUGH", None)
+    if passthrough and unknown:  # e.g. trainable.lora.use_dora -> trainable.lora.peft.use_dora
+        data = {**{k: v for k, v in data.items() if k not in unknown},
+                passthrough: {**dict(data.get(passthrough) or {}), **{k: data[k] for k in unknown}}}
+        unknown = []
     if unknown:
         where = f"in section '{prefix.rstrip('.')}'" if prefix else "at the top level"
         raise SpecError(f"unknown recipe key '{prefix}{unknown[0]}' {where}; valid keys: {', '.join(fields)}")
@@ -362,8 +371,10 @@ def _find_recipe(path: str | os.PathLike) -> Path:
     for candidate in (bundled_recipe_dir() / p.name, bundled_recipe_dir() / f"{p.name}.yaml"):
         if not p.is_absolute() and candidate.is_file():
             return candidate
-    raise SpecError(f"recipe file {str(path)!r} not found (also looked for it among the bundled recipes in "
-                    f"{bundled_recipe_dir()}: {', '.join(sorted(q.name for q in bundled_recipe_dir().glob('*.yaml')))})")
+    from retrofit.catalog import recipe_names
+
+    raise SpecError(f"recipe file {str(path)!r} not found; bundled recipes: {', '.join(recipe_names())} "
+                    "(retrofit ls lists them with the convert specs, datasets and DeepSpeed configs)")
 
 
 def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> Recipe:

@@ -3,7 +3,8 @@
 Modes:
 
 * ``new`` - only the weights the conversion added (``retrofit.surgery.new_parameter_names``);
-* ``lora`` - PEFT LoRA adapters on the named projections, plus the new weights;
+* ``lora`` - PEFT LoRA adapters on the named projections, plus the new weights (as PEFT
+  ``modules_to_save``); any other ``peft.LoraConfig`` field in ``trainable.lora`` passes through;
 * ``attention`` - every parameter inside an attention module (pretrained q/k/v/o and the new weights);
 * ``all`` - everything.
 
@@ -13,6 +14,7 @@ so it holds no state for frozen weights.
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Collection
@@ -80,6 +82,8 @@ def apply_trainable(
     elif mode not in ("new", "lora"):
         raise SpecError(f"trainable.mode must be one of new, lora, attention, all; got {mode!r}")
     selected |= {n for n in params if any(p.search(n) for p in patterns)}
+    if mode == "lora":  # the new weights train as PEFT modules_to_save (copies PEFT owns and exports)
+        selected = {n for n in params if any(p.search(n) for p in patterns)}
     chosen = [params[n] for n in selected]
 
     if mode == "lora":
@@ -103,8 +107,27 @@ def _wrap_lora(model: nn.Module, cfg: dict) -> nn.Module:
     if absent:
         raise SpecError(f"trainable.lora.target_modules: no module named {absent[0]!r} in the model "
                         f"(linear layers it has: {', '.join(sorted(_linear_names(model)))})")
-    config = LoraConfig(r=int(cfg.get("r", 16)), lora_alpha=int(cfg.get("alpha", 32)),
-                        lora_dropout=float(cfg.get("dropout", 0.0)), target_modules=targets, bias="none")
+    extra = dict(cfg.get("peft") or {})
+    fields = {f.name for f in dataclasses.fields(LoraConfig)}
+    unknown = sorted(set(extra) - fields)
+    if unknown:
+        raise SpecError(f"trainable.lora.{unknown[0]} is not a peft.LoraConfig field "
+                        f"(fields: {', '.join(sorted(f for f in fields if not f.startswith('_')))})")
+    for key in ("r", "lora_alpha", "lora_dropout", "target_modules"):
+        if key in extra:
+            raise SpecError(f"trainable.lora.{key}: write it as trainable.lora."
+                            f"{ {'lora_alpha': 'alpha', 'lora_dropout': 'dropout'}.get(key, key) }")
+    from retrofit.surgery import new_module_names
+
+    # the conversion's new weights: full copies PEFT trains and saves in the adapter
+    extra["modules_to_save"] = sorted(set(extra.get("modules_to_save") or []) | set(new_module_names(model)))
+    extra.setdefault("bias", "none")
+    extra.setdefault("task_type", "CAUSAL_LM")  # AutoPeftModelForCausalLM reloads it through AutoModelForCausalLM
+    try:
+        config = LoraConfig(r=int(cfg.get("r", 16)), lora_alpha=int(cfg.get("alpha", 32)),
+                            lora_dropout=float(cfg.get("dropout", 0.0)), target_modules=targets, **extra)
+    except (TypeError, ValueError) as exc:
+        raise SpecError(f"trainable.lora: peft.LoraConfig refused it: {exc}") from None
     return get_peft_model(model, config)
 
 

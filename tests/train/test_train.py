@@ -50,7 +50,7 @@ def test_zero2_trains_only_the_new_weights_and_held_out_loss_drops(pretrained_ba
     assert all(not torch.equal(before[k], after[k]) for k in new)
     assert result.counts.trainable == sum(before[k].numel() for k in new)
     exported = retrofit.load(result.final_dir)
-    assert type(exported).__name__ == "LlamaForCausalLM" and exported.config.use_cache  # decoding config restored
+    assert type(exported).__name__ == "RetrofitLlamaForCausalLM" and exported.config.use_cache  # decoding config restored
 
     # optimizer state exists for the trainable weights only; the checkpoint holds no frozen weights
     [(step, ckpt)] = list_checkpoints(out)  # keep_last=1
@@ -112,7 +112,30 @@ def test_lora_with_gradient_checkpointing_exports_a_merged_loadable_model(conver
     assert any(k.endswith("q_proj.weight") for k in changed) and any(k.endswith("v_proj.weight") for k in changed)
     assert any("latent_q" in k for k in changed)  # the new weights train alongside the adapters
     assert not any(k.endswith(("k_proj.weight", "o_proj.weight", "mlp.up_proj.weight")) for k in changed)
-    retrofit.load(result.final_dir)
+    merged = retrofit.load(result.final_dir)
+    card = (result.final_dir / "README.md").read_text()
+    assert "library_name: retrofit" in card and "optimizer steps: 2" in card and "adapter" in card
+
+    # a real PEFT adapter beside the merged model, the new weights in modules_to_save
+    import json
+
+    from peft import AutoPeftModelForCausalLM
+
+    adapter = result.output_dir / "adapter"
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    assert (adapter / "adapter_model.safetensors").is_file()
+    assert cfg["modules_to_save"] == ["latent_k", "latent_q"] and cfg["peft_type"] == "LORA"
+    assert cfg["base_model_name_or_path"] == str((result.output_dir / "adapter-base").resolve())
+    base = _weights(result.output_dir / "adapter-base")
+    assert [k for k in before if not torch.equal(base[k], before[k])] == []  # the model the adapter was trained on
+    peft_model = AutoPeftModelForCausalLM.from_pretrained(adapter)
+    ids = torch.randint(3, merged.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = merged(ids).logits
+        assert torch.allclose(peft_model(input_ids=ids).logits, want, atol=1e-5, rtol=1e-4)
+        remerged = peft_model.merge_and_unload()
+        assert type(remerged).__name__ == type(merged).__name__
+        assert torch.allclose(remerged(ids).logits, want, atol=1e-5, rtol=1e-4)
 
 
 def _cli(capsys, *argv) -> tuple[int, str, str]:

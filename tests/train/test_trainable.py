@@ -46,8 +46,42 @@ def test_lora_adapters_plus_new_weights():
     trainable = _trainable(peft_model)
     lora = {n for n in trainable if "lora_" in n}
     assert lora and all((".q_proj." in n or ".v_proj." in n) for n in lora)
-    assert {n.removeprefix("base_model.model.") for n in trainable - lora} == set(new)
+    # the new weights train as PEFT modules_to_save copies (saved in the adapter); their originals stay frozen
+    assert {n.removeprefix("base_model.model.").replace(".modules_to_save.default.", ".")
+            for n in trainable - lora} == set(new)
+    assert peft_model.peft_config["default"].modules_to_save == ["latent_k", "latent_q"]
     assert not any(p.requires_grad for n, p in peft_model.named_parameters() if n.endswith("q_proj.base_layer.weight"))
+    assert not any(p.requires_grad for n, p in peft_model.named_parameters() if ".original_module." in n)
+
+
+def test_any_lora_config_field_passes_through_from_the_recipe():
+    from retrofit.train.recipe import recipe_from_dict
+
+    recipe = recipe_from_dict({"model": {"name": "x"}, "trainable": {"mode": "lora", "lora": {
+        "r": 2, "target_modules": ["q_proj"], "use_dora": True, "modules_to_save": ["lm_head"], "lora_bias": False}}})
+    lora = recipe.trainable.lora
+    assert lora.peft == {"use_dora": True, "modules_to_save": ["lm_head"], "lora_bias": False}
+    model = _converted()
+    peft_model = apply_trainable(model, "lora", new_parameter_names(model), lora=__import__("dataclasses").asdict(lora))
+    cfg = peft_model.peft_config["default"]
+    assert cfg.use_dora and cfg.modules_to_save == ["latent_k", "latent_q", "lm_head"]
+    assert any("lora_magnitude_vector" in n for n, p in peft_model.named_parameters() if p.requires_grad)
+    with pytest.raises(SpecError, match="use_dorra is not a peft.LoraConfig field"):
+        apply_trainable(_converted(), "lora", [], lora={"target_modules": ["q_proj"], "peft": {"use_dorra": True}})
+
+
+def test_get_peft_model_with_the_documented_modules_to_save():
+    """The one-line fix for users of get_peft_model: modules_to_save=retrofit.surgery.new_module_names(model)."""
+    from peft import LoraConfig, get_peft_model
+
+    from retrofit.surgery import new_module_names
+
+    model = _converted()
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"],
+                                                  modules_to_save=new_module_names(model)))
+    trainable = _trainable(peft_model)
+    assert any("latent_q.modules_to_save" in n for n in trainable)
+    assert any("latent_k.modules_to_save" in n for n in trainable)
 
 
 def test_clear_errors():
@@ -61,3 +95,13 @@ def test_clear_errors():
         apply_trainable(model, "lora", new_parameter_names(model), lora={"target_modules": ["query"]})
     with pytest.raises(SpecError, match="not a valid regex"):
         apply_trainable(model, "new", [], extra=["(unclosed"])
+
+
+def test_peft_knows_the_retrofit_model_types():
+    """PEFT's default LoRA targets apply to retrofit_<family> as to its base family."""
+    from peft import LoraConfig, get_peft_model
+
+    model = _converted()
+    assert model.config.model_type.startswith("retrofit_")
+    peft_model = get_peft_model(model, LoraConfig(r=2))  # no target_modules: PEFT's table for the family
+    assert set(peft_model.peft_config["default"].target_modules) >= {"q_proj", "v_proj"}
