@@ -188,6 +188,33 @@ def _window_mask(
     return allowed, q_valid
 
 
+def _block_layout(
+    q: torch.Tensor, kv: tuple[torch.Tensor, ...], window: int, num_past: int, key_padding_mask: torch.Tensor | None,
+):
+    """The blocked layout shared by the SDPA form and :func:`sliding_window_lse`.
+
+    Queries ``(B, Hq, Tq, d)`` -> ``(B, Hkv, n, group w, d)`` (query heads of a GQA group stacked
+    per block); each key-like tensor ``(B, Hkv, num_past + Tq, c)`` -> ``(B, Hkv, n, 2w, c)``
+    (the previous and the own key block of each query block); ``allowed`` ``(B|1, 1, n, group w,
+    2w)``, ``q_valid`` ``(B|1, n, w)`` from :func:`_window_mask`; ``n`` query blocks.
+    """
+    B, Hq, Tq, d = q.shape
+    Hkv, Tk = kv[0].shape[1], kv[0].shape[2]
+    w, group = window, Hq // Hkv
+    n = -(-Tq // w)
+    tail = n * w - Tq
+
+    def two_blocks(x: torch.Tensor) -> torch.Tensor:  # key j (past keys at -num_past..-1) sits at j + w
+        x = F.pad(x, (0, 0, w - num_past, tail))
+        return torch.cat([x[..., : n * w, :].unflatten(-2, (n, w)), x[..., w:, :].unflatten(-2, (n, w))], dim=-2)
+
+    qb = F.pad(q, (0, 0, 0, tail)).view(B, Hkv, group, n, w, d).permute(0, 1, 3, 2, 4, 5).reshape(B, Hkv, n, group * w, d)
+    allowed, q_valid = _window_mask(key_padding_mask, Tk, w, n, num_past, q.device)
+    Bm = allowed.shape[0]
+    allowed = allowed.unsqueeze(2).expand(Bm, n, group, w, 2 * w).reshape(Bm, 1, n, group * w, 2 * w)
+    return qb, tuple(two_blocks(x) for x in kv), allowed, q_valid, n
+
+
 def _banded_blocked(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -267,27 +294,9 @@ def _masked_blocked(
 ) -> torch.Tensor:
     """The blocked form through SDPA with a boolean (B, n, w, 2w) mask (GPU without flash-attn)."""
     B, Hq, Tq, d = q.shape
-    Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    Hkv, Dv = k.shape[1], v.shape[-1]
     w, group = window, Hq // Hkv
-    n = -(-Tq // w)
-    tail = n * w - Tq
-    # key index j (queries at 0..Tq-1, past keys at -num_past..-1) lives at j + w in kp
-    front = w - num_past
-    kp = F.pad(k, (0, 0, front, tail))
-    vp = F.pad(v, (0, 0, front, tail))
-
-    def two_blocks(x: torch.Tensor) -> torch.Tensor:  # (..., (n+1) w, c) -> (..., n, 2w, c)
-        prev = x[..., : n * w, :].unflatten(-2, (n, w))
-        cur = x[..., w:, :].unflatten(-2, (n, w))
-        return torch.cat([prev, cur], dim=-2)
-
-    kb, vb = two_blocks(kp), two_blocks(vp)  # (B, Hkv, n, 2w, .)
-    qp = F.pad(q, (0, 0, 0, tail)).view(B, Hkv, group, n, w, d)
-    qb = qp.permute(0, 1, 3, 2, 4, 5).reshape(B, Hkv, n, group * w, d)
-
-    allowed, q_valid = _window_mask(key_padding_mask, Tk, w, n, num_past, q.device)
-    Bm = allowed.shape[0]
-    allowed = allowed.unsqueeze(2).expand(Bm, n, group, w, 2 * w).reshape(Bm, 1, n, group * w, 2 * w)
+    qb, (kb, vb), allowed, q_valid, n = _block_layout(q, (k, v), window, num_past, key_padding_mask)
 
     if softcap is None:
         out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, scale=scaling)
@@ -327,14 +336,7 @@ def sliding_window_lse(
         num_past, Tk = window, window + Tq
     scaling = d**-0.5 if scaling is None else scaling
     w, group = window, Hq // Hkv
-    n = -(-Tq // w)
-    tail = n * w - Tq
-    kp = F.pad(k, (0, 0, w - num_past, tail))
-    kb = torch.cat([kp[..., : n * w, :].unflatten(-2, (n, w)), kp[..., w:, :].unflatten(-2, (n, w))], dim=-2)
-    qb = F.pad(q, (0, 0, 0, tail)).view(B, Hkv, group, n, w, d).permute(0, 1, 3, 2, 4, 5).reshape(B, Hkv, n, group * w, d)
-    allowed, _ = _window_mask(key_padding_mask, Tk, w, n, num_past, q.device)
-    Bm = allowed.shape[0]
-    allowed = allowed.unsqueeze(2).expand(Bm, n, group, w, 2 * w).reshape(Bm, 1, n, group * w, 2 * w)
+    qb, (kb,), allowed, _, n = _block_layout(q, (k,), window, num_past, key_padding_mask)
     scores = _softcap(_upcast(torch.matmul(qb, kb.transpose(-1, -2))) * scaling, softcap)
     lse = torch.logsumexp(scores.masked_fill(~allowed, float("-inf")), dim=-1)  # (B, Hkv, n, group w)
     return lse.view(B, Hkv, n, group, w).permute(0, 1, 3, 2, 4).reshape(B, Hq, n * w)[:, :, :Tq]
