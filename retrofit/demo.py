@@ -20,7 +20,7 @@ from retrofit.errors import RetrofitError
 
 __all__ = ["DemoSettings", "run_demo"]
 
-DEFAULT_RECIPE = "gemma3-270m-macchiato-cpu.yaml"
+DEFAULT_RECIPE = "gemma3-270m-hybrid-cpu.yaml"
 
 
 @dataclass
