@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from retrofit.ops import exp_linear, latte, lavo, llp, sliding_window
 from retrofit.ops.backends import Call
 from retrofit.ops.backends.registry import Op
