@@ -101,7 +101,7 @@ def retrofit_attention_forward(
     if attention_mask is not None and attention_mask.ndim == 4:
         mask = attention_mask  # prepared by the caller: use as-is
     elif sliding_window is not None and K > sliding_window and T > 1 and not (dropout and module.training):
-        from retrofit.ops.backends import sliding_window_attention  # fla/flash on CUDA, banded on CPU
+        from retrofit.ops import sliding_window_attention  # dispatched: flash on CUDA, banded on CPU
 
         out = sliding_window_attention(
             query, key, value, int(sliding_window), scaling=scaling, softcap=softcap or None,

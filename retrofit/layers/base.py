@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from retrofit.cache import RetrofitLayerCache
-from retrofit.ops.backends import sliding_window_attention
+from retrofit.ops import sliding_window_attention
 
 __all__ = ["DISTILL_MODES", "RetrofitAttention"]
 

@@ -27,8 +27,7 @@ from torch import nn
 
 from retrofit.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.base import RetrofitAttention
-from retrofit.ops import repeat_kv_heads
-from retrofit.ops.backends import exp_linear_attention, exp_linear_attention_step  # dispatching (fla on CUDA)
+from retrofit.ops import exp_linear_attention, exp_linear_attention_step, repeat_kv_heads
 
 __all__ = ["ExpLinearAttention"]
 

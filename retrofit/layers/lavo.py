@@ -53,7 +53,7 @@ from torch import nn
 
 from retrofit.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.base import RetrofitAttention
-from retrofit.ops.lavo import LavoState, lavo_attention
+from retrofit.ops import LavoState, lavo_attention
 
 __all__ = ["LAVO_METHOD", "LavoAttention", "LavoLayerCache", "LavoParameters", "build_lavo"]
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from retrofit.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.base import RetrofitAttention
-from retrofit.ops.llp import LLPState, llp_attention, llp_attention_cached
+from retrofit.ops import LLPState, llp_attention, llp_attention_cached
 
 __all__ = ["LLP_METHOD", "LLPAttention", "LLPLayerCache", "build_llp"]
 

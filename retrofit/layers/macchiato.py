@@ -31,9 +31,7 @@ from torch import nn
 from retrofit.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.base import RetrofitAttention
 from retrofit.layers.conv import CausalDepthwiseConv
-from retrofit.ops import LatteState, first_valid, repeat_kv_heads, sink_window_attention
-# the dispatching versions: fla / flash-attn kernels on CUDA when installed, torch otherwise
-from retrofit.ops.backends import causal_latte_chunked, causal_latte_step, macchiato_attention, sliding_window_attention
+from retrofit.ops import first_valid, macchiato_attention
 
 __all__ = ["DEFAULT_INIT_SWA_SHARE", "MacchiatoAttention", "swa_bias"]
 
@@ -144,14 +142,6 @@ class MacchiatoAttention(RetrofitAttention):
         cache = layer_cache(past_key_values, self.layer_idx, self.new_cache_layer)
         mix, lat, tail = self._mixing(hidden_states, valid, cache.conv_tail if cache is not None else None)
 
-        if cache is None and lat is not None and not self.sinks:
-            out, _ = macchiato_attention(
-                q, k, v, mix, lat, window=self.window, scaling=self.scaling, softcap=self.softcap,
-                key_padding_mask=valid, chunk_size=self.chunk_size,
-            )
-            return self.patch.project_out(self, out), None
-
-        p = torch.softmax(mix.float() if mix.dtype in (torch.float16, torch.bfloat16) else mix, dim=-1)
         if valid is None and cache is not None:
             valid = torch.ones(B, T, dtype=torch.bool, device=q.device)
         k_all, v_all, valid_all, num_past = k, v, valid, 0
@@ -160,7 +150,7 @@ class MacchiatoAttention(RetrofitAttention):
             num_past = pk.shape[-2]
             k_all, v_all = torch.cat([pk, k], dim=-2), torch.cat([pv, v], dim=-2)
             valid_all = torch.cat([pvalid, valid], dim=-1)
-        sinks = None
+        sinks, seen = None, 0
         if self.sinks:
             seen = cache.cumulative_length if cache is not None else 0
             idx = torch.arange(seen, seen + T, device=q.device).expand(B, T)
@@ -168,33 +158,11 @@ class MacchiatoAttention(RetrofitAttention):
             if cache is not None and cache.sinks is not None:
                 cand = [torch.cat([a, b], dim=1 if a.dim() == 2 else 2) for a, b in zip(cache.sinks, cand)]
             sinks = first_valid(self.sinks, *cand)
-            swa = sink_window_attention(
-                q, k_all, v_all, self.window, sinks[2], sinks[3], sinks[0], sinks[1], q_start=seen,
-                scaling=self.scaling, softcap=self.softcap, key_padding_mask=valid_all, num_past=num_past,
-                window_attention=sliding_window_attention,
-            )
-        else:
-            swa = sliding_window_attention(
-                q, k_all, v_all, self.window, scaling=self.scaling, softcap=self.softcap,
-                key_padding_mask=valid_all, num_past=num_past,
-            )
-        out = p[..., :1] * swa
-        state = None
-        if lat is not None:
-            vq = repeat_kv_heads(v, self.num_heads)
-            state = cache.state if cache is not None else None
-            if T == 1 and cache is not None:
-                if state is None:
-                    state = LatteState.empty(B, self.num_heads, self.latents_per_head, v.shape[-1], device=v.device)
-                latent, state = causal_latte_step(p[:, :, 0, 1:], lat[:, :, 0], vq[:, :, 0], state, valid=valid[:, 0])
-                latent = latent.unsqueeze(2)
-            else:
-                latent, state = causal_latte_chunked(
-                    p[..., 1:], lat, vq, chunk_size=self.chunk_size, key_padding_mask=valid,
-                    initial_state=state, output_final_state=True,
-                )
-            out = out + latent
-        out = out.to(v.dtype)
+        out, state = macchiato_attention(
+            q, k_all, v_all, mix, lat, window=self.window, scaling=self.scaling, softcap=self.softcap,
+            key_padding_mask=valid_all, chunk_size=self.chunk_size, num_past=num_past, sinks=sinks, q_start=seen,
+            initial_state=cache.state if cache is not None else None, output_final_state=cache is not None,
+        )
         if cache is not None:
             cache.store(k_all, v_all, valid_all, state, T, tail, sinks=sinks)
         return self.patch.project_out(self, out), None

@@ -3,16 +3,22 @@ with causal Latte over latent states 1..L by p(l|t), normalised over all L + 1 s
 
     o_t = p(0|t) * SWA_t(q, k, v) + sum_{l>=1} p(l|t) m_{t,l}
 
-Shapes: q ``(B, Hq, T, d)``, k ``(B, Hkv, T, d)``, v ``(B, Hkv, T, D)``,
-``mix_logits`` ``(B, Hq, T, L + 1)`` (column 0 is the SWA state), ``latent_logits``
-``(B, Hq, T, L)``. Latent states are per query head; values are shared across a GQA group.
+Shapes: q ``(B, Hq, T, d)``, k ``(B, Hkv, P + T, d)``, v ``(B, Hkv, P + T, D)`` (``P =
+num_past`` cached window keys before the T new tokens; 0 without a cache), ``mix_logits``
+``(B, Hq, T, L + 1)`` (column 0 is the SWA state), ``latent_logits`` ``(B, Hq, T, L)``.
+Latent states are per query head; values are shared across a GQA group.
+
+This is the one composition of the two branches (training, prefill and decoding): each branch
+is a dispatched op (:mod:`retrofit.ops.dispatched`), so each runs on its own backend.
 """
 from __future__ import annotations
 
 import torch
 
-from retrofit.ops.latte import LatteState, causal_latte_chunked, causal_latte_reference
-from retrofit.ops.sliding_window import sliding_window_attention, sliding_window_attention_reference
+from retrofit.ops.dispatched import causal_latte_chunked, causal_latte_step, sliding_window_attention
+from retrofit.ops.latte import LatteState, causal_latte_reference
+from retrofit.ops.sinks import sink_window_attention
+from retrofit.ops.sliding_window import sliding_window_attention_reference
 
 __all__ = ["macchiato_attention", "macchiato_attention_reference", "repeat_kv_heads"]
 
@@ -28,25 +34,57 @@ def macchiato_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     mix_logits: torch.Tensor,
-    latent_logits: torch.Tensor,
+    latent_logits: torch.Tensor | None,
     *,
     window: int,
     scaling: float | None = None,
     softcap: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
-    chunk_size: int = 128,
+    chunk_size: int | None = None,
     initial_state: LatteState | None = None,
     output_final_state: bool = False,
+    num_past: int = 0,
+    sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    q_start: int = 0,
+    backend: str | None = "auto",
 ) -> tuple[torch.Tensor, LatteState | None]:
-    """O(T (w d + C L + L D)) Macchiato. Returns ``(out (B, Hq, T, D), latent state or None)``."""
+    """O(T (w d + C L + L D)) Macchiato. Returns ``(out (B, Hq, T, D), latent state or None)``.
+
+    ``key_padding_mask`` ``(B, P + T)``. ``latent_logits=None``: no latent states (L = 0, the
+    window alone). ``sinks``: ``(idx, valid, k, v)`` of the attention sinks as
+    :func:`retrofit.ops.sinks.first_valid` returns them, with the new tokens' first stream index
+    ``q_start`` (see :func:`retrofit.ops.sinks.sink_window_attention`). One new token with
+    ``output_final_state`` (decoding) takes the Latte step, from an empty state if none is given.
+    ``chunk_size=None`` keeps the Latte kernel's own default; ``backend`` goes to both branches.
+    """
     p = torch.softmax(mix_logits.float() if mix_logits.dtype in (torch.float16, torch.bfloat16) else mix_logits, dim=-1)
-    swa = sliding_window_attention(q, k, v, window, scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask)
-    latent, state = causal_latte_chunked(
-        p[..., 1:], latent_logits, repeat_kv_heads(v, q.shape[1]), chunk_size=chunk_size,
-        key_padding_mask=key_padding_mask, initial_state=initial_state, output_final_state=output_final_state,
-    )
+    window_kw = dict(scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask, num_past=num_past, backend=backend)
+    if sinks is not None:
+        idx, valid, sink_k, sink_v = sinks
+        swa = sink_window_attention(q, k, v, window, sink_k, sink_v, idx, valid, q_start=q_start, **window_kw)
+    else:
+        swa = sliding_window_attention(q, k, v, window, **window_kw)
+    if latent_logits is None:
+        return (p[..., :1] * swa).to(v.dtype), None
+    T = q.shape[2]
+    v_new = repeat_kv_heads(v[:, :, num_past:], q.shape[1])
+    mask_new = None if key_padding_mask is None else key_padding_mask[:, num_past:]
+    if T == 1 and output_final_state:
+        B, H, D = q.shape[0], q.shape[1], v.shape[-1]
+        state = initial_state or LatteState.empty(B, H, latent_logits.shape[-1], D, device=v.device)
+        latent, state = causal_latte_step(
+            p[:, :, 0, 1:], latent_logits[:, :, 0], v_new[:, :, 0], state,
+            valid=None if mask_new is None else mask_new[:, 0], backend=backend,
+        )
+        latent = latent.unsqueeze(2)
+    else:
+        latent, state = causal_latte_chunked(
+            p[..., 1:], latent_logits, v_new, key_padding_mask=mask_new, initial_state=initial_state,
+            output_final_state=output_final_state, backend=backend,
+            **({} if chunk_size is None else {"chunk_size": chunk_size}),
+        )
     if latent.dtype == p.dtype:  # add the window branch into the latent output in place (no T x D temporary)
-        return latent.addcmul_(p[..., :1], swa), state
+        return latent.addcmul_(p[..., :1], swa).to(v.dtype), state
     return (p[..., :1] * swa + latent).to(v.dtype), state
 
 

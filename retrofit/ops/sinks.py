@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from retrofit.ops.sliding_window import sliding_window_lse
+from retrofit.ops.dispatched import sliding_window_attention, sliding_window_lse
 
 __all__ = ["first_valid", "sink_window_attention", "sink_window_attention_reference"]
 
@@ -62,23 +62,21 @@ def sink_window_attention(
     softcap: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
     num_past: int = 0,
-    window_attention=None,
+    backend: str | None = "auto",
 ) -> torch.Tensor:
     """``(B, Hq, Tq, Dv)``: softmax attention over each query's window keys and its sinks.
 
-    ``window_attention``: the sliding-window function to use (the backend dispatcher; default
-    the torch one). Differentiable in q, k, v, sink_k, sink_v.
+    The window attention and its log-sum-exp are the dispatched ops (``backend=`` is passed to
+    both). Differentiable in q, k, v, sink_k, sink_v.
     """
-    if window_attention is None:
-        from retrofit.ops.sliding_window import sliding_window_attention as window_attention
     B, Hq, Tq, d = q.shape
     Hkv = k.shape[1]
     group = Hq // Hkv
     scaling = d**-0.5 if scaling is None else scaling
-    o_w = window_attention(q, k, v, window, scaling=scaling, softcap=softcap,
-                           key_padding_mask=key_padding_mask, num_past=num_past)
-    lse_w = sliding_window_lse(q, k, window, scaling=scaling, softcap=softcap,
-                               key_padding_mask=key_padding_mask, num_past=num_past)  # (B, Hq, Tq) fp32
+    o_w = sliding_window_attention(q, k, v, window, scaling=scaling, softcap=softcap,
+                                   key_padding_mask=key_padding_mask, num_past=num_past, backend=backend)
+    lse_w = sliding_window_lse(q, k, window, scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask,
+                               num_past=num_past, backend=backend)  # (B, Hq, Tq) fp32
     n = sink_k.shape[2]
     qg = q.reshape(B, Hkv, group * Tq, d)
     s = torch.matmul(qg, sink_k.transpose(-1, -2)).view(B, Hkv, group, Tq, n)

@@ -15,18 +15,20 @@ import pytest
 import torch
 
 from retrofit.errors import SpecError
-from retrofit.ops import backends
+import retrofit.ops as ops
 from retrofit.ops import (
     LatteState,
-    causal_latte_chunked,
+    backends,
     causal_latte_reference,
-    exp_linear_attention,
     exp_linear_attention_reference,
-    macchiato_attention,
-    sliding_window_attention,
     sliding_window_attention_reference,
 )
-from retrofit.ops.fla_backend import _exp_linear_weights, gla_inputs
+from retrofit.ops.backends import registry
+from retrofit.ops.backends.fla import _exp_linear_weights, gla_inputs
+# the torch kernels themselves (no dispatch)
+from retrofit.ops.exp_linear import exp_linear_attention
+from retrofit.ops.latte import causal_latte_chunked
+from retrofit.ops.sliding_window import sliding_window_attention
 from tests.ops._inputs import latte_inputs, padding_mask
 
 LOGGER = "retrofit.ops.backends"
@@ -62,29 +64,25 @@ def test_auto_picks_torch_on_cpu(family, dtype):
     assert backends.resolve_backend(family, "cpu", dtype, "auto") == "torch"
 
 
-def test_wrappers_on_cpu_equal_the_torch_ops():
+def test_ops_on_cpu_equal_the_torch_kernels():
     q, k, v = latte_inputs(2, 3, 40, 4, 5, dtype=torch.float32)
-    out, state = backends.causal_latte_chunked(q, k, v, chunk_size=16, output_final_state=True)
+    out, state = ops.causal_latte_chunked(q, k, v, chunk_size=16, output_final_state=True)
     ref, ref_state = causal_latte_chunked(q, k, v, chunk_size=16, output_final_state=True)
     assert torch.equal(out, ref) and torch.equal(state.m, ref_state.m) and torch.equal(state.z, ref_state.z)
 
     qq, kk, vv = (torch.randn(2, 4, 40, 8) for _ in range(3))
-    assert torch.equal(backends.sliding_window_attention(qq, kk, vv, 8), sliding_window_attention(qq, kk, vv, 8))
-    out, _ = backends.exp_linear_attention(qq, kk, vv)
+    assert torch.equal(ops.sliding_window_attention(qq, kk, vv, 8), sliding_window_attention(qq, kk, vv, 8))
+    out, _ = ops.exp_linear_attention(qq, kk, vv)
     assert torch.equal(out, exp_linear_attention(qq, kk, vv)[0])
 
 
-def test_macchiato_wrapper_matches_the_op():
-    B, Hq, Hkv, T, d, L = 2, 4, 2, 50, 8, 3
-    q = torch.randn(B, Hq, T, d)
-    k, v = torch.randn(B, Hkv, T, d), torch.randn(B, Hkv, T, d)
-    mix, lat = torch.randn(B, Hq, T, L + 1), torch.randn(B, Hq, T, L)
-    mask = padding_mask(B, T, [0, 7])
-    kw = dict(window=16, softcap=30.0, key_padding_mask=mask, chunk_size=16, output_final_state=True)
-    out, state = backends.macchiato_attention(q, k, v, mix, lat, **kw)
-    ref, ref_state = macchiato_attention(q, k, v, mix, lat, **kw)
-    torch.testing.assert_close(out, ref)
-    torch.testing.assert_close(state.m, ref_state.m)
+def test_old_wrapper_names_are_the_ops():
+    # retrofit.ops.backends.<op> were wrappers that behaved differently from retrofit.ops.<op>;
+    # they are now deprecated aliases of the one public op
+    for name in ("causal_latte_chunked", "causal_latte_step", "exp_linear_attention", "exp_linear_attention_step",
+                 "sliding_window_attention", "macchiato_attention"):
+        assert getattr(backends, name) is getattr(ops, name)
+    assert backends.BACKENDS[0] == "auto" and {"torch", "fla", "flash", "flex"} <= set(backends.BACKENDS)
 
 
 def test_override_precedence(monkeypatch):
@@ -103,7 +101,7 @@ def test_explicit_torch_is_honoured_and_logged_once(caplog):
     caplog.set_level(logging.DEBUG, logger=LOGGER)
     q, k, v = latte_inputs(1, 2, 10, 3, 4, dtype=torch.float32)
     for _ in range(3):
-        backends.causal_latte_chunked(q, k, v, backend="torch")
+        ops.causal_latte_chunked(q, k, v, backend="torch")
     ran = [r for r in caplog.records if "runs on the torch backend" in r.getMessage()]
     assert len(ran) == 1 and ran[0].levelno == logging.INFO
     assert "causal_latte_chunked" in ran[0].getMessage() and "float32" in ran[0].getMessage()
@@ -113,7 +111,7 @@ def test_env_var_request_reaches_the_wrappers(monkeypatch, caplog):
     caplog.set_level(logging.WARNING, logger=LOGGER)
     monkeypatch.setenv(backends.ENV_VAR, "fla")
     q, k, v = latte_inputs(1, 2, 10, 3, 4, dtype=torch.float32)
-    out, _ = backends.causal_latte_chunked(q, k, v)  # fla asked for, CPU tensors: torch, with a warning
+    out, _ = ops.causal_latte_chunked(q, k, v)  # fla asked for, CPU tensors: torch, with a warning
     torch.testing.assert_close(out, causal_latte_chunked(q, k, v)[0])
     msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(msgs) == 1 and "requested the fla backend" in msgs[0] and "CUDA" in msgs[0]
@@ -145,7 +143,7 @@ def test_comma_list_applies_per_family(monkeypatch):
 
 def test_auto_rules_for_cuda_tensors(monkeypatch):
     # eligibility on a CUDA device, independent of what is installed on this machine
-    monkeypatch.setattr(backends, "is_installed", lambda b: True)
+    monkeypatch.setattr(registry, "is_installed", lambda b: True)
     dev = torch.device("cuda")
     swa = dict(head_dim=128, value_dim=128)
     assert backends.resolve_backend("latte", dev, torch.bfloat16) == "fla"
@@ -236,7 +234,7 @@ def test_exp_linear_mapping_reproduces_the_reference():
 @pytest.mark.parametrize("num_past", [0, 5, 12])
 @pytest.mark.parametrize("padded", [False, True])
 def test_flex_sliding_window_matches_reference(num_past, padded):
-    from retrofit.ops.flash_backend import sliding_window_attention_flex
+    from retrofit.ops.backends.flex import sliding_window_attention_flex
 
     B, Hq, Hkv, T, d, w = 2, 4, 2, 37, 16, 8
     q = torch.randn(B, Hq, T, d, dtype=torch.float64)

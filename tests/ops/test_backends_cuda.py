@@ -15,16 +15,11 @@ import logging
 import pytest
 import torch
 
-from retrofit.ops import backends
-from retrofit.ops import (
-    LatteState,
-    causal_latte_chunked,
-    causal_latte_step,
-    exp_linear_attention,
-    exp_linear_attention_step,
-    macchiato_attention,
-    sliding_window_attention_reference,
-)
+import retrofit.ops as ops
+from retrofit.ops import LatteState, backends, macchiato_attention, sliding_window_attention_reference
+# the torch kernels themselves (no dispatch): the references the GPU backends are compared with
+from retrofit.ops.exp_linear import exp_linear_attention, exp_linear_attention_step
+from retrofit.ops.latte import causal_latte_chunked, causal_latte_step
 from tests.ops._inputs import padding_mask
 
 pytestmark = pytest.mark.cuda
@@ -87,7 +82,7 @@ def test_fla_latte_chunked_matches_torch(dtype, T, padded):
     mask = padding_mask(B, T, [0, min(5, T - 1)]).to(DEV) if padded else None
 
     def fla(q, k, v):
-        return backends.causal_latte_chunked(q, k, v, key_padding_mask=mask, output_final_state=True, backend="fla")
+        return ops.causal_latte_chunked(q, k, v, key_padding_mask=mask, output_final_state=True, backend="fla")
 
     def ref(q, k, v):  # fp32 torch op on the same (rounded) inputs
         out, st = causal_latte_chunked(q.float(), k.float(), v.float(), key_padding_mask=mask, output_final_state=True)
@@ -106,7 +101,7 @@ def test_fla_latte_continues_from_a_state_and_steps(dtype):
     B, H, L, D = 2, 4, 16, 64
     q, k, v = _latte_inputs(B, H, 300, L, D, dtype)
     _, state = causal_latte_chunked(q[:, :, :200].float(), k[:, :, :200].float(), v[:, :, :200].float(), output_final_state=True)
-    out, st = backends.causal_latte_chunked(
+    out, st = ops.causal_latte_chunked(
         q[:, :, 200:], k[:, :, 200:], v[:, :, 200:], initial_state=state, output_final_state=True, backend="fla"
     )
     ref, ref_st = causal_latte_chunked(
@@ -115,7 +110,7 @@ def test_fla_latte_continues_from_a_state_and_steps(dtype):
     assert _rel(out, ref) < TOL[dtype] and _rel(st.m, ref_st.m) < TOL[dtype]
 
     valid = torch.tensor([True, False], device=DEV)
-    o1, s1 = backends.causal_latte_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], state, valid=valid, backend="fla")
+    o1, s1 = ops.causal_latte_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], state, valid=valid, backend="fla")
     o2, s2 = causal_latte_step(q[:, :, 0].float(), k[:, :, 0].float(), v[:, :, 0].float(), state, valid=valid)
     assert _rel(o1[0], o2[0]) < TOL[dtype] and (o1[1] == 0).all()
     assert _rel(s1.m, s2.m) < TOL[dtype]
@@ -128,11 +123,11 @@ def test_fla_latte_continues_from_a_state_and_steps(dtype):
 def test_fla_exp_linear_matches_torch(dtype):
     B, H, T, d = 2, 4, 257, 64
     q, k, v = (torch.randn(B, H, T, d, device=DEV).to(dtype) for _ in range(3))
-    fla = lambda q, k, v: backends.exp_linear_attention(q, k, v, output_final_state=True, backend="fla")  # noqa: E731
+    fla = lambda q, k, v: ops.exp_linear_attention(q, k, v, output_final_state=True, backend="fla")  # noqa: E731
     ref = lambda q, k, v: exp_linear_attention(q.float(), k.float(), v.float(), output_final_state=True)  # noqa: E731
     got, want = _run(fla, (q, k, v)), _run(ref, (q, k, v))
     _compare(got, want, dtype)
-    o1, _ = backends.exp_linear_attention_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], got[2], backend="fla")
+    o1, _ = ops.exp_linear_attention_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], got[2], backend="fla")
     o2, _ = exp_linear_attention_step(q[:, :, 0].float(), k[:, :, 0].float(), v[:, :, 0].float(), want[2])
     assert _rel(o1, o2) < TOL[dtype]
 
@@ -141,7 +136,7 @@ def test_fla_exp_linear_matches_torch(dtype):
 def test_fla_latte_survives_large_logit_spread():
     q, k, v = _latte_inputs(1, 2, 512, 16, 64, torch.bfloat16)
     k = (k.float() * 30).to(torch.bfloat16)  # spreads of hundreds inside a chunk
-    out, _ = backends.causal_latte_chunked(q, k, v, backend="fla")
+    out, _ = ops.causal_latte_chunked(q, k, v, backend="fla")
     ref, _ = causal_latte_chunked(q.float(), k.float(), v.float())
     assert torch.isfinite(out).all() and _rel(out, ref) < TOL[torch.bfloat16]
 
@@ -165,7 +160,7 @@ def test_flash_sliding_window_matches_reference(T, window, softcap, gqa):
     dtype = torch.bfloat16
     q, k, v = _swa_inputs(2, 8, 8 // gqa, T, 128, dtype)
     kw = dict(softcap=softcap, scaling=0.07)
-    flash = lambda q, k, v: (backends.sliding_window_attention(q, k, v, window, backend="flash", **kw), None)  # noqa: E731
+    flash = lambda q, k, v: (ops.sliding_window_attention(q, k, v, window, backend="flash", **kw), None)  # noqa: E731
     ref = lambda q, k, v: (sliding_window_attention_reference(q.float(), k.float(), v.float(), window, **kw), None)  # noqa: E731
     _compare(_run(flash, (q, k, v)), _run(ref, (q, k, v)), dtype)
 
@@ -174,7 +169,7 @@ def test_flash_sliding_window_matches_reference(T, window, softcap, gqa):
 @pytest.mark.parametrize("num_past", [1, 50, 300])
 def test_flash_sliding_window_with_cached_keys(num_past):
     q, k, v = _swa_inputs(2, 8, 2, 7, 64, torch.bfloat16, num_past=num_past)
-    out = backends.sliding_window_attention(q, k, v, 128, num_past=num_past, backend="flash")
+    out = ops.sliding_window_attention(q, k, v, 128, num_past=num_past, backend="flash")
     ref = sliding_window_attention_reference(q.float(), k.float(), v.float(), 128, num_past=num_past)
     assert _rel(out, ref) < TOL[torch.bfloat16]
     off = sliding_window_attention_reference(q.float(), k.float(), v.float(), 127, num_past=num_past)
@@ -189,7 +184,7 @@ def test_flex_sliding_window_matches_reference(dtype, padded):
     q, k, v = _swa_inputs(2, 8, 2, 600, 64, dtype)
     mask = padding_mask(2, 600, [0, 33]).to(DEV) if padded else None
     kw = dict(softcap=30.0, key_padding_mask=mask)
-    flex = lambda q, k, v: (backends.sliding_window_attention(q, k, v, 128, backend="flex", **kw), None)  # noqa: E731
+    flex = lambda q, k, v: (ops.sliding_window_attention(q, k, v, 128, backend="flex", **kw), None)  # noqa: E731
     ref = lambda q, k, v: (sliding_window_attention_reference(q.float(), k.float(), v.float(), 128, **kw), None)  # noqa: E731
     _compare(_run(flex, (q, k, v)), _run(ref, (q, k, v)), dtype)
 
@@ -206,8 +201,8 @@ def test_macchiato_auto_matches_torch(dtype, caplog):
     lat = (torch.randn(B, Hq, T, L, device=DEV) * 3).to(dtype)
     caplog.set_level(logging.INFO, logger="retrofit.ops.backends")
     backends._reset_log_memory()
-    auto = lambda *x: backends.macchiato_attention(*x, window=128, softcap=50.0)  # noqa: E731
-    ref = lambda *x: macchiato_attention(*(t.float() for t in x), window=128, softcap=50.0)  # noqa: E731
+    auto = lambda *x: macchiato_attention(*x, window=128, softcap=50.0)  # noqa: E731
+    ref = lambda *x: macchiato_attention(*(t.float() for t in x), window=128, softcap=50.0, backend="torch")  # noqa: E731
     _compare(_run(auto, (q, k, v, mix, lat)), _run(ref, (q, k, v, mix, lat)), dtype)
     ran = " ".join(r.getMessage() for r in caplog.records)
     if dtype == torch.bfloat16 and backends.is_installed("fla"):
@@ -221,6 +216,6 @@ def test_macchiato_auto_matches_torch(dtype, caplog):
 def test_empty_state_roundtrip_on_cuda():
     st = LatteState.empty(1, 2, 3, 4, device=DEV)
     q, k, v = _latte_inputs(1, 2, 5, 3, 4, torch.bfloat16)
-    out, _ = backends.causal_latte_chunked(q, k, v, initial_state=st)
+    out, _ = ops.causal_latte_chunked(q, k, v, initial_state=st)
     ref, _ = causal_latte_chunked(q.float(), k.float(), v.float())
     assert _rel(out, ref) < TOL[torch.bfloat16]

@@ -47,3 +47,50 @@ def test_bf16_within_tolerance():
     ref = macchiato_attention_reference(*[x.double() for x in args], window=32)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), ref, atol=3e-2, rtol=3e-2)
+
+
+# ---- the same op for prefill + decoding: cached window keys (num_past), the Latte state, sinks
+
+
+def test_prefill_then_steps_equal_one_call():
+    q, k, v, mix, lat = _inputs(T=40)
+    mask = padding_mask(2, 40, [0, 5])
+    kw = dict(window=8, scaling=0.3, softcap=20.0)
+    full, _ = macchiato_attention(q, k, v, mix, lat, key_padding_mask=mask, **kw)
+    P = 25
+    prefix, state = macchiato_attention(
+        q[:, :, :P], k[:, :, :P], v[:, :, :P], mix[:, :, :P], lat[:, :, :P], key_padding_mask=mask[:, :P],
+        output_final_state=True, **kw,
+    )
+    outs = list(prefix.unbind(2)) + [None] * (40 - P)
+    for t in range(P, 40):  # one token at a time, all earlier keys cached: the Latte step
+        o, state = macchiato_attention(
+            q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1], mix[:, :, t:t + 1], lat[:, :, t:t + 1],
+            key_padding_mask=mask[:, :t + 1], num_past=t, initial_state=state, output_final_state=True, **kw,
+        )
+        outs[t] = o[:, :, 0]
+    torch.testing.assert_close(torch.stack(outs, 2), full, atol=1e-10, rtol=1e-10)
+
+
+def test_no_latents_is_the_window_alone():
+    q, k, v, mix, _ = _inputs(L=0)
+    out, state = macchiato_attention(q, k, v, mix, None, window=16)
+    assert state is None
+    torch.testing.assert_close(out, sliding_window_attention(q, k, v, 16), atol=0, rtol=0)
+
+
+def test_sinks_branch_is_the_sink_window_attention():
+    from retrofit.ops import first_valid, sink_window_attention, sink_window_attention_reference
+
+    q, k, v, mix, lat = _inputs(T=30)
+    mask = padding_mask(2, 30, [0, 4])
+    idx = torch.arange(30).expand(2, 30)
+    sinks = first_valid(2, idx, mask, k, v)
+    out, _ = macchiato_attention(q, k, v, mix, lat, window=6, key_padding_mask=mask, sinks=sinks)
+    swa = sink_window_attention(q, k, v, 6, sinks[2], sinks[3], sinks[0], sinks[1], key_padding_mask=mask)
+    torch.testing.assert_close(swa, sink_window_attention_reference(q, k, v, 6, 2, key_padding_mask=mask))
+    no_latent = mix.clone()
+    no_latent[..., 1:] = -1e4  # p(0|t) = 1 to fp64 precision: the output is the sinks + window branch
+    out0, _ = macchiato_attention(q, k, v, no_latent, lat, window=6, key_padding_mask=mask, sinks=sinks)
+    torch.testing.assert_close(out0, swa, atol=1e-12, rtol=1e-12)
+    assert not torch.allclose(out, swa)

@@ -1,4 +1,5 @@
-"""Causal Latte and exp-linear attention on flash-linear-attention's GLA kernels (CUDA).
+"""The ``fla`` backend: causal Latte and exp-linear attention on flash-linear-attention's GLA
+Triton kernels (CUDA; fp16/bf16, and fp32 on request: Triton's fp32 dots use TF32).
 
 Causal Latte is a gated linear recurrence (design.md section 3). With the running
 log-normaliser ``z_t = logcumsumexp_{s<=t} a_s`` per latent,
@@ -24,8 +25,10 @@ runs on the same kernels after computing those weights in torch.
 Layouts: our tensors are ``(B, H, T, .)``; fla takes ``[B, T, H, .]`` (older releases had a
 ``head_first`` flag, passed as ``False`` when the installed version has it). Kernels:
 ``fla.ops.gla.chunk_gla`` (training / prefill) and ``fla.ops.gla.fused_recurrent_gla``
-(decoding). Nothing here checks the device: :mod:`retrofit.ops.backends` decides when to
-call these functions.
+(decoding). Nothing here checks the device: the registry (:mod:`retrofit.ops.backends.registry`)
+calls these kernels only for calls this backend's declaration accepts. A single decoding token
+is launch-bound (mapping the gates takes ~15 small torch kernels around the one fused kernel,
+more than the torch step itself), so ``auto`` keeps the steps on torch; request fla to use them.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ from typing import Callable
 
 import torch
 
+from retrofit.ops.backends.registry import Backend, Kernel, register
 from retrofit.ops.latte import NEG_INF, LatteState
 
 __all__ = [
@@ -44,6 +48,7 @@ __all__ = [
     "exp_linear_attention_fla",
     "exp_linear_attention_step_fla",
     "fla_kernels",
+    "BACKEND",
 ]
 
 # kernels' input dtypes: half types stay, everything else runs in fp32
@@ -250,3 +255,25 @@ def exp_linear_attention_step_fla(
         p, a, v.unsqueeze(2), key_padding_mask=mask, initial_state=state, output_final_state=True,
     )
     return out.squeeze(2), new_state
+
+
+_HALF = frozenset({torch.float16, torch.bfloat16})
+
+BACKEND = register(
+    Backend(
+        name="fla",
+        priority=20,
+        kernels={
+            "causal_latte_chunked": causal_latte_chunked_fla,
+            "causal_latte_step": Kernel(causal_latte_step_fla, auto=False),
+            "exp_linear_attention": exp_linear_attention_fla,
+            "exp_linear_attention_step": Kernel(exp_linear_attention_step_fla, auto=False),
+        },
+        package="fla.ops.gla",
+        install_hint="flash-linear-attention",
+        devices=frozenset({"cuda"}),
+        dtypes=_HALF | {torch.float32},
+        auto_dtypes=_HALF,
+        auto_dtype_note="fla's fp32 Triton dots use TF32",
+    )
+)

@@ -1,14 +1,7 @@
-"""Sliding-window attention on flash-attn 2 or PyTorch flex attention (CUDA fast paths).
-
-Window convention (as :mod:`retrofit.ops.sliding_window`): query t sees keys s with
-``t - w < s <= t``, the last ``w`` tokens including itself. flash-attn's
-``window_size=(left, right)`` lets query i see keys ``[i - left, i + right]``, so our window
-is ``window_size=(w - 1, 0)`` with ``causal=True``. With cached keys (``Tk = num_past + Tq``)
-flash-attn aligns the causal band to the bottom-right corner, i.e. query i sits at absolute
-position ``num_past + i`` - exactly our convention.
-
-Shapes: q ``(B, Hq, Tq, d)``, k/v ``(B, Hkv, Tk, d)`` (GQA: ``Hq % Hkv == 0``, handled by
-both kernels natively); flash-attn takes ``(B, T, H, d)`` so we transpose in and out.
+"""The ``flex`` backend: sliding-window attention on PyTorch flex attention with a block-sparse
+mask (compiled on CUDA; eager elsewhere, which materialises the scores: for tests only).
+Runs only on request (``backend="flex"`` / ``RETROFIT_BACKEND=flex``); window convention and
+shapes as :mod:`retrofit.ops.backends.flash`.
 """
 from __future__ import annotations
 
@@ -16,52 +9,10 @@ import functools
 
 import torch
 
-__all__ = ["sliding_window_attention_flash", "sliding_window_attention_flex"]
+from retrofit.ops.backends.flash import drop_unseen_past
+from retrofit.ops.backends.registry import Backend, Kernel, register
 
-
-@functools.lru_cache(maxsize=None)
-def _flash_attn_func():
-    from flash_attn import flash_attn_func
-
-    return flash_attn_func
-
-
-def _drop_unseen_past(k: torch.Tensor, v: torch.Tensor, num_past: int, window: int, mask: torch.Tensor | None = None):
-    """Only the last ``w - 1`` cached keys can be seen by the first query; drop the rest."""
-    if num_past > window:
-        drop = num_past - window
-        k, v = k[:, :, drop:], v[:, :, drop:]
-        mask = None if mask is None else mask[:, drop:]
-        num_past = window
-    return k, v, num_past, mask
-
-
-def sliding_window_attention_flash(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    window: int,
-    *,
-    scaling: float | None = None,
-    softcap: float | None = None,
-    num_past: int = 0,
-) -> torch.Tensor:
-    """flash-attn 2 (fp16/bf16, no padding mask). Returns ``(B, Hq, Tq, Dv)`` in q's dtype."""
-    Tq, Tk = q.shape[2], k.shape[2]
-    if Tk != num_past + Tq:
-        raise ValueError(f"keys ({Tk}) must be num_past ({num_past}) + queries ({Tq})")
-    k, v, num_past, _ = _drop_unseen_past(k, v, num_past, window)
-    out = _flash_attn_func()(
-        q.transpose(1, 2),
-        k.transpose(1, 2),
-        v.transpose(1, 2),
-        dropout_p=0.0,
-        softmax_scale=q.shape[-1] ** -0.5 if scaling is None else scaling,
-        causal=True,
-        window_size=(window - 1, 0),
-        softcap=0.0 if softcap is None or softcap <= 0 else float(softcap),
-    )
-    return out.transpose(1, 2)
+__all__ = ["BACKEND", "sliding_window_attention_flex"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,7 +56,7 @@ def sliding_window_attention_flex(
     Hkv, Tk = k.shape[1], k.shape[2]
     if Tk != num_past + Tq:
         raise ValueError(f"keys ({Tk}) must be num_past ({num_past}) + queries ({Tq})")
-    k, v, num_past, key_padding_mask = _drop_unseen_past(k, v, num_past, window, key_padding_mask)
+    k, v, num_past, key_padding_mask = drop_unseen_past(k, v, num_past, window, key_padding_mask)
     Tk = k.shape[2]
     compile = q.device.type == "cuda" if compile is None else compile
     if key_padding_mask is None:
@@ -139,3 +90,16 @@ def sliding_window_attention_flex(
     if q_valid is not None:
         out = out * q_valid[:, None, :, None].to(out.dtype)
     return out
+
+
+BACKEND = register(
+    Backend(
+        name="flex",
+        priority=10,
+        kernels={"sliding_window_attention": Kernel(sliding_window_attention_flex, auto=False)},
+        package="torch.nn.attention.flex_attention",
+        install_hint="torch >= 2.5",
+        devices=frozenset({"cuda"}),
+        dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32}),
+    )
+)

@@ -1,0 +1,85 @@
+"""Kernel backends for the ops in :mod:`retrofit.ops`, through one registry.
+
+Each backend is one module of this package that declares what it runs and registers itself
+(:func:`~retrofit.ops.backends.registry.register`); every module here except the registry is
+imported below, so adding a backend is adding its module. Today:
+
+* ``torch`` (:mod:`.pytorch`) - the pure-PyTorch kernels; every op, any device and dtype.
+* ``fla``   (:mod:`.fla`)     - causal Latte / exp-linear on flash-linear-attention's GLA
+  Triton kernels; CUDA, fp16/bf16 (fp32 on request: TF32 dots); decoding steps on request.
+* ``flash`` (:mod:`.flash`)   - the sliding window on flash-attn 2; CUDA, fp16/bf16, no padding.
+* ``flex``  (:mod:`.flex`)    - the sliding window on PyTorch flex attention; only on request.
+
+How a backend is chosen (``backend=``, :func:`set_default_backend` / :func:`use_backend`,
+``RETROFIT_BACKEND``, ``auto``) is described in :mod:`.registry`. The ops themselves are
+``retrofit.ops.<op>`` (one public name each); the old ``retrofit.ops.backends.<op>`` names are
+deprecated aliases of the same functions.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Any
+
+from retrofit.ops.backends.registry import (
+    AUTO,
+    ENV_VAR,
+    Backend,
+    Call,
+    Kernel,
+    _reset_log_memory,
+    available_backends,
+    backend_names,
+    get_backend,
+    get_default_backend,
+    is_installed,
+    register,
+    resolve,
+    resolve_backend,
+    set_default_backend,
+    unregister,
+    use_backend,
+)
+
+__all__ = [
+    "AUTO",
+    "ENV_VAR",
+    "Backend",
+    "Call",
+    "Kernel",
+    "available_backends",
+    "backend_names",
+    "get_backend",
+    "get_default_backend",
+    "is_installed",
+    "register",
+    "resolve",
+    "resolve_backend",
+    "set_default_backend",
+    "unregister",
+    "use_backend",
+]
+
+for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
+    if _module != "registry" and not _module.startswith("_"):
+        importlib.import_module(f"{__name__}.{_module}")
+
+# deprecated: these were dispatching wrappers here; they are now the ops in retrofit.ops
+_OP_ALIASES = (
+    "causal_latte_chunked",
+    "causal_latte_step",
+    "exp_linear_attention",
+    "exp_linear_attention_step",
+    "macchiato_attention",
+    "sliding_window_attention",
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _OP_ALIASES:
+        import retrofit.ops
+
+        return getattr(retrofit.ops, name)
+    if name == "BACKENDS":  # deprecated constant: the names a request may use
+        return (AUTO,) + backend_names()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

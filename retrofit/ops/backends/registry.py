@@ -1,0 +1,353 @@
+"""The backend registry: what each backend runs, and which one runs a call.
+
+A backend is one module in :mod:`retrofit.ops.backends` that builds a :class:`Backend` (its
+name, priority, the ops it has kernels for, the devices / dtypes / call features it supports,
+the package it needs) and passes it to :func:`register`. The ops in :mod:`retrofit.ops` are
+:class:`Op` objects: each call is described (:class:`Call`: device, dtype, features), a backend
+is chosen by :func:`resolve`, and that backend's kernel runs with the call's arguments.
+
+Choosing (first that is set wins): the op's ``backend=`` argument, then
+:func:`set_default_backend` / :func:`use_backend` (what a CLI ``--backend`` flag sets), then the
+``RETROFIT_BACKEND`` environment variable, then ``auto``. A request is one name or a comma list
+(``fla,torch`` = fla for the ops fla has kernels for, torch for the rest): each op takes the
+first listed backend that has a kernel for it, and ``auto`` if none does.
+
+* ``auto`` tries the backends with a kernel for the op, highest priority first, skipping those
+  that cannot run the call or that only run it on request (the reason is logged at DEBUG).
+* A requested backend that cannot run the call (wrong device or dtype, package missing,
+  unsupported feature) warns once with the reason and runs what ``auto`` picks.
+* An unknown name is a :class:`~retrofit.errors.SpecError` naming the registered backends.
+* The first call of each (op, backend, device, dtype) is logged at INFO:
+  ``retrofit.ops: <op> runs on the <backend> backend (<device>, <dtype>)``.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+import inspect
+import logging
+import os
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+
+from retrofit.errors import SpecError
+
+__all__ = [
+    "AUTO",
+    "ENV_VAR",
+    "Backend",
+    "Call",
+    "Kernel",
+    "Op",
+    "available_backends",
+    "backend_names",
+    "get_backend",
+    "get_default_backend",
+    "is_installed",
+    "register",
+    "resolve",
+    "resolve_backend",
+    "set_default_backend",
+    "unregister",
+    "use_backend",
+]
+
+logger = logging.getLogger("retrofit.ops.backends")
+
+ENV_VAR = "RETROFIT_BACKEND"
+AUTO = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """What a backend needs to know about one call of an op to say whether it can run it."""
+
+    device: torch.device
+    dtype: torch.dtype
+    key_padding_mask: bool = False  # a key padding mask was passed
+    head_dim: int | None = None  # q/k head dim (sliding window)
+    value_dim: int | None = None  # v head dim (sliding window)
+    mixed_dtypes: bool = False  # q, k, v differ in dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """A backend's implementation of one op; ``auto=False``: run only when the backend is requested."""
+
+    fn: Callable[..., Any]
+    auto: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One backend: the ops it runs (``kernels``) and the calls it can run.
+
+    ``priority``: higher is tried first by ``auto``. ``package``: a module that must import
+    (``install_hint`` says how to get it). ``devices`` / ``dtypes``: ``None`` = any.
+    ``auto_dtypes``: the dtypes ``auto`` may pick it for (default: all of ``dtypes``), with
+    ``auto_dtype_note`` saying why the others need a request. ``check(op, call)``: the reason
+    a call's features rule the backend out, or None.
+    """
+
+    name: str
+    priority: int
+    kernels: Mapping[str, Kernel | Callable[..., Any]]
+    package: str | None = None
+    install_hint: str = ""
+    devices: frozenset[str] | None = None
+    dtypes: frozenset[torch.dtype] | None = None
+    auto_dtypes: frozenset[torch.dtype] | None = None
+    auto_dtype_note: str = ""
+    check: Callable[[str, Call], str | None] | None = None
+
+    def kernel(self, op: str) -> Kernel | None:
+        k = self.kernels.get(op)
+        return k if k is None or isinstance(k, Kernel) else Kernel(k)
+
+    def why_not(self, op: str, call: Call, *, auto: bool = False) -> str | None:
+        """None if this backend can run ``call`` of ``op``, else the reason (``auto``: its stricter rules)."""
+        kernel = self.kernel(op)
+        if kernel is None:
+            return f"{self.name} has no {op} kernel"
+        if auto and not kernel.auto:
+            return f"{self.name} runs {op} only on request"
+        if self.devices is not None and call.device.type not in self.devices:
+            wanted = "/".join(d.upper() if d == "cuda" else d for d in sorted(self.devices))
+            return f"{self.name} needs {wanted} tensors (got {call.device.type})"
+        if not is_installed(self.name):
+            return f"{self.name} is not installed (pip install 'retrofit[gpu]' or {self.install_hint or self.package})"
+        if self.dtypes is not None and call.dtype not in self.dtypes:
+            return f"{self.name} kernels take {_dtypes(self.dtypes)}, not {call.dtype}"
+        if auto and self.auto_dtypes is not None and call.dtype not in self.auto_dtypes:
+            return f"{_dtype(call.dtype)} stays off {self.name} unless it is requested ({self.auto_dtype_note})"
+        return self.check(op, call) if self.check is not None else None
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _dtypes(dtypes: frozenset[torch.dtype]) -> str:
+    return "/".join(sorted(_dtype(d) for d in dtypes))
+
+
+# --------------------------------------------------------------------------------------
+# registering
+
+_backends: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> Backend:
+    """Add (or replace) a backend; its module calls this at import. Returns the backend."""
+    if not backend.name or backend.name == AUTO or "," in backend.name or backend.name != backend.name.lower():
+        raise ValueError(f"bad backend name {backend.name!r}: lower case, not 'auto', no commas")
+    _backends[backend.name] = backend
+    is_installed.cache_clear()
+    return backend
+
+
+def unregister(name: str) -> None:
+    """Remove a backend (tests)."""
+    _backends.pop(name, None)
+    is_installed.cache_clear()
+
+
+def get_backend(name: str) -> Backend:
+    """The registered backend called ``name`` (KeyError if none)."""
+    return _backends[name]
+
+
+def backend_names() -> tuple[str, ...]:
+    """Registered backends, highest priority first."""
+    return tuple(b.name for b in sorted(_backends.values(), key=lambda b: -b.priority))
+
+
+@functools.lru_cache(maxsize=None)
+def is_installed(backend: str) -> bool:
+    """Whether the backend's package imports (cached; a broken CUDA build counts as missing)."""
+    b = _backends.get(backend)
+    if b is None:
+        return False
+    if b.package is None:
+        return True
+    try:
+        importlib.import_module(b.package)
+    except Exception as exc:  # ImportError, or an undefined-symbol error from a mismatched build
+        logger.debug("retrofit.ops: backend %r unavailable (%s: %s)", backend, type(exc).__name__, exc)
+        return False
+    return True
+
+
+def available_backends() -> dict[str, bool]:
+    """``{backend: installed}`` for reporting (``retrofit bench`` writes it into results.json)."""
+    return {name: is_installed(name) for name in backend_names()}
+
+
+# --------------------------------------------------------------------------------------
+# requests
+
+_default_backend: str | None = None
+
+
+def _parse(request: str | None) -> tuple[str, ...]:
+    if request is None:
+        return ()
+    names = tuple(n.strip().lower() for n in str(request).split(",") if n.strip())
+    bad = [n for n in names if n != AUTO and n not in _backends]
+    if bad:
+        raise SpecError(
+            f"unknown attention backend {', '.join(map(repr, bad))}: choose from "
+            f"{', '.join((AUTO,) + backend_names())} (or a comma list such as 'fla,flash'), "
+            f"via backend=, --backend or ${ENV_VAR}"
+        )
+    return names
+
+
+def set_default_backend(name: str | None) -> None:
+    """Process-wide request (what ``--backend`` sets); ``None`` or ``"auto"`` clears it."""
+    global _default_backend
+    names = _parse(name)
+    _default_backend = None if not names or names == (AUTO,) else ",".join(names)
+
+
+def get_default_backend() -> str:
+    """The request in force without a ``backend=`` argument: set_default_backend, env var, or auto."""
+    return _default_backend or os.environ.get(ENV_VAR, "").strip() or AUTO
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None) -> Iterator[None]:
+    """``with use_backend("torch"): ...`` - temporary process-wide request."""
+    global _default_backend
+    old = _default_backend
+    set_default_backend(name)
+    try:
+        yield
+    finally:
+        _default_backend = old
+
+
+# --------------------------------------------------------------------------------------
+# choosing
+
+_logged: set[tuple] = set()
+
+
+def _log_once(level: int, key: tuple, msg: str, *args: Any) -> None:
+    if key in _logged:
+        return
+    _logged.add(key)
+    logger.log(level, msg, *args)
+
+
+def _reset_log_memory() -> None:
+    """Forget which choices were logged (tests)."""
+    _logged.clear()
+
+
+def _auto(op: str, call: Call, *, quiet: bool = False) -> Backend:
+    """The highest-priority backend that runs ``call`` under auto's rules (``quiet``: log no skips)."""
+    candidates = sorted((b for b in _backends.values() if op in b.kernels), key=lambda b: -b.priority)
+    for b in candidates:
+        reason = b.why_not(op, call, auto=True)
+        if reason is None:
+            return b
+        if not quiet:
+            _log_once(logging.DEBUG, ("auto-skip", op, b.name, reason), "retrofit.ops: %s: not using %s: %s",
+                      op, b.name, reason)
+    raise RuntimeError(f"no registered backend can run {op} on {call.device.type} {_dtype(call.dtype)}")
+
+
+def resolve(op: str, call: Call, requested: str | None = None) -> Backend:
+    """The backend that runs ``call`` of ``op``; ``requested`` None or "auto": the default request."""
+    names = _parse(requested)
+    if not names or names == (AUTO,):
+        names = _parse(get_default_backend())
+    explicit = next((_backends[n] for n in names if n != AUTO and op in _backends[n].kernels), None)
+    chosen = None
+    if explicit is not None:
+        reason = explicit.why_not(op, call)
+        if reason is None:
+            chosen = explicit
+        else:
+            chosen = _auto(op, call, quiet=True)  # the warning below says why
+            _log_once(logging.WARNING, ("fallback", op, explicit.name, reason),
+                      "retrofit.ops: %s requested the %s backend but %s; using %s", op, explicit.name, reason, chosen.name)
+    else:
+        chosen = _auto(op, call)
+    _log_once(logging.INFO, ("ran", op, chosen.name, call.device.type, call.dtype),
+              "retrofit.ops: %s runs on the %s backend (%s, %s)", op, chosen.name, call.device.type, _dtype(call.dtype))
+    return chosen
+
+
+# old op-family names (before every op had its own entry) -> the op they stood for
+_FAMILY_OPS = {"latte": "causal_latte_chunked", "latte_step": "causal_latte_step", "sliding_window": "sliding_window_attention"}
+
+
+def _has_kernel(op: str) -> bool:
+    return any(op in b.kernels for b in _backends.values())
+
+
+def resolve_backend(
+    name: str,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    requested: str | None = None,
+    *,
+    op: str | None = None,
+    **features: Any,
+) -> str:
+    """Name of the backend that would run a call of op ``name`` on ``device``/``dtype``.
+
+    ``features``: the :class:`Call` fields (key_padding_mask, head_dim, value_dim, mixed_dtypes).
+    The old family names "latte", "latte_step" and "sliding_window" stand for the chunked Latte
+    op, its decoding step and the sliding window; the old ``op=`` label is used when it names an op.
+    """
+    target = op if op is not None and _has_kernel(op) else _FAMILY_OPS.get(name, name)
+    if not _has_kernel(target):
+        raise ValueError(f"unknown op {name!r}")
+    return resolve(target, Call(torch.device(device), dtype, **features), requested).name
+
+
+# --------------------------------------------------------------------------------------
+# the dispatched ops
+
+
+class Op:
+    """A dispatched op: ``op(*args, backend="auto", **kwargs)`` runs the chosen backend's kernel.
+
+    ``like``: the reference signature and docstring (the torch kernel's). ``describe(*args,
+    **kwargs)`` -> :class:`Call` for the same arguments.
+    """
+
+    def __init__(self, name: str, like: Callable[..., Any], describe: Callable[..., Call]):
+        self.name = name
+        self.describe = describe
+        functools.update_wrapper(self, like)
+        del self.__wrapped__  # the signature below is the op's, not the torch kernel's
+        sig = inspect.signature(like)
+        backend = inspect.Parameter("backend", inspect.Parameter.KEYWORD_ONLY, default=AUTO, annotation="str | None")
+        params = list(sig.parameters.values())
+        if params and params[-1].kind is inspect.Parameter.VAR_KEYWORD:
+            params.insert(len(params) - 1, backend)
+        else:
+            params.append(backend)
+        self.__signature__ = sig.replace(parameters=params)
+        self.__doc__ = f"Dispatched op (see retrofit.ops.backends; ``backend=`` picks one).\n\n{like.__doc__ or ''}"
+
+    def __call__(self, *args: Any, backend: str | None = AUTO, **kwargs: Any) -> Any:
+        chosen = resolve(self.name, self.describe(*args, **kwargs), backend)
+        return chosen.kernel(self.name).fn(*args, **kwargs)
+
+    def kernel(self, backend: str) -> Callable[..., Any]:
+        """The ``backend`` backend's implementation of this op (no dispatch)."""
+        k = get_backend(backend).kernel(self.name)
+        if k is None:
+            raise KeyError(f"backend {backend!r} has no {self.name} kernel")
+        return k.fn
+
+    def __repr__(self) -> str:
+        return f"<retrofit op {self.name}>"

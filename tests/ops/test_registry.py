@@ -1,0 +1,227 @@
+"""The backend registry: priority order, fallbacks with reasons, forced backends, every op through it.
+
+Fake backends are registered here (and removed after each test) with the torch kernels wrapped
+in call counters, so which backend ran is observed, not inferred from the log.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import logging
+import pkgutil
+
+import pytest
+import torch
+
+import retrofit.layers.lavo
+import retrofit.layers.llp
+import retrofit.ops as ops
+from retrofit.errors import SpecError
+from retrofit.ops import backends
+from retrofit.ops.backends import Backend, Kernel, registry
+from tests.ops._inputs import latte_inputs, padding_mask
+
+LOGGER = "retrofit.ops.backends"
+
+
+@pytest.fixture(autouse=True)
+def _clean_dispatch_state(monkeypatch):
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    backends.set_default_backend(None)
+    backends._reset_log_memory()
+    added: list[str] = []
+    yield added
+    for name in added:
+        backends.unregister(name)
+    backends.set_default_backend(None)
+    backends._reset_log_memory()
+
+
+def _fake(added: list[str], name: str, priority: int, ops_: tuple[str, ...], **decl) -> dict[str, int]:
+    """Register backend ``name`` running the torch kernels of ``ops_``; returns its call counts."""
+    calls = {op: 0 for op in ops_}
+
+    def counted(op):
+        kernel = backends.get_backend("torch").kernel(op).fn
+
+        def run(*args, **kwargs):
+            calls[op] += 1
+            return kernel(*args, **kwargs)
+
+        return run
+
+    backends.register(Backend(name=name, priority=priority, kernels={op: counted(op) for op in ops_}, **decl))
+    added.append(name)
+    return calls
+
+
+def _latte():
+    return latte_inputs(2, 2, 12, 3, 4, dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------------
+# priority order and fallbacks
+
+
+def test_auto_takes_the_highest_priority_backend_that_can_run_the_call(_clean_dispatch_state, caplog):
+    added = _clean_dispatch_state
+    lo = _fake(added, "lo", 30, ("causal_latte_chunked",))
+    hi = _fake(added, "hi", 50, ("causal_latte_chunked",), dtypes=frozenset({torch.float32}))
+    assert backends.backend_names()[:2] == ("hi", "lo") and backends.backend_names()[-1] == "torch"
+    q, k, v = _latte()
+    want = ops.causal_latte_chunked(q, k, v, backend="torch")[0]
+    torch.testing.assert_close(ops.causal_latte_chunked(q, k, v)[0], want)
+    assert (hi["causal_latte_chunked"], lo["causal_latte_chunked"]) == (1, 0)
+
+    # fp64 is not among hi's dtypes: auto skips it (DEBUG, with the reason) and takes lo
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    ops.causal_latte_chunked(q.double(), k.double(), v.double())
+    assert (hi["causal_latte_chunked"], lo["causal_latte_chunked"]) == (1, 1)
+    skip = [r.getMessage() for r in caplog.records if "not using hi" in r.getMessage()]
+    assert len(skip) == 1 and "hi kernels take float32, not torch.float64" in skip[0]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+    backends.unregister("hi")
+    backends.unregister("lo")
+    assert backends.resolve_backend("causal_latte_chunked", "cpu", torch.float32) == "torch"
+
+
+def test_request_only_kernels_and_dtypes_need_a_request(_clean_dispatch_state):
+    step = backends.get_backend("torch").kernel("causal_latte_step").fn
+    chunked = backends.get_backend("torch").kernel("causal_latte_chunked").fn
+    backends.register(Backend(
+        name="shy", priority=50,
+        kernels={"causal_latte_step": Kernel(step, auto=False), "causal_latte_chunked": chunked},
+        auto_dtypes=frozenset({torch.bfloat16}), auto_dtype_note="test",
+    ))
+    _clean_dispatch_state.append("shy")
+    assert backends.resolve_backend("causal_latte_step", "cpu", torch.bfloat16) == "torch"  # request-only kernel
+    assert backends.resolve_backend("causal_latte_step", "cpu", torch.float32, "shy") == "shy"
+    assert backends.resolve_backend("causal_latte_chunked", "cpu", torch.bfloat16) == "shy"
+    assert backends.resolve_backend("causal_latte_chunked", "cpu", torch.float32) == "torch"  # not an auto dtype
+    assert backends.resolve_backend("causal_latte_chunked", "cpu", torch.float32, "shy") == "shy"
+
+
+def test_requested_backend_that_cannot_run_the_call_falls_back_with_the_reason(_clean_dispatch_state, caplog):
+    added = _clean_dispatch_state
+    gpu = _fake(added, "gpu", 50, ("causal_latte_chunked",), devices=frozenset({"cuda"}))
+    half = _fake(added, "half", 40, ("causal_latte_chunked",), dtypes=frozenset({torch.bfloat16}))
+    q, k, v = _latte()
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    for _ in range(2):  # the warning is given once
+        out, _ = ops.causal_latte_chunked(q, k, v, backend="gpu")
+        ops.causal_latte_chunked(q, k, v, backend="half")
+    torch.testing.assert_close(out, ops.causal_latte_chunked(q, k, v, backend="torch")[0])
+    assert gpu["causal_latte_chunked"] == half["causal_latte_chunked"] == 0
+    msgs = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert msgs == [
+        "retrofit.ops: causal_latte_chunked requested the gpu backend but gpu needs CUDA tensors (got cpu); using torch",
+        "retrofit.ops: causal_latte_chunked requested the half backend but half kernels take bfloat16, not "
+        "torch.float32; using torch",
+    ]
+
+
+def test_feature_checks_rule_a_backend_out(_clean_dispatch_state):
+    added = _clean_dispatch_state
+    nopad = _fake(added, "nopad", 50, ("sliding_window_attention",),
+                  check=lambda op, call: "no padding" if call.key_padding_mask else None)
+    q = torch.randn(2, 2, 9, 4)
+    ops.sliding_window_attention(q, q, q, 3)
+    ops.sliding_window_attention(q, q, q, 3, key_padding_mask=padding_mask(2, 9, [0, 2]))
+    assert nopad["sliding_window_attention"] == 1
+
+
+def test_forcing_an_unknown_backend_is_one_clear_error(monkeypatch, _clean_dispatch_state):
+    _fake(_clean_dispatch_state, "mine", 5, ("causal_latte_chunked",))
+    q, k, v = _latte()
+    monkeypatch.setenv(backends.ENV_VAR, "triton")
+    with pytest.raises(SpecError) as err:
+        ops.causal_latte_chunked(q, k, v)
+    msg = str(err.value)
+    assert "\n" not in msg and "unknown attention backend 'triton'" in msg and "RETROFIT_BACKEND" in msg
+    assert "mine" in msg and "fla" in msg and "torch" in msg  # names every registered backend
+    with pytest.raises(SpecError, match="unknown attention backend 'nope'"):
+        ops.lavo_attention(q, q, q, torch.eye(3)[None], window=4, backend="nope")
+
+
+def test_info_line_once_per_op_backend_device_dtype(caplog):
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    q, k, v = _latte()
+    for _ in range(3):
+        ops.causal_latte_chunked(q, k, v)
+    ops.causal_latte_chunked(q.double(), k.double(), v.double())
+    ops.exp_linear_attention(q, k, v)
+    ran = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert ran == [
+        "retrofit.ops: causal_latte_chunked runs on the torch backend (cpu, float32)",
+        "retrofit.ops: causal_latte_chunked runs on the torch backend (cpu, float64)",
+        "retrofit.ops: exp_linear_attention runs on the torch backend (cpu, float32)",
+    ]
+
+
+def test_bad_backend_names_are_refused():
+    for name in ("auto", "A", "x,y", ""):
+        with pytest.raises(ValueError, match="bad backend name"):
+            backends.register(Backend(name=name, priority=1, kernels={}))
+
+
+# --------------------------------------------------------------------------------------
+# every op goes through the registry
+
+
+def _lavo_args():
+    B, H, T, d, r = 2, 2, 10, 4, 3
+    q, k, v = (torch.randn(B, H, T, d) for _ in range(3))
+    bases = torch.linalg.qr(torch.randn(H, d, r)).Q.transpose(-1, -2)
+    return (q, k, v, bases), dict(window=4, key_padding_mask=padding_mask(B, T, [0, 3]))
+
+
+def _llp_args():
+    q, k, v = (torch.randn(2, 2, 11, 4) for _ in range(3))
+    return (q, k, v, 4), dict(key_padding_mask=padding_mask(2, 11, [0, 2]))
+
+
+@pytest.mark.parametrize("op,args", [("lavo_attention", _lavo_args), ("llp_attention", _llp_args)])
+def test_lavo_and_llp_honour_retrofit_backend_torch(monkeypatch, caplog, _clean_dispatch_state, op, args):
+    fake = _fake(_clean_dispatch_state, "fast", 50, (op,))
+    a, kw = args()
+    getattr(ops, op)(*a, **kw)
+    assert fake[op] == 1  # auto: the higher-priority backend runs LAVO / LLP
+    monkeypatch.setenv(backends.ENV_VAR, "torch")
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    out = getattr(ops, op)(*a, **kw)
+    assert fake[op] == 1  # RETROFIT_BACKEND=torch: the torch kernel ran
+    assert any(f"{op} runs on the torch backend" in r.getMessage() for r in caplog.records)
+    ref = backends.get_backend("torch").kernel(op).fn(*a, **kw)
+    got, exp = (x[0] if isinstance(x, tuple) else x for x in (out, ref))
+    assert torch.equal(got, exp)
+
+
+def test_layers_call_the_dispatched_ops():
+    assert retrofit.layers.lavo.lavo_attention is ops.lavo_attention
+    assert retrofit.layers.llp.llp_attention is ops.llp_attention
+    assert retrofit.layers.llp.llp_attention_cached is ops.llp_attention_cached
+
+
+@pytest.mark.parametrize("backend", [None, "torch"])
+def test_macchiato_dispatches_both_branches(_clean_dispatch_state, backend):
+    fake = _fake(_clean_dispatch_state, "fast", 50, ("sliding_window_attention", "causal_latte_chunked", "causal_latte_step"))
+    B, Hq, Hkv, T, d, L = 2, 4, 2, 20, 8, 3
+    q, k, v = torch.randn(B, Hq, T, d), torch.randn(B, Hkv, T, d), torch.randn(B, Hkv, T, d)
+    mix, lat = torch.randn(B, Hq, T, L + 1), torch.randn(B, Hq, T, L)
+    out, _ = ops.macchiato_attention(q, k, v, mix, lat, window=8, backend=backend)
+    n = 0 if backend == "torch" else 1
+    assert fake == {"sliding_window_attention": n, "causal_latte_chunked": n, "causal_latte_step": 0}
+    torch.testing.assert_close(out, ops.macchiato_attention_reference(q, k, v, mix, lat, window=8))
+
+
+def test_every_op_is_dispatched_and_every_backend_module_registers():
+    names = [n for n in ops.__all__ if isinstance(getattr(ops, n), registry.Op)]
+    torch_ops = set(backends.get_backend("torch").kernels)
+    assert set(names) == torch_ops  # the torch backend runs every dispatched op
+    for n in names:
+        sig = inspect.signature(getattr(ops, n))
+        assert sig.parameters["backend"].default == "auto" and getattr(ops, n).__doc__
+    modules = [m.name for m in pkgutil.iter_modules(backends.__path__) if m.name != "registry"]
+    registered = {importlib.import_module(f"retrofit.ops.backends.{m}").BACKEND.name for m in modules}
+    assert registered == set(backends.backend_names()) == {"torch", "fla", "flash", "flex"}
