@@ -65,9 +65,11 @@ def get_patch(model_or_config: Any) -> AttentionPatch:
     if model_type in _REGISTRY:
         return _REGISTRY[model_type]
     supported = ", ".join(f"{f} ({mt})" for mt, f in supported_model_types().items())
-    hint = ""
-    if model_type == "gemma3":
-        hint = " Gemma 3 multimodal checkpoints are not supported; load the text-only Gemma3ForCausalLM."
+    hint = "".join(
+        f" {model_type!r} (multimodal) checkpoints are not supported; load the text-only {p.family} causal LM"
+        f" (model_type {p.model_types[0]!r}, e.g. {p.attention_class_name.removesuffix('Attention')}ForCausalLM)."
+        for p in {id(p): p for p in _REGISTRY.values()}.values() if model_type in p.row.wrappers
+    )
     raise UnsupportedModelError(
         f"model_type {model_type!r} has no retrofit patch. Supported families: {supported}.{hint}"
     )

@@ -53,6 +53,7 @@ class Family:
     needs_bos: bool = False  # quality collapses without BOS (evaluation prepends it)
     lora_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     hooks: type | None = None  # an AttentionPatch subclass, only where the family truly differs
+    wrappers: tuple[str, ...] = ()  # multimodal model_types around this text model (refused with a hint)
 
     def __post_init__(self) -> None:
         if len(self.qkv) not in (1, 3):

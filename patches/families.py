@@ -45,5 +45,5 @@ FAMILIES: tuple[Family, ...] = (
     Family("gemma2", ("gemma2",), _tf("gemma2"), "Gemma2Attention", window="layer",
            softcap_attr="attn_logit_softcapping", needs_bos=True),
     Family("gemma3", ("gemma3_text",), _tf("gemma3"), "Gemma3Attention", window="layer",
-           qk_norms=("q_norm", "k_norm"), needs_bos=True),
+           qk_norms=("q_norm", "k_norm"), needs_bos=True, wrappers=("gemma3",)),
 )
