@@ -2,8 +2,8 @@
 
 A replacement keeps the pretrained submodules under the SAME attribute names (``q_proj``,
 ``k_proj``, ``v_proj`` or a fused ``qkv_proj``, ``o_proj``, ``q_norm``, ``k_norm``, ...): the
-objects are moved, not copied, so pretrained state-dict keys are unchanged and weights stay shared. The family
-``patch`` (``retrofit.patches``; passed in, not imported, to keep the arrows one way) is what
+objects are moved, not copied, so pretrained state-dict keys are unchanged and weights stay
+shared. The family ``patch`` (``retrofit.patches``; passed in, not imported, to keep the arrows one way) is what
 knows how to turn hidden states into q, k, v for that family.
 
 Forward contract (what transformers 5.x decoder layers call)::
