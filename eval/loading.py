@@ -150,9 +150,9 @@ def model_info(model: Any, label: str) -> dict:
 def needs_bos(model: Any, tokenizer: Any, policy: str = "auto") -> bool:
     """Whether to start every evaluated sequence with BOS.
 
-    ``auto``: yes if the tokenizer adds BOS by itself, or the model is a Gemma (Gemma's quality
-    collapses without BOS, and tokenizers rebuilt from GGUF do not always say so); and the
-    tokenizer must have a BOS token. ``always`` / ``never`` force it.
+    ``auto``: yes if the tokenizer adds BOS by itself, or the model's family needs it (the family
+    table's ``needs_bos``: Gemma's quality collapses without BOS, and tokenizers rebuilt from GGUF
+    do not always say so); and the tokenizer must have a BOS token. ``always`` / ``never`` force it.
     """
     if policy not in ("auto", "always", "never"):
         raise RetrofitError(f"BOS policy {policy!r} is not one of auto, always, never")
@@ -166,10 +166,10 @@ def needs_bos(model: Any, tokenizer: Any, policy: str = "auto") -> bool:
     if policy == "always":
         return True
     ids = tokenizer("a", add_special_tokens=True)["input_ids"]
-    from retrofit.hf import base_model_type
+    from retrofit.patches import find_family
 
-    model_type = str(base_model_type(getattr(getattr(model, "config", None), "model_type", "")) or "")
-    return (len(ids) > 0 and ids[0] == bos) or model_type.startswith("gemma")
+    family = find_family(getattr(model, "config", None))
+    return (len(ids) > 0 and ids[0] == bos) or bool(family and family.needs_bos)
 
 
 def check_same_tokenizer(tok_a: Any, tok_b: Any, label_a: str = "model", label_b: str = "baseline") -> None:

@@ -1,24 +1,26 @@
-"""Model-family patches: one module per family that knows how to reach q, k, v, o, RoPE, q/k norms,
-scaling and soft-capping inside that family's attention module (transformers 5.x).
+"""Model families as data: the table in ``patches/families.py`` says, per ``model_type``, how to
+reach q, k, v, o (separate or fused), RoPE, q/k norms, scaling, soft-capping and windows inside
+that family's attention module (transformers 5.x), whether it needs BOS and its LoRA targets.
 
     from retrofit.patches import get_patch
     patch = get_patch(model)            # or a config; raises UnsupportedModelError
     for site in patch.attention_sites(model): ...
 
-Another family is added by writing ``patches/<family>.py`` with an :class:`AttentionPatch`
-subclass and calling :func:`register_patch` (or listing it in ``_BUILTIN``).
+Another family is one :class:`Family` row: add it to ``FAMILIES`` in ``patches/families.py``, or
+at run time ``register_patch(Family(...))`` (an :class:`AttentionPatch` instance works too).
 """
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from retrofit.errors import UnsupportedModelError
-from retrofit.patches.base import AttentionPatch, AttentionSite
+from retrofit.patches.base import AttentionPatch, AttentionSite, Family
 
-__all__ = ["AttentionPatch", "AttentionSite", "get_patch", "register_patch", "supported_model_types"]
+__all__ = [
+    "AttentionPatch", "AttentionSite", "Family", "find_family", "get_patch", "register_patch",
+    "supported_model_types",
+]
 
-_BUILTIN = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3")
 _REGISTRY: dict[str, AttentionPatch] = {}
 _LOADED = False
 
@@ -27,15 +29,21 @@ def _load_builtin() -> None:
     global _LOADED
     if _LOADED:
         return
-    for name in _BUILTIN:
-        register_patch(importlib.import_module(f"retrofit.patches.{name}").PATCH)
+    from retrofit.patches.families import FAMILIES
+
     _LOADED = True
+    for row in FAMILIES:
+        register_patch(row)
 
 
-def register_patch(patch: AttentionPatch) -> None:
-    """Make ``patch`` the handler of each of its ``model_types``."""
+def register_patch(patch: AttentionPatch | Family) -> AttentionPatch:
+    """Make ``patch`` (or the patch of a :class:`Family` row) the handler of each of its ``model_types``."""
+    _load_builtin()
+    if isinstance(patch, Family):
+        patch = patch.patch()
     for model_type in patch.model_types:
         _REGISTRY[model_type] = patch
+    return patch
 
 
 def supported_model_types() -> dict[str, str]:
@@ -44,19 +52,39 @@ def supported_model_types() -> dict[str, str]:
     return {mt: p.family for mt, p in sorted(_REGISTRY.items())}
 
 
+def _model_type(config: Any) -> str | None:
+    # a converted checkpoint's config (model_type "retrofit_<base>") names its base family
+    return getattr(config, "retrofit_base_model_type", None) or getattr(config, "model_type", None)
+
+
 def get_patch(model_or_config: Any) -> AttentionPatch:
     """The patch for a model (or its config), chosen by ``config.model_type``."""
     _load_builtin()
     config = getattr(model_or_config, "config", model_or_config)
-    model_type = getattr(config, "model_type", None)
-    # a converted checkpoint's config (model_type "retrofit_<base>") names its base family
-    model_type = getattr(config, "retrofit_base_model_type", None) or model_type
+    model_type = _model_type(config)
     if model_type in _REGISTRY:
         return _REGISTRY[model_type]
     supported = ", ".join(f"{f} ({mt})" for mt, f in supported_model_types().items())
-    hint = ""
-    if model_type == "gemma3":
-        hint = " Gemma 3 multimodal checkpoints are not supported; load the text-only Gemma3ForCausalLM."
+    hint = "".join(
+        f" {model_type!r} (multimodal) checkpoints are not supported; load the text-only {p.family} causal LM"
+        f" (model_type {p.model_types[0]!r}, e.g. {p.attention_class_name.removesuffix('Attention')}ForCausalLM)."
+        for p in {id(p): p for p in _REGISTRY.values()}.values() if model_type in p.row.wrappers
+    )
     raise UnsupportedModelError(
         f"model_type {model_type!r} has no retrofit patch. Supported families: {supported}.{hint}"
     )
+
+
+def find_family(model_or_config: Any) -> Family | None:
+    """The table row of a model (or config) for family facts (BOS, LoRA targets), or None.
+
+    Lenient where :func:`get_patch` refuses: a multimodal wrapper (e.g. Gemma 3 ``gemma3``) is
+    looked up by its text config's ``model_type``.
+    """
+    _load_builtin()
+    config = getattr(model_or_config, "config", model_or_config)
+    for cfg in (config, getattr(config, "text_config", None)):
+        patch = _REGISTRY.get(_model_type(cfg)) if cfg is not None else None
+        if patch is not None:
+            return patch.row
+    return None

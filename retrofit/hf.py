@@ -1,7 +1,7 @@
 """A converted checkpoint's own identity in transformers: ``model_type`` ``retrofit_<base>``.
 
-For every family with a patch (``llama``, ``mistral``, ``qwen2``, ``gemma``, ``gemma2``,
-``gemma3_text``) this module defines
+For every ``model_type`` of the family table (``patches/families.py``: ``llama``, ``qwen3``,
+``phi3``, ``gemma3_text``, ...) this module defines
 
 * ``Retrofit<Base>Config`` (e.g. ``RetrofitLlamaConfig``): the base config class with
   ``model_type = "retrofit_<base model_type>"``, so config.json says ``"retrofit_llama"``;

@@ -34,6 +34,7 @@ def _converted(family, method, **kw):
 @pytest.mark.parametrize("family,method,conv,sinks", [
     ("llama", "macchiato", 0, 0), ("gemma3", "macchiato", 3, 0), ("gemma2", "exp-linear", 0, 0),
     ("qwen2", "exp-linear", 0, 0), ("gemma3", "macchiato", 0, 4), ("gemma2", "macchiato", 2, 1),
+    ("qwen3", "exp-linear", 0, 0), ("phi3", "macchiato", 2, 1),
 ])
 def test_prefill_then_steps_equal_full_forward(family, method, conv, sinks):
     model = _converted(family, method, conv_size=conv, **({"sinks": sinks} if sinks else {}))

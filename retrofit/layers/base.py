@@ -1,9 +1,9 @@
 """Common base of the modules that replace a pretrained attention module.
 
 A replacement keeps the pretrained submodules under the SAME attribute names (``q_proj``,
-``k_proj``, ``v_proj``, ``o_proj``, ``q_norm``, ``k_norm``, ...): the objects are moved, not
-copied, so pretrained state-dict keys are unchanged and weights stay shared. The family
-``patch`` (``retrofit.patches``; passed in, not imported, to keep the arrows one way) is what
+``k_proj``, ``v_proj`` or a fused ``qkv_proj``, ``o_proj``, ``q_norm``, ``k_norm``, ...): the
+objects are moved, not copied, so pretrained state-dict keys are unchanged and weights stay
+shared. The family ``patch`` (``retrofit.patches``; passed in, not imported, to keep the arrows one way) is what
 knows how to turn hidden states into q, k, v for that family.
 
 Forward contract (what transformers 5.x decoder layers call)::
@@ -118,7 +118,7 @@ class RetrofitAttention(nn.Module):
     # ------------------------------------------------------------------ helpers
     @property
     def _weight_ref(self) -> torch.Tensor:
-        return self.q_proj.weight
+        return self.patch.out_proj(self).weight  # every family has one output projection
 
     def new_parameter_names(self) -> list[str]:
         """Names (relative to this module) of the parameters the method added."""

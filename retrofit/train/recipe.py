@@ -55,7 +55,7 @@ class LoraSection:
     r: int = 16
     alpha: int = 32
     dropout: float = 0.0
-    target_modules: list = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    target_modules: list | None = None  # None: the model family's LoRA targets (retrofit.patches table)
     # any other peft.LoraConfig field written in this section (use_dora, modules_to_save, rank_pattern,
     # init_lora_weights, ...) is collected here and passed through; PEFT's field list checks it
     peft: dict = field(default_factory=dict)

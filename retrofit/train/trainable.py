@@ -99,7 +99,12 @@ def apply_trainable(
 def _wrap_lora(model: nn.Module, cfg: dict) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
-    targets = list(cfg.get("target_modules") or [])
+    targets = cfg.get("target_modules")
+    if targets is None:  # the family's own projections (a fused qkv_proj for Phi-3)
+        from retrofit.patches import get_patch
+
+        targets = get_patch(model).lora_targets
+    targets = list(targets)
     if not targets:
         raise SpecError("trainable.lora.target_modules is empty: name the projections to adapt (e.g. q_proj, v_proj)")
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}

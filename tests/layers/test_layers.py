@@ -23,11 +23,13 @@ def _attention_inputs(model, T=37, B=2):
     return seen["hidden_states"], seen["position_embeddings"]
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "phi3"])
 def test_pretrained_submodules_are_moved_not_copied(family):
     model = tiny_model(family)
     before = {k: v for k, v in model.state_dict().items()}
-    originals = {n: getattr(model.model.layers[0].self_attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    names = get_patch(model).submodule_names  # phi3: the fused qkv_proj and o_proj
+    assert set(names) >= ({"qkv_proj", "o_proj"} if family == "phi3" else {"q_proj", "k_proj", "v_proj", "o_proj"})
+    originals = {n: getattr(model.model.layers[0].self_attn, n) for n in names}
     convert(model, ConversionSpec(window=8, latents=8, conv_size=3))
     attn = model.model.layers[0].self_attn
     assert isinstance(attn, MacchiatoAttention)

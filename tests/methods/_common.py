@@ -1,4 +1,5 @@
-"""Tiny models of every supported family and an independent pattern reference for method tests.
+"""Tiny models of every supported family (from the one test table, ``tests/surgery/tiny.py``) and an
+independent pattern reference for method tests.
 
 The reference runs the ORIGINAL (unconverted) attention modules through a registered eager
 attention function that applies a dense mask given as a predicate over real-token ranks
@@ -10,52 +11,10 @@ import copy
 from typing import Callable
 
 import torch
-import transformers
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3")
-VOCAB = 256
-
-_COMMON = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-    max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-)
-_FAMILY = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2)),
-    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2)),
-    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16)),
-    "gemma2": (
-        "Gemma2Config", "Gemma2ForCausalLM",
-        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=24,
-             attn_logit_softcapping=3.0, final_logit_softcapping=20.0, sliding_window=24,
-             layer_types=["sliding_attention", "full_attention"]),
-    ),
-    "gemma3": (
-        "Gemma3TextConfig", "Gemma3ForCausalLM",
-        dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=24,
-             sliding_window=24, layer_types=["sliding_attention", "full_attention"]),
-    ),
-}
-
-
-def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
-    """A random fp32 ``*ForCausalLM`` in eval mode with weights large enough that attention is peaked."""
-    cfg_name, model_name, kw = _FAMILY[family]
-    cfg = getattr(transformers, cfg_name)(**{**_COMMON, **kw})
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(cfg).eval()
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(0.3 * torch.randn(p.shape, generator=g))
-            elif "bias" in name:
-                p.add_(0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.mul_(5.0)
-    return model
+from tests.surgery.tiny import FAMILIES, VOCAB, tiny_model  # noqa: F401  (the one family table)
 
 
 def batch(B: int = 2, T: int = 30, left_pad: tuple[int, ...] = (0, 5), seed: int = 0):

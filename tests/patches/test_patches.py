@@ -1,4 +1,5 @@
-"""Family patches: registry, and q/k/v/scaling/soft-capping read exactly as each family computes them."""
+"""Family patches: the family table and registry, and q/k/v/scaling/soft-capping read exactly as
+each family computes them (separate or fused q/k/v projections)."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,7 @@ from retrofit.patches import get_patch, supported_model_types
 from tests.surgery.tiny import FAMILIES, tiny_model
 
 
-def test_registry_covers_the_six_families():
+def test_registry_covers_every_family_of_the_test_table():
     families = set(supported_model_types().values())
     assert families == set(FAMILIES)
     for fam in FAMILIES:
@@ -76,3 +77,65 @@ def test_family_specifics():
     assert "q_norm" in dict(get_patch(tiny_model("gemma3")).submodules(g3))
     llama = tiny_model("llama").model.layers[0].self_attn
     assert get_patch(tiny_model("llama")).scaling(llama) == pytest.approx(16**-0.5)
+    q3 = tiny_model("qwen3")
+    assert {"q_norm", "k_norm"} <= set(dict(get_patch(q3).submodules(q3.model.layers[0].self_attn)))
+    assert [get_patch(q3).native_window(l.self_attn) for l in q3.model.layers] == [None, 24]  # per layer type
+    phi = tiny_model("phi3")
+    attn = phi.model.layers[0].self_attn
+    assert set(dict(get_patch(phi).submodules(attn))) == {"qkv_proj", "o_proj"}
+    assert get_patch(phi).qkv_split(attn) == (64, 32, 32)  # [Hq*d | Hkv*d | Hkv*d]
+    assert get_patch(tiny_model("phi3", sliding_window=12)).native_window(attn) is None  # config.sliding_window
+    assert get_patch(phi).native_window(tiny_model("phi3", sliding_window=12).model.layers[1].self_attn) == 12
+
+
+def test_family_facts_live_in_the_table():
+    """BOS and LoRA targets are read from the row (eval and train no longer know family names)."""
+    from retrofit.patches import find_family
+
+    assert [find_family(tiny_model(f)).needs_bos for f in FAMILIES] == [f.startswith("gemma") for f in FAMILIES]
+    assert get_patch(tiny_model("llama")).lora_targets == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert get_patch(tiny_model("phi3")).lora_targets == ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    # a multimodal wrapper is not convertible, but its text config still names the family's facts
+    assert find_family(transformers.Gemma3Config()).name == "gemma3"
+    assert find_family(transformers.GPT2Config()) is None and find_family(None) is None
+
+
+def test_adding_a_family_is_one_row():
+    """A new model_type on an existing modeling class: one Family row, and conversion is exact."""
+    from retrofit.patches import Family, register_patch
+    from retrofit.surgery import ConversionSpec, convert
+    from tests.surgery.tiny import band_reference
+
+    model = tiny_model("llama")
+    model.config.model_type = "test_llama_like"  # one config object, shared by every submodule
+    with pytest.raises(UnsupportedModelError):
+        get_patch(model)
+    register_patch(Family("llama-like", ("test_llama_like",), "transformers.models.llama.modeling_llama",
+                          "LlamaAttention", needs_bos=True, lora_targets=("q_proj",)))
+    try:
+        assert get_patch(model).family == "llama-like" and supported_model_types()["test_llama_like"] == "llama-like"
+        ids = torch.randint(3, 256, (1, 30), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            want = band_reference(model, 8)(ids).logits
+            got = convert(model, ConversionSpec(window=8, latents=8, init_swa_share=1.0))(ids).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    finally:
+        from retrofit import patches
+
+        patches._REGISTRY.pop("test_llama_like", None)
+
+
+def test_a_family_that_differs_overrides_one_hook():
+    from retrofit.patches import AttentionPatch, Family
+
+    class Doubled(AttentionPatch):
+        def scaling(self, module):
+            return 2 * super().scaling(module)
+
+    row = Family("odd", ("odd",), "transformers.models.llama.modeling_llama", "LlamaAttention", hooks=Doubled)
+    attn = tiny_model("llama").model.layers[0].self_attn
+    assert type(row.patch()) is Doubled and row.patch().scaling(attn) == pytest.approx(2 * 16**-0.5)
+    with pytest.raises(ValueError, match="fused"):
+        Family("bad", ("bad",), "m", "A", qkv=("q_proj", "kv_proj"))
+    with pytest.raises(ValueError, match="window rule"):
+        Family("bad", ("bad",), "m", "A", window="sometimes")

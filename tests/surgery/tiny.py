@@ -1,4 +1,5 @@
-"""Tiny random models of the six supported families, and an honest sliding-window reference.
+"""Tiny random models of every supported family (THE test table: one row per family), and an
+honest sliding-window reference.
 
 The reference runs the ORIGINAL (unconverted) modules through a separately registered
 attention function that applies a dense causal band mask (``t - w < s <= t``) + key padding
@@ -14,7 +15,6 @@ import transformers
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-FAMILIES = ("llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3")
 VOCAB = 256
 
 _COMMON = dict(
@@ -25,6 +25,15 @@ _FAMILY = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2)),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=None)),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "qwen3": (  # layer 1 slides (window 24): the per-layer window rule is exercised
+        "Qwen3Config", "Qwen3ForCausalLM",
+        dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, use_sliding_window=True,
+             sliding_window=24, max_window_layers=1),
+    ),
+    "phi3": (  # fused qkv_proj, partial RoPE (half of each head rotates)
+        "Phi3Config", "Phi3ForCausalLM",
+        dict(num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5),
+    ),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=16)),
     "gemma2": (
         "Gemma2Config", "Gemma2ForCausalLM",
@@ -38,6 +47,7 @@ _FAMILY = {
              sliding_window=24, layer_types=["sliding_attention", "full_attention"]),
     ),
 }
+FAMILIES = tuple(_FAMILY)
 
 
 def tiny_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:

@@ -54,6 +54,20 @@ def test_lora_adapters_plus_new_weights():
     assert not any(p.requires_grad for n, p in peft_model.named_parameters() if ".original_module." in n)
 
 
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_lora_targets_default_to_the_family_table(family):
+    """No target_modules in the recipe: the family row's (Phi-3: fused qkv_proj / gate_up_proj)."""
+    from retrofit.train.recipe import LoraSection
+    from tests.surgery.tiny import tiny_model
+
+    assert LoraSection().target_modules is None
+    model = retrofit.convert(tiny_model(family), ConversionSpec(window=8, latents=8))
+    peft_model = apply_trainable(model, "lora", new_parameter_names(model), lora={"r": 2, "target_modules": None})
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in _trainable(peft_model) if ".lora_" in n}
+    want = {"phi3": {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}, "llama": {"q_proj", "k_proj", "v_proj", "o_proj"}}
+    assert adapted == want[family]
+
+
 def test_any_lora_config_field_passes_through_from_the_recipe():
     from retrofit.train.recipe import recipe_from_dict
 
