@@ -22,7 +22,11 @@ def _one_thread():
 
 
 def _converted(family, method, **kw):
-    model = convert(tiny_model(family), ConversionSpec(method=method, window=W, latents=8, chunk_size=16, **kw))
+    if method == "macchiato":
+        kw = dict(window=W, latents=8, **kw)
+    else:  # exp-linear has no window / latents / conv / sinks keys (an error since issue 12)
+        assert not any(kw.pop(k, 0) for k in ("conv_size", "sinks"))
+    model = convert(tiny_model(family), ConversionSpec(method=method, chunk_size=16, **kw))
     params = dict(model.named_parameters())
     with torch.no_grad():  # trained-looking mixing weights: the latent path carries real weight
         for n in new_parameter_names(model):

@@ -62,8 +62,19 @@ OP_LABELS = {
     "exp_linear": "exp-linear (chunked)",
     "sdpa": "SDPA causal (full)",
 }
-# the torch ops' default chunk sizes, for FLOP counts when --chunk-size is not given
-_DEFAULT_CHUNK = {"latte": 128, "macchiato": 128, "exp_linear": 64}
+# the torch op whose own chunk_size default applies when --chunk-size is not given (FLOP counts)
+_CHUNKED_OP = {"latte": "causal_latte_chunked", "macchiato": "macchiato_attention", "exp_linear": "exp_linear_attention"}
+
+
+def _default_chunk(op: str) -> int:
+    """The op's own ``chunk_size`` default (read from its signature, not restated here)."""
+    import inspect
+
+    import retrofit.ops
+
+    if op not in _CHUNKED_OP:
+        return 64  # unchunked ops: the FLOP formula does not use C
+    return int(inspect.signature(getattr(retrofit.ops, _CHUNKED_OP[op])).parameters["chunk_size"].default)
 
 
 # --------------------------------------------------------------------------------------
@@ -78,7 +89,7 @@ def _build(op: str, T: int, cfg: dict[str, Any], device: torch.device, dtype: to
     """``(inputs, fn)``: fn(*inputs) -> output tensor of shape (B, H, T, d)."""
     from retrofit.ops import backends
 
-    B, H, d, L, w = cfg["batch"], cfg["heads"], cfg["head_dim"], cfg["latents"], cfg["window"]
+    B, H, d, L, w = cfg["batch"], cfg["heads"], cfg["head_dim"], cfg["latents_per_head"], cfg["window"]
     chunk = {} if cfg.get("chunk_size") is None else {"chunk_size": cfg["chunk_size"]}
     g = torch.Generator(device="cpu").manual_seed(cfg.get("seed", 0))
 
@@ -171,9 +182,9 @@ def measure_point(payload: dict[str, Any]) -> dict[str, Any]:
 
 def op_flops(op: str, mode: str, T: int, cfg: dict[str, Any]) -> float:
     """Matmul-equivalent FLOPs of one call (see the module docstring)."""
-    B, H, d, L, w = cfg["batch"], cfg["heads"], cfg["head_dim"], cfg["latents"], cfg["window"]
+    B, H, d, L, w = cfg["batch"], cfg["heads"], cfg["head_dim"], cfg["latents_per_head"], cfg["window"]
     D = d
-    C = min(cfg.get("chunk_size") or _DEFAULT_CHUNK.get(op, 64), T)
+    C = min(cfg.get("chunk_size") or _default_chunk(op), T)
     per_token = {
         "sdpa": T * (d + D),
         "swa": 2 * min(w, T) * (d + D),
@@ -189,9 +200,14 @@ def op_flops(op: str, mode: str, T: int, cfg: dict[str, Any]) -> float:
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
+    from retrofit.bench.defaults import bench_latents
+    from retrofit.layers.method import DEFAULT_WINDOW
+
+    latents = bench_latents(args.latents, args.heads)  # L in total, as everywhere (--latents)
     return {
-        "batch": args.batch, "heads": args.heads, "head_dim": args.head_dim, "latents": args.latents,
-        "window": args.window, "chunk_size": args.chunk_size, "dtype": args.dtype, "device": args.device,
+        "batch": args.batch, "heads": args.heads, "head_dim": args.head_dim, "latents": latents,
+        "latents_per_head": latents // args.heads,
+        "window": args.window if args.window is not None else DEFAULT_WINDOW, "chunk_size": args.chunk_size, "dtype": args.dtype, "device": args.device,
         "repeats": args.repeats, "budget_s": args.max_seconds, "backend": args.backend, "seed": args.seed,
         "threads": args.threads, "malloc": getattr(args, "malloc", "cached"),
     }
@@ -387,8 +403,8 @@ def _markdown_report(report, table) -> str:
         "# retrofit bench attention",
         "",
         f"Hardware: {hardware_line(report['hardware'])}",
-        f"Config: B={cfg['batch']} H={cfg['heads']} head_dim={cfg['head_dim']} L_h={cfg['latents']} "
-        f"w={cfg['window']} chunk={cfg['chunk_size'] or 'op default'} dtype={cfg['dtype']} device={cfg['device']} "
+        f"Config: B={cfg['batch']} H={cfg['heads']} head_dim={cfg['head_dim']} L={cfg['latents']} "
+        f"(L_h={cfg['latents_per_head']}) w={cfg['window']} chunk={cfg['chunk_size'] or 'op default'} dtype={cfg['dtype']} device={cfg['device']} "
         f"malloc={cfg.get('malloc', 'cached')}",
         f"Reference matmul: {report['reference_matmul_flops_per_s'] / 1e9:.1f} GFLOP/s",
         "",
@@ -434,7 +450,7 @@ def _plot(report, path: Path) -> None:
     cfg = report["config"]
     fig.suptitle(
         f"attention ops vs SDPA causal - B={cfg['batch']} H={cfg['heads']} d={cfg['head_dim']} "
-        f"L_h={cfg['latents']} w={cfg['window']} {cfg['dtype']} on {report['hardware'].get('gpu') or report['hardware']['cpu_model']}",
+        f"L={cfg['latents']} (L_h={cfg['latents_per_head']}) w={cfg['window']} {cfg['dtype']} on {report['hardware'].get('gpu') or report['hardware']['cpu_model']}",
         fontsize=9,
     )
     save_figure_atomic(fig, path)

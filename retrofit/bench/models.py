@@ -49,11 +49,17 @@ def build_pair(args: argparse.Namespace, max_len: int) -> tuple[nn.Module, nn.Mo
         converted, _ = load_any(args.converted, dtype=dtype)
         conv_name = str(args.converted)
     else:
-        heads = int(base.config.num_attention_heads)
-        spec = ConversionSpec(method=args.method, window=args.window, latents=args.latents or 16 * heads,
-                              dtype=args.dtype, seed=args.seed)
+        from retrofit.bench.defaults import bench_latents
+        from retrofit.layers.method import get_method
+
+        keys = get_method(args.method).config.field_names()
+        given = {"window": args.window, "latents": args.latents}
+        method_keys = {k: v for k, v in given.items() if v is not None}  # a key the method lacks: SpecError
+        if "latents" in keys and args.latents is None:
+            method_keys["latents"] = bench_latents(None, int(base.config.num_attention_heads))
+        spec = ConversionSpec(method=args.method, dtype=args.dtype, seed=args.seed, **method_keys)
         converted = convert(copy.deepcopy(base), spec)
-        conv_name = f"{name} + convert(method={spec.method}, window={spec.window}, latents={spec.latents})"
+        conv_name = f"{name} + convert({spec.resolved(converted.config).describe()})"
     base.to(args.device).eval()
     converted.to(args.device).eval()
     record = retrofit_record(converted) or {}

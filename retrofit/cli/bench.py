@@ -32,8 +32,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--converted", default=None,
                    help="a converted checkpoint folder to compare (default: convert --model in memory)")
     p.add_argument("--method", default="macchiato", help="conversion method when converting in memory")
-    p.add_argument("--window", type=int, default=128, help="sliding window w (macchiato)")
-    p.add_argument("--latents", type=int, default=None, help="latents L in total (default: 16 per query head)")
+    p.add_argument("--window", type=int, default=None,
+                   help="sliding window w of a windowed method (default: the method's, retrofit.layers.DEFAULT_WINDOW)")
+    p.add_argument("--latents", type=int, default=None,
+                   help="latent states L in total over the query heads (default: "
+                        "retrofit.bench.defaults.LATENTS_PER_HEAD per query head)")
     p.add_argument("--tiny-size", default="small", choices=["tiny", "small"],
                    help="built-in config when no --model: tiny (hidden 64, 2 layers) or small (hidden 256, 4 layers)")
 
@@ -50,8 +53,11 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
     a.add_argument("--batch", type=int, default=1)
     a.add_argument("--heads", type=int, default=8)
     a.add_argument("--head-dim", type=int, default=256)
-    a.add_argument("--latents", type=int, default=16, help="latent states per head (L_h)")
-    a.add_argument("--window", type=int, default=128)
+    a.add_argument("--latents", type=int, default=None,
+                   help="latent states L in total, split over --heads (L_h = L / heads), as in convert and "
+                        "bench decode (default: retrofit.bench.defaults.LATENTS_PER_HEAD per head)")
+    a.add_argument("--window", type=int, default=None,
+                   help="sliding window w (default: the methods' retrofit.layers.DEFAULT_WINDOW)")
     a.add_argument("--chunk-size", type=int, default=None, help="chunk size for the chunked ops (default: op default)")
     a.add_argument("--ops", nargs="+", default=None, help="subset of: latte macchiato swa exp_linear sdpa")
     a.add_argument("--modes", nargs="+", default=None, choices=["fwd", "fwd+bwd"], help="default: both")

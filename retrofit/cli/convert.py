@@ -13,25 +13,23 @@ import argparse
 
 EPILOG = (
     "MODEL: a model folder, a hub id, a .gguf file or the alias gemma3-270m. "
-    "Defaults: window 128, latents 128 (total over query heads), init-swa-share from "
-    "retrofit.surgery.DEFAULT_INIT_SWA_SHARE, no conv, all layers."
+    "Method flags come from the method's config (retrofit/layers/<method>.py); a flag the chosen "
+    "method does not have is an error. Defaults below are each method's."
 )
+
+# flags of the common spec keys; the method keys' flags are derived from the registered configs
+COMMON_FLAGS = {"method": "--method", "layers": "--layers", "dtype": "--dtype", "seed": "--seed"}
 
 
 def register(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("convert", help=help_text, description=help_text, epilog=EPILOG)
     p.add_argument("model", metavar="MODEL", help="model folder, hub id, .gguf file or alias (gemma3-270m)")
     p.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")
-    p.add_argument("--method", default=None, help="conversion method: macchiato | exp-linear | any registered method")
+    p.add_argument("--method", default=None, help="conversion method: macchiato | exp-linear | lavo | llp | any registered method")
     p.add_argument("--config", default=None, metavar="YAML", help="conversion recipe (configs/convert-*.yaml)")
-    p.add_argument("--window", type=int, default=None, help="sliding window w in tokens (macchiato)")
-    p.add_argument("--latents", type=int, default=None, help="latent states L in total, split over query heads")
-    p.add_argument("--init-swa-share", type=float, default=None, help="initial p(0|t) in (0, 1] (macchiato)")
-    p.add_argument("--conv-size", type=int, default=None, help="causal conv size before the latent projections (0 = none)")
-    p.add_argument("--segment", type=int, default=None, help="LLP segment s in tokens (half-segments of s/2)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
-                   help="method-specific option, repeatable (e.g. --option bases=32 for lavo); values parse as YAML")
-    p.add_argument("--layers", default=None, help="'all' (default) or layer indices like '0-5,8'")
+                   help="a method key as KEY=VALUE, repeatable (same as its flag; values parse as YAML)")
+    p.add_argument("--layers", default=None, help="'all' (default), 'global' or layer indices like '0-5,8'")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: as stored)")
     p.add_argument("--seed", type=int, default=None, help="seed for the new weights' initialisation")
     p.add_argument("--delta", action="store_true", help="save only the new weights + spec + base id")
@@ -39,7 +37,6 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
                    help="replace an existing checkpoint folder (never the input, the current directory or a folder "
                         "holding anything but a checkpoint)")
     p.add_argument("--probe-tokens", type=int, default=256, help="tokens for the KL sanity probe (0 = skip)")
-    p.add_argument("--sinks", type=int, default=None, help="attention sinks: the window also sees the first n tokens")
     p.add_argument("--rank-layers", action="store_true",
                    help="rank the candidate layers by KL(base || only that layer converted) on the probe text, "
                         "write OUT/layer_ranking.json and stop (no conversion saved)")
@@ -48,55 +45,134 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--json", action="store_true",
                    help="print a JSON summary on stdout (the progress lines go to stderr)")
     p.set_defaults(handler=_run)
+    # The method flags need the method modules (torch): they are added when `convert` itself is
+    # parsed, so `retrofit --help` and the other verbs stay instant.
+    p.__class__ = type("ConvertParser", (_MethodFlagsParser, type(p)), {})
 
 
-def build_spec(args: argparse.Namespace):
-    """ConversionSpec from ``--config`` (optional) and the flags (flags win)."""
+class _MethodFlagsParser(argparse.ArgumentParser):
+    """Adds one flag per method config field (``--window``, ``--segment``, ...) before parsing."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        if not getattr(self, "_method_flags_added", False):
+            self._method_flags_added = True
+            add_method_flags(self)
+        return super().parse_known_args(args, namespace)
+
+
+def method_flags() -> dict[str, dict]:
+    """``dest -> {flag, type, help, methods, defaults}`` over every registered method's config fields."""
+    from retrofit.layers.method import available_methods, get_method, method_fields
+
+    flags: dict[str, dict] = {}
+    for name in available_methods():
+        for f, tp in method_fields(get_method(name).config):
+            entry = flags.setdefault(f.name, dict(flag="--" + f.name.replace("_", "-"), type=tp,
+                                                  help=f.metadata.get("help", ""), methods=[], defaults=[]))
+            entry["methods"].append(name)
+            entry["defaults"].append(f"{name}: {f.default}")
+    return flags
+
+
+def _converter(tp):
+    import types
+    import typing
+
     import yaml
 
-    from retrofit.surgery import ConversionSpec
+    args = typing.get_args(tp) if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else (tp,)
+    base = [a for a in args if a is not type(None)]
+    if len(base) == 1 and base[0] in (int, float, str):
+        kind, nullable = base[0], type(None) in args
+
+        def convert(text: str):
+            if nullable and text.strip().lower() in ("none", "null"):
+                return None
+            return kind(text)
+
+        convert.__name__ = kind.__name__  # argparse names the type in its error message
+        return convert
+    return yaml.safe_load  # Any: parsed as YAML, checked by the method's config
+
+
+def add_method_flags(p: argparse.ArgumentParser) -> None:
+    for dest, e in method_flags().items():
+        if e["flag"] in p._option_string_actions:
+            continue
+        text = f"{e['help']} [{', '.join(e['defaults'])}]".replace("%", "%%")
+        if e["type"] is bool:
+            p.add_argument(e["flag"], dest=dest, action=argparse.BooleanOptionalAction, default=None, help=text)
+        else:
+            conv = _converter(e["type"])
+            p.add_argument(e["flag"], dest=dest, type=conv, default=None, help=text,
+                           metavar="N" if conv.__name__ in ("int", "float") else "VALUE")
+
+
+def _given_method_keys(args: argparse.Namespace) -> dict:
+    """The method keys given as flags (``--window 8``) or ``--option KEY=VALUE``."""
+    import yaml
 
     from retrofit.errors import SpecError
 
-    options = {}
+    keys = {dest: getattr(args, dest) for dest in method_flags() if getattr(args, dest, None) is not None}
     for item in getattr(args, "option", []) or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SpecError(f"--option expects KEY=VALUE, got {item!r}")
-        options[key.strip()] = yaml.safe_load(value)
-    if getattr(args, "segment", None) is not None:
-        options["segment"] = args.segment
-    flags = dict(
-        method=args.method, window=args.window, latents=args.latents, init_swa_share=args.init_swa_share,
-        conv_size=args.conv_size, layers=args.layers, dtype=args.dtype, seed=args.seed,
-        sinks=getattr(args, "sinks", None),
-    )
+        keys[key.strip()] = yaml.safe_load(value)
+    return keys
+
+
+def build_spec(args: argparse.Namespace):
+    """ConversionSpec from ``--config`` (optional) and the flags (flags win)."""
+    from retrofit.surgery import ConversionSpec
+
+    keys = _given_method_keys(args)
+    common = dict(method=args.method, layers=args.layers, dtype=args.dtype, seed=args.seed)
     if args.config:
-        spec = ConversionSpec.from_yaml(args.config, **flags)
-        if options:
-            spec = ConversionSpec.from_dict({**spec.to_dict(), "options": {**spec.options, **options}})
-    else:
-        given = {k: v for k, v in flags.items() if v is not None}
-        spec = ConversionSpec(**given, options=options) if options else ConversionSpec(**given)
-    _check_flags_apply(args, spec)
-    return spec
+        method = args.method or _recipe_method(args.config)
+        _check_flags_apply(method, keys)
+        return ConversionSpec.from_yaml(args.config, **common, **keys)
+    _check_flags_apply(args.method or ConversionSpec.DEFAULT_METHOD, keys)
+    return ConversionSpec(**{k: v for k, v in common.items() if v is not None}, **keys)
 
 
-_METHOD_FLAGS = {"window": "--window", "latents": "--latents", "init_swa_share": "--init-swa-share",
-                 "conv_size": "--conv-size"}
+def _recipe_method(path) -> str | None:
+    from retrofit.surgery import ConversionSpec
+
+    try:
+        import yaml
+        from pathlib import Path
+
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except Exception:  # from_yaml reports a missing or broken file with its own message
+        return None
+    if isinstance(data, dict) and isinstance(data.get("convert"), dict):
+        data = data["convert"]
+    return data.get("method", ConversionSpec.DEFAULT_METHOD) if isinstance(data, dict) else None
 
 
-def _check_flags_apply(args: argparse.Namespace, spec) -> None:
-    """A flag the chosen method does not use is an error, not silently ignored."""
+def _check_flags_apply(method: str | None, keys: dict) -> None:
+    """A method flag the chosen method does not have is an error, not silently ignored."""
     from retrofit.errors import SpecError
-    from retrofit.surgery.methods import get_method
+    from retrofit.layers.method import get_method
 
-    uses = set(get_method(spec.method).uses)
-    ignored = [flag for key, flag in _METHOD_FLAGS.items() if getattr(args, key, None) is not None and key not in uses]
-    if ignored:
-        used = ", ".join(f for k, f in _METHOD_FLAGS.items() if k in uses) or "none of them"
-        raise SpecError(f"{', '.join(ignored)} do(es) not apply to method {spec.method!r} (it uses {used}); "
-                        "drop the flag or choose another --method")
+    if not method or not isinstance(method, str):
+        return  # the spec reports a missing / bad method
+    own = get_method(method).config.field_names()  # SpecError for an unknown method
+    flags = method_flags()
+    bad = [k for k in keys if k not in own]
+    if not bad:
+        return
+    def name(k):
+        return flags[k]["flag"] if k in flags else f"--option {k}"
+    unknown = [k for k in bad if k not in flags]
+    if unknown:
+        raise SpecError(f"method {method!r} has no key(s) {', '.join(sorted(unknown))}; its keys: "
+                        f"{', '.join(own) or 'none'}")
+    used = ", ".join(flags[k]["flag"] for k in own if k in flags) or "none"
+    raise SpecError(f"{', '.join(name(k) for k in bad)} do(es) not apply to method {method!r} (its flags: {used}); "
+                    "drop the flag or choose another --method")
 
 
 def _precheck_layers(model: str, spec) -> None:

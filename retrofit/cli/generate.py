@@ -42,7 +42,7 @@ def _run(args: argparse.Namespace) -> int:
     import torch
     from transformers import TextStreamer
 
-    from retrofit.cache import RetrofitCache
+    from retrofit.layers.cache import RetrofitCache
     from retrofit.surgery import is_converted, load_any
 
     model, tokenizer = load_any(args.model, dtype=args.dtype)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from retrofit.cache import RetrofitLayerCache
+from retrofit.layers.cache import RetrofitLayerCache
 from retrofit.ops import sliding_window_attention
 
 __all__ = ["DISTILL_MODES", "RetrofitAttention"]

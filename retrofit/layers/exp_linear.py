@@ -20,16 +20,32 @@ RoPE and scaling, the explicit choice made here:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from retrofit.cache import RetrofitLayerCache, layer_cache
+from retrofit.errors import SpecError
+
+from retrofit.layers.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.base import RetrofitAttention
+from retrofit.layers.method import MethodConfig, opt, register_method
 from retrofit.ops import exp_linear_attention, exp_linear_attention_step, repeat_kv_heads
 
-__all__ = ["ExpLinearAttention"]
+__all__ = ["ExpLinearAttention", "ExpLinearConfig", "build_exp_linear"]
+
+
+@dataclass
+class ExpLinearConfig(MethodConfig):
+    """Hyper-parameters of an exp-linear conversion (``retrofit convert --method exp-linear``)."""
+
+    method = "exp-linear"
+    chunk_size: int = opt(64, "chunk length of the chunked linear-attention scan")
+
+    def check(self) -> None:
+        if self.chunk_size < 1:
+            raise SpecError(f"chunk_size must be >= 1, got {self.chunk_size}")
 
 
 class ExpLinearAttention(RetrofitAttention):
@@ -38,7 +54,7 @@ class ExpLinearAttention(RetrofitAttention):
     method = "exp-linear"
     new_module_names = ()
 
-    def __init__(self, original: nn.Module, patch: Any, *, chunk_size: int = 64):
+    def __init__(self, original: nn.Module, patch: Any, *, chunk_size: int = ExpLinearConfig.chunk_size):
         super().__init__(original, patch)
         self.chunk_size = int(chunk_size)
         self.feature_scale = float(self.scaling) ** 0.5
@@ -79,3 +95,16 @@ class ExpLinearAttention(RetrofitAttention):
             )
             cache.store(None, None, None, state, T)
         return self.patch.project_out(self, out.to(v.dtype)), None
+
+
+# ---------------------------------------------------------------------- method registration
+def build_exp_linear(original: nn.Module, patch: Any, spec: Any, layer_idx: int,
+                     generator: torch.Generator | None) -> ExpLinearAttention:
+    """Method-registry builder: an :class:`ExpLinearAttention` from ``spec.config``."""
+    return ExpLinearAttention(original, patch, chunk_size=spec.config.chunk_size)
+
+
+register_method(
+    "exp-linear", build_exp_linear, config=ExpLinearConfig,
+    description="exp(Q)exp(K)^T linear attention over the pretrained projections (no new weights)",
+)

@@ -46,18 +46,52 @@ Decoding keeps the last ``w - 1`` keys/values and a :class:`~retrofit.ops.lavo.L
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from retrofit.cache import RetrofitLayerCache, layer_cache
+from retrofit.errors import SpecError
+
+from retrofit.layers.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.base import RetrofitAttention
+from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, register_method, resolve_window
 from retrofit.ops import LavoState, lavo_attention
 
-__all__ = ["LAVO_METHOD", "LavoAttention", "LavoLayerCache", "LavoParameters", "build_lavo"]
+__all__ = ["LavoAttention", "LavoConfig", "LavoLayerCache", "LavoParameters", "build_lavo"]
 
 DEFAULT_BASES = 64  # the paper's num_bases for language modelling (Table 1); capped at head_dim
+
+
+@dataclass
+class LavoConfig(MethodConfig):
+    """Hyper-parameters of a LAVO conversion (``retrofit convert --method lavo``)."""
+
+    method = "lavo"
+    window: int | None = opt(None, f"local window w in tokens (default {DEFAULT_WINDOW}, or the family's "
+                                   "native window with --layers global)")
+    bases: int | None = opt(None, f"orthonormal bases r per head (default min({DEFAULT_BASES}, head_dim))")
+    global_weight: float = opt(0.5, "initial g of out = (1-g) local + g global (the paper averages: 0.5)")
+    learn_global_weight: bool = opt(True, "train g (off: g stays fixed)")
+    relative_bias: bool = opt(True, "the paper's relative position bias on the local branch")
+    dissect: bool = opt(True, "memory of the complete windows before the query's own (paper 3.2); off = eq. 4")
+    memory_scaling: float | None = opt(None, "read temperature of the memory (default: the pretrained scaling)")
+
+    def check(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise SpecError(f"window must be >= 1 token, got {self.window}")
+        if self.bases is not None and self.bases < 1:
+            raise SpecError(f"bases must be >= 1, got {self.bases}")
+        g = self.global_weight
+        if not 0.0 <= g < 1.0 or (self.learn_global_weight and g == 0.0):
+            raise SpecError(f"global_weight={g}: use 0 < g < 1 (0.5 = the paper's average); "
+                            "g = 0 only with learn_global_weight=false (the sliding-window anchor)")
+
+    def resolved(self, model_config: Any, layers: Any) -> "LavoConfig":
+        import dataclasses
+
+        return dataclasses.replace(self, window=resolve_window(self.window, model_config, layers))
 
 
 class LavoParameters(nn.Module):
@@ -129,13 +163,13 @@ class LavoAttention(RetrofitAttention):
         original: nn.Module,
         patch: Any,
         *,
-        window: int = 128,
-        bases: int | None = None,
-        global_weight: float = 0.5,
-        learn_global_weight: bool = True,
-        relative_bias: bool = True,
-        dissect: bool = True,
-        memory_scaling: float | None = None,
+        window: int = DEFAULT_WINDOW,
+        bases: int | None = LavoConfig.bases,
+        global_weight: float = LavoConfig.global_weight,
+        learn_global_weight: bool = LavoConfig.learn_global_weight,
+        relative_bias: bool = LavoConfig.relative_bias,
+        dissect: bool = LavoConfig.dissect,
+        memory_scaling: float | None = LavoConfig.memory_scaling,
         generator: torch.Generator | None = None,
     ):
         super().__init__(original, patch)
@@ -220,26 +254,17 @@ class LavoAttention(RetrofitAttention):
 
 
 # ---------------------------------------------------------------------- method registration
-LAVO_METHOD: dict[str, Any] = dict(
-    uses=("window",),
-    options={
-        "bases": None,  # r per head; None = min(64, head_dim)
-        "global_weight": 0.5,  # initial g of out = (1-g) local + g global (paper: 0.5)
-        "learn_global_weight": True,
-        "relative_bias": True,  # the paper's embedded position encoding on the local branch
-        "dissect": True,  # memory of complete windows before the query's own (paper 3.2); False = eq. 4
-        "memory_scaling": None,  # read temperature; None = the pretrained attention scaling
-    },
-    description="LAVO: pretrained attention in a w-token window + trainable orthogonal memory of the past windows",
-)
-
-
 def build_lavo(original: nn.Module, patch: Any, spec: Any, layer_idx: int, generator: torch.Generator | None) -> LavoAttention:
-    """Method-registry builder: a :class:`LavoAttention` from ``spec.window`` and ``spec.options``."""
-    opts = {**LAVO_METHOD["options"], **(spec.options or {})}
+    """Method-registry builder: a :class:`LavoAttention` from ``spec.config`` (resolved window)."""
+    c: LavoConfig = spec.config
     return LavoAttention(
-        original, patch, window=spec.window, bases=opts["bases"], global_weight=opts["global_weight"],
-        learn_global_weight=bool(opts["learn_global_weight"]), relative_bias=bool(opts["relative_bias"]),
-        dissect=bool(opts["dissect"]), memory_scaling=opts["memory_scaling"], generator=generator,
+        original, patch, window=c.window if c.window is not None else DEFAULT_WINDOW, bases=c.bases,
+        global_weight=c.global_weight, learn_global_weight=c.learn_global_weight, relative_bias=c.relative_bias,
+        dissect=c.dissect, memory_scaling=c.memory_scaling, generator=generator,
     )
 
+
+register_method(
+    "lavo", build_lavo, config=LavoConfig,
+    description="LAVO: pretrained attention in a w-token window + trainable orthogonal memory of the past windows",
+)

@@ -22,18 +22,35 @@ the current half-segment (at most ``segment - 1`` tokens per row), constant in c
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from retrofit.cache import RetrofitLayerCache, layer_cache
+from retrofit.errors import SpecError
+
+from retrofit.layers.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.base import RetrofitAttention
+from retrofit.layers.method import MethodConfig, opt, register_method
 from retrofit.ops import LLPState, llp_attention, llp_attention_cached
 
-__all__ = ["LLP_METHOD", "LLPAttention", "LLPLayerCache", "build_llp"]
+__all__ = ["LLPAttention", "LLPConfig", "LLPLayerCache", "build_llp"]
 
-DEFAULT_SEGMENT = 512
+
+@dataclass
+class LLPConfig(MethodConfig):
+    """Hyper-parameters of an LLP conversion (``retrofit convert --method llp``)."""
+
+    method = "llp"
+    segment: int = opt(512, "segment s in tokens: queries see their own half-segment of s/2 and the previous one")
+
+    def check(self) -> None:
+        if self.segment < 2 or self.segment % 2:
+            raise SpecError(f"segment={self.segment}: LLP needs an even segment length >= 2 (two half-segments)")
+
+
+DEFAULT_SEGMENT = LLPConfig.segment
 
 
 class LLPLayerCache(RetrofitLayerCache):
@@ -103,18 +120,12 @@ class LLPAttention(RetrofitAttention):
 
 
 # ---------------------------------------------------------------------- method registration
-LLP_METHOD: dict[str, Any] = dict(
-    uses=(),
-    options={"segment": DEFAULT_SEGMENT},
+def build_llp(original: nn.Module, patch: Any, spec: Any, layer_idx: int, generator: torch.Generator | None) -> LLPAttention:
+    """Method-registry builder: an :class:`LLPAttention` with ``spec.config.segment``."""
+    return LLPAttention(original, patch, segment=spec.config.segment)
+
+
+register_method(
+    "llp", build_llp, config=LLPConfig,
     description="LLP: pretrained attention over overlapping half-segments (own + previous half), no new weights",
 )
-
-
-def build_llp(original: nn.Module, patch: Any, spec: Any, layer_idx: int, generator: torch.Generator | None) -> LLPAttention:
-    """Method-registry builder: an :class:`LLPAttention` with ``spec.options['segment']``."""
-    opts = {**LLP_METHOD["options"], **(spec.options or {})}
-    segment = opts["segment"]
-    if isinstance(segment, bool) or not isinstance(segment, int):
-        raise ValueError(f"segment must be an integer, got {segment!r}")
-    return LLPAttention(original, patch, segment=segment)
-

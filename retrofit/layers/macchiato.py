@@ -23,24 +23,76 @@ symmetry between latents; the conv starts as the identity.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from retrofit.cache import RetrofitLayerCache, layer_cache
+from retrofit.errors import SpecError
 from retrofit.layers.base import RetrofitAttention
+from retrofit.layers.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.conv import CausalDepthwiseConv
+from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, register_method, resolve_window
 from retrofit.ops import first_valid, macchiato_attention
 
-__all__ = ["DEFAULT_INIT_SWA_SHARE", "MacchiatoAttention", "swa_bias"]
+__all__ = ["DEFAULT_INIT_SWA_SHARE", "MacchiatoAttention", "MacchiatoConfig", "build_macchiato", "swa_bias"]
 
 # Initial sliding-window share p(0|t) of a fresh layer. Chosen by the ablation in BENCHMARKS.md
 # ("Continual pretraining (CPU)", scripts/swa_share_ablation.py, Gemma 3 270M, 100 steps): 0.9
 # starts closest to the base model (held-out loss 4.27 vs 5.96 at 0.5 and 6.95 at 0.25) and is
 # still best after training (3.704 vs 3.713 and 3.814). The one constant every default reads
-# (re-exported as retrofit.surgery.DEFAULT_INIT_SWA_SHARE and used by ConversionSpec).
+# (MacchiatoConfig's default, re-exported as retrofit.surgery.DEFAULT_INIT_SWA_SHARE).
 DEFAULT_INIT_SWA_SHARE = 0.9
+
+
+@dataclass
+class MacchiatoConfig(MethodConfig):
+    """Hyper-parameters of a Macchiato conversion (``retrofit convert --method macchiato``)."""
+
+    method = "macchiato"
+    window: int | None = opt(None, f"sliding window w in tokens (default {DEFAULT_WINDOW}, or the family's "
+                                   "native window with --layers global)")
+    latents: int = opt(128, "latent states L in total over the query heads (L / heads per head)")
+    init_swa_share: float = opt(DEFAULT_INIT_SWA_SHARE, "initial sliding-window share p(0|t) in (0, 1] "
+                                                        "(1 = latent path closed)")
+    conv_size: int = opt(0, "causal depthwise conv size before the latent projections (0 or 1 = none)")
+    sinks: int = opt(0, "attention sinks: the window branch also sees the first n tokens")
+    chunk_size: int = opt(64, "chunk length of the chunkwise-parallel latent scan")
+
+    def check(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise SpecError(f"window must be >= 1 token, got {self.window}")
+        if self.latents < 0:
+            raise SpecError(f"latents must be >= 0, got {self.latents}")
+        if not 0.0 < self.init_swa_share <= 1.0:
+            raise SpecError(f"init_swa_share must be in (0, 1] (1 = latent path closed), got {self.init_swa_share}")
+        if self.conv_size < 0:
+            raise SpecError(f"conv_size must be >= 0 (0 or 1 = no conv), got {self.conv_size}")
+        if self.sinks < 0:
+            raise SpecError(f"sinks must be >= 0 (0 = a plain sliding window), got {self.sinks}")
+        if self.chunk_size < 1:
+            raise SpecError(f"chunk_size must be >= 1, got {self.chunk_size}")
+
+    def check_model(self, model_config: Any) -> None:
+        """The latents must split evenly over the model's query heads."""
+        heads = int(model_config.num_attention_heads)
+        if self.latents % heads:
+            lo, hi = (self.latents // heads) * heads, (self.latents // heads + 1) * heads
+            raise SpecError(
+                f"latents={self.latents} does not split over the model's {heads} query heads; "
+                f"use a multiple of {heads} (e.g. {lo or hi} or {hi})"
+            )
+
+    def resolved(self, model_config: Any, layers: Any) -> "MacchiatoConfig":
+        import dataclasses
+
+        return dataclasses.replace(self, window=resolve_window(self.window, model_config, layers))
+
+    def describe(self) -> str:
+        parts = [f"window={self.window}", f"latents={self.latents}", f"init_swa_share={self.init_swa_share}",
+                 f"conv_size={self.conv_size}"]
+        return ", ".join(parts + ([f"sinks={self.sinks}"] if self.sinks else []))
 
 SATURATED_LOGIT = 1.0e4  # exp(-1e4) underflows to 0 in every float dtype: p(0|t) = 1 exactly
 
@@ -65,12 +117,12 @@ class MacchiatoAttention(RetrofitAttention):
         original: nn.Module,
         patch: Any,
         *,
-        window: int = 128,
-        latents: int = 128,
+        window: int = DEFAULT_WINDOW,
+        latents: int = MacchiatoConfig.latents,
         init_swa_share: float = DEFAULT_INIT_SWA_SHARE,
-        conv_size: int = 0,
-        chunk_size: int = 64,
-        sinks: int = 0,
+        conv_size: int = MacchiatoConfig.conv_size,
+        chunk_size: int = MacchiatoConfig.chunk_size,
+        sinks: int = MacchiatoConfig.sinks,
         generator: torch.Generator | None = None,
     ):
         super().__init__(original, patch)
@@ -173,3 +225,21 @@ class MacchiatoAttention(RetrofitAttention):
             f"({self.latents_per_head}/head), init_swa_share={self.init_swa_share}, conv_size={self.conv_size}"
             + (f", sinks={self.sinks}" if self.sinks else "")
         )
+
+
+# ---------------------------------------------------------------------- method registration
+def build_macchiato(original: nn.Module, patch: Any, spec: Any, layer_idx: int,
+                    generator: torch.Generator | None) -> MacchiatoAttention:
+    """Method-registry builder: a :class:`MacchiatoAttention` from ``spec.config`` (resolved window)."""
+    c: MacchiatoConfig = spec.config
+    return MacchiatoAttention(
+        original, patch, window=c.window if c.window is not None else DEFAULT_WINDOW, latents=c.latents,
+        init_swa_share=c.init_swa_share, conv_size=c.conv_size, chunk_size=c.chunk_size, sinks=c.sinks,
+        generator=generator,
+    )
+
+
+register_method(
+    "macchiato", build_macchiato, config=MacchiatoConfig,
+    description="Latte Macchiato: pretrained attention as a w-token sliding window + trainable latent states",
+)

@@ -1,7 +1,14 @@
 """``ConversionSpec``: what to convert and how, from Python, CLI flags or a YAML recipe.
 
-YAML (``configs/convert-*.yaml``) is a flat mapping of the fields below, or a mapping with a
-``convert:`` section holding them (so training recipes can embed the conversion)::
+A spec is the common keys (``method``, ``layers``, ``dtype``, ``seed``) plus the chosen
+method's config (``spec.config``, a :class:`retrofit.layers.method.MethodConfig` dataclass that
+lives with the method's layer: ``MacchiatoConfig``, ``ExpLinearConfig``, ``LavoConfig``,
+``LLPConfig``, or a registered method's own). Every key of a recipe, a record and the
+``retrofit convert`` flags is one of these fields, so each default is written once, in the
+method's config; a key the chosen method does not have is an error.
+
+YAML (``configs/convert-*.yaml``) is a flat mapping, or a mapping with a ``convert:`` section
+holding it (so training recipes can embed the conversion)::
 
     method: macchiato
     window: 128           # default: 128, or the family's native window with layers: global
@@ -10,34 +17,48 @@ YAML (``configs/convert-*.yaml``) is a flat mapping of the fields below, or a ma
     conv_size: 0          # >1 adds a causal depthwise conv before the latent projections
     sinks: 0              # attention sinks: the window branch also sees the first n tokens
     layers: all           # "global" (a hybrid model's full-attention layers), indices, or "0-5,8"
+
+Method keys may also sit under ``options:`` (the form earlier versions wrote for LAVO / LLP);
+checkpoint records written by earlier versions (flat Macchiato keys for every method plus
+``options``) load through :meth:`ConversionSpec.from_dict` with ``allow_record_keys=True``.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 from retrofit.errors import SpecError
 
 __all__ = ["ConversionSpec", "DEFAULT_INIT_SWA_SHARE", "DEFAULT_WINDOW", "DTYPES", "global_layers", "parse_layers"]
 
-# The initial sliding-window share p(0|t) of a fresh Macchiato layer: one constant, defined next
-# to the layer (0.9, chosen by the SWA-share ablation in BENCHMARKS.md).
-from retrofit.layers.macchiato import DEFAULT_INIT_SWA_SHARE  # noqa: E402
-
-# The sliding window of a converted layer unless the spec names one (the paper's w); with
-# ``layers: global`` the family's native window (Gemma 3: 512) is the default instead.
-DEFAULT_WINDOW = 128
 LAYER_KEYWORDS = ("all", "global")
 
 DTYPES = ("float32", "bfloat16", "float16")
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 # keys a checkpoint's record carries besides the spec fields
 RECORD_KEYS = ("toolkit_version", "base_model", "converted_layers")
+# Flat keys every record of earlier versions carried whatever the method (the spec was
+# Macchiato-shaped); a record drops those its method does not have.
+LEGACY_RECORD_KEYS = ("window", "latents", "init_swa_share", "conv_size", "sinks", "chunk_size")
 # no model has this many layers: indices are checked against it before a range is expanded
 # (the model's own count is checked by validate_for)
 MAX_LAYER_INDEX = 4095
+
+
+def __getattr__(name: str) -> Any:
+    """``DEFAULT_WINDOW`` / ``DEFAULT_INIT_SWA_SHARE`` are the methods' constants, read on demand so
+    that importing this module imports no layer (torch)."""
+    if name == "DEFAULT_WINDOW":
+        from retrofit.layers.method import DEFAULT_WINDOW
+
+        return DEFAULT_WINDOW
+    if name == "DEFAULT_INIT_SWA_SHARE":
+        from retrofit.layers.macchiato import DEFAULT_INIT_SWA_SHARE
+
+        return DEFAULT_INIT_SWA_SHARE
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def parse_layers(value: Any) -> str | list[int]:
@@ -102,79 +123,127 @@ def global_layers(config: Any) -> list[int]:
     return [i for i, t in enumerate(types) if t != "sliding_attention"]
 
 
-@dataclass
+COMMON_KEYS = ("method", "layers", "dtype", "seed")
+
+
+def _method(name: Any):
+    from retrofit.layers.method import get_method  # imports (registers) the method modules once
+
+    if not isinstance(name, str):
+        raise SpecError(f"method must be a name (string), got {name!r}")
+    return get_method(name)
+
+
+def _all_method_keys() -> dict[str, list[str]]:
+    """key -> the registered methods that have it."""
+    from retrofit.layers.method import available_methods, get_method
+
+    keys: dict[str, list[str]] = {}
+    for m in available_methods():
+        for k in get_method(m).config.field_names():
+            keys.setdefault(k, []).append(m)
+    return keys
+
+
+@dataclass(init=False)
 class ConversionSpec:
-    """How to convert a model. Validated on construction (``SpecError`` with what to fix)."""
+    """How to convert a model: the common keys + ``config``, the method's own config dataclass.
 
-    method: str = "macchiato"
-    window: int | None = None  # None: DEFAULT_WINDOW, or the native window under layers: global
-    latents: int = 128
-    init_swa_share: float = DEFAULT_INIT_SWA_SHARE
-    conv_size: int = 0
-    sinks: int = 0  # the SWA branch also attends to the first `sinks` tokens (StreamingLLM's sinks)
-    layers: str | list[int] = "all"
-    dtype: str | None = None
-    chunk_size: int = 64
-    seed: int = 0
-    options: dict[str, Any] = field(default_factory=dict)  # method-specific (see register_method)
+    ``ConversionSpec(method="lavo", window=64, bases=32)``: keywords other than the common ones
+    are the method's config fields (``options={...}`` is accepted too, the older spelling).
+    The method's fields read as attributes (``spec.window``). Validated on construction
+    (``SpecError`` with what to fix). A ``config`` of another method (``dataclasses.replace(spec,
+    method=...)``) is dropped: the new method starts from its own defaults.
+    """
 
-    def __post_init__(self) -> None:
+    DEFAULT_METHOD: ClassVar[str] = "macchiato"
+
+    method: str
+    layers: str | list[int]
+    dtype: str | None
+    seed: int
+    config: Any  # the method's MethodConfig
+
+    def __init__(
+        self,
+        method: str | None = None,
+        layers: str | list[int] | None = "all",
+        dtype: str | None = None,
+        seed: int = 0,
+        config: Any = None,
+        *,
+        options: Mapping[str, Any] | None = None,
+        **method_keys: Any,
+    ) -> None:
+        method = self.DEFAULT_METHOD if method is None else method
+        info = _method(method)
+        cls = info.config
+        if options is not None and not isinstance(options, Mapping):
+            raise SpecError(f"options must be a mapping, got {options!r}")
+        unknown = set(options or {}) - set(cls.field_names())
+        if unknown:
+            allowed = ", ".join(cls.field_names()) or "none"
+            raise SpecError(f"method {method!r} has no option(s) {', '.join(sorted(unknown))}; allowed: {allowed}")
+        _check_keys(method, cls, method_keys)
+        if isinstance(config, Mapping):
+            _check_keys(method, cls, config)
+            base = dict(config)
+        elif isinstance(config, cls):
+            base = config.to_dict()
+        else:
+            base = {}  # None, or another method's config (a method change through dataclasses.replace)
+        object.__setattr__(self, "method", method)
+        object.__setattr__(self, "layers", layers)
+        object.__setattr__(self, "dtype", dtype)
+        object.__setattr__(self, "seed", seed)
+        object.__setattr__(self, "config", cls(**{**base, **dict(options or {}), **method_keys}))
         self.validate()
+
+    # ------------------------------------------------------------------ the method's fields as attributes
+    def __getattr__(self, name: str) -> Any:
+        config = self.__dict__.get("config")
+        if config is not None and not name.startswith("__") and name in config.field_names():
+            return getattr(config, name)
+        raise AttributeError(
+            f"{type(self).__name__} has no attribute {name!r}"
+            + (f" (method {self.__dict__.get('method')!r} has no such key)" if config is not None else "")
+        )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        config = self.__dict__.get("config")
+        if config is not None and name in config.field_names():
+            object.__setattr__(self, "config", dataclasses.replace(config, **{name: value}))
+        else:
+            object.__setattr__(self, name, value)
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The method's keys as a dict (the older spelling; ``spec.config`` is the dataclass)."""
+        return self.config.to_dict()
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> "ConversionSpec":
-        from retrofit.surgery.methods import get_method  # registry lives next door
-
-        info = get_method(self.method)  # SpecError naming the known methods
-        for name in ("window", "latents", "conv_size", "sinks", "chunk_size", "seed"):
-            v = getattr(self, name)
-            if name == "window" and v is None:
-                continue
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise SpecError(f"{name} must be an integer, got {v!r}")
-        if self.window is not None and self.window < 1:
-            raise SpecError(f"window must be >= 1 token, got {self.window}")
-        if self.latents < 0:
-            raise SpecError(f"latents must be >= 0, got {self.latents}")
-        if self.sinks < 0:
-            raise SpecError(f"sinks must be >= 0 (0 = a plain sliding window), got {self.sinks}")
-        if self.conv_size < 0:
-            raise SpecError(f"conv_size must be >= 0 (0 or 1 = no conv), got {self.conv_size}")
-        if self.chunk_size < 1:
-            raise SpecError(f"chunk_size must be >= 1, got {self.chunk_size}")
-        try:
-            share = float(self.init_swa_share)
-        except (TypeError, ValueError):
-            raise SpecError(f"init_swa_share must be a number in (0, 1], got {self.init_swa_share!r}") from None
-        if not 0.0 < share <= 1.0:
-            raise SpecError(f"init_swa_share must be in (0, 1] (1 = latent path closed), got {share}")
-        self.init_swa_share = share
+        info = _method(self.method)
+        if not isinstance(self.config, info.config):
+            raise SpecError(f"config must be a {info.config.__name__} for method {self.method!r}, "
+                            f"got {type(self.config).__name__}")
+        self.config = info.config(**self.config.to_dict())  # re-checked (fields may have been assigned)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise SpecError(f"seed must be an integer, got {self.seed!r}")
         self.layers = parse_layers(self.layers)
         if self.dtype is not None:
             d = _DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower().replace("torch.", ""))
             if d not in DTYPES:
                 raise SpecError(f"dtype must be one of {', '.join(DTYPES)} (or unset), got {self.dtype!r}")
             self.dtype = d
-        if not isinstance(self.options, dict):
-            raise SpecError(f"options must be a mapping, got {self.options!r}")
-        unknown = set(self.options) - set(info.options)
-        if unknown:
-            allowed = ", ".join(sorted(info.options)) or "none"
-            raise SpecError(f"method {self.method!r} has no option(s) {', '.join(sorted(unknown))}; allowed: {allowed}")
         return self
 
     def validate_for(self, config: Any) -> None:
-        """Checks that need the model: latents split over query heads, layer indices exist."""
-        heads = int(config.num_attention_heads)
+        """Checks that need the model: the method's (e.g. latents split over query heads), layer indices exist."""
         n_layers = int(config.num_hidden_layers)
-        from retrofit.surgery.methods import get_method
-
-        if "latents" in get_method(self.method).uses and self.latents % heads:
-            lo, hi = (self.latents // heads) * heads, (self.latents // heads + 1) * heads
-            raise SpecError(
-                f"latents={self.latents} does not split over the model's {heads} query heads; "
-                f"use a multiple of {heads} (e.g. {lo or hi} or {hi})"
-            )
+        check_model = getattr(self.config, "check_model", None)
+        if check_model is not None:
+            check_model(config)
         if self.layers == "global":
             global_layers(config)  # SpecError for a model that is not hybrid
         elif self.layers != "all":
@@ -191,11 +260,9 @@ class ConversionSpec:
         return list(self.layers)
 
     def resolved(self, config: Any) -> "ConversionSpec":
-        """A copy with the window made concrete for this model (what a checkpoint records)."""
-        if self.window is not None:
-            return dataclasses.replace(self)
-        native = getattr(config, "sliding_window", None) if self.layers == "global" else None
-        return dataclasses.replace(self, window=int(native) if native else DEFAULT_WINDOW)
+        """A copy with model-dependent defaults made concrete (the window: DEFAULT_WINDOW, or the
+        native window under ``layers: global``): what a checkpoint records."""
+        return dataclasses.replace(self, config=self.config.resolved(config, self.layers))
 
     @property
     def torch_dtype(self):
@@ -205,22 +272,35 @@ class ConversionSpec:
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Flat: ``method``, the method's keys, ``layers``, ``dtype``, ``seed`` (a recipe / record)."""
+        layers = list(self.layers) if isinstance(self.layers, list) else self.layers
+        return {"method": self.method, **self.config.to_dict(), "layers": layers, "dtype": self.dtype, "seed": self.seed}
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
+        """The common keys (each method adds its config's fields)."""
+        return COMMON_KEYS
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, allow_record_keys: bool = False) -> "ConversionSpec":
+        """A spec from a flat mapping (recipe, record). ``allow_record_keys``: a checkpoint's
+        record, also as written by earlier versions (record keys and unused flat keys dropped)."""
         if not isinstance(data, Mapping):
             raise SpecError(f"a conversion spec must be a mapping, got {type(data).__name__}")
-        known = set(cls.field_names())
-        extra = set(RECORD_KEYS) if allow_record_keys else set()
-        unknown = set(data) - known - extra
-        if unknown:
-            raise SpecError(f"unknown conversion key(s): {', '.join(sorted(unknown))}; known: {', '.join(sorted(known))}")
-        return cls(**{k: v for k, v in data.items() if k in known})
+        data = dict(data)
+        info = _method(data.get("method", cls.DEFAULT_METHOD))
+        if allow_record_keys:
+            for k in RECORD_KEYS:
+                data.pop(k, None)
+            own = set(info.config.field_names())
+            for k in LEGACY_RECORD_KEYS:
+                if k not in own:
+                    data.pop(k, None)
+            if data.get("options") is None:
+                data.pop("options", None)
+        common = {k: data.pop(k) for k in COMMON_KEYS if k in data}
+        options = data.pop("options", None)
+        return cls(**common, options=options, **data)
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides: Any) -> "ConversionSpec":
@@ -246,12 +326,22 @@ class ConversionSpec:
             raise SpecError(f"{p}: {exc}") from None
 
     def describe(self) -> str:
-        from retrofit.surgery.methods import get_method
+        layers = self.layers if isinstance(self.layers, str) else ",".join(map(str, self.layers))
+        own = self.config.describe()
+        return f"{self.method} ({own + ', ' if own else ''}layers={layers})"
 
-        uses = get_method(self.method).uses
-        parts = [f"{k}={getattr(self, k)}" for k in ("window", "latents", "init_swa_share", "conv_size", "sinks")
-                 if k in uses and not (k == "sinks" and not self.sinks)]
-        parts.append(f"layers={self.layers if isinstance(self.layers, str) else ','.join(map(str, self.layers))}")
-        if self.options:
-            parts.append(f"options={self.options}")
-        return f"{self.method} ({', '.join(parts)})"
+
+def _check_keys(method: str, cls: Any, keys: Mapping[str, Any]) -> None:
+    """Keys the method's config lacks: one error naming an unknown key or a key of another method."""
+    extra = [k for k in keys if k not in cls.field_names()]
+    if not extra:
+        return
+    owners = _all_method_keys()
+    known = sorted(set(COMMON_KEYS) | set(owners))
+    unknown = [k for k in extra if k not in owners]
+    if unknown:
+        raise SpecError(f"unknown conversion key(s): {', '.join(sorted(unknown))}; known: {', '.join(known)}")
+    own = ", ".join(cls.field_names()) or "none"
+    parts = [f"{k} (a key of {', '.join(owners[k])})" for k in extra]
+    raise SpecError(f"{', '.join(parts)} does not apply to method {method!r} (its keys: {own}); "
+                    "drop it or choose another method")

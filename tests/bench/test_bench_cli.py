@@ -10,7 +10,7 @@ import torch
 from retrofit.bench.common import MALLOC_MODES, set_malloc_mode
 from retrofit.cli.main import main
 
-TINY_ATTENTION = ["--heads", "2", "--head-dim", "16", "--latents", "4", "--window", "8", "--repeats", "1",
+TINY_ATTENTION = ["--heads", "2", "--head-dim", "16", "--latents", "8", "--window", "8", "--repeats", "1",
                   "--max-seconds", "1", "--threads", "1", "--quiet"]
 
 
@@ -59,6 +59,8 @@ def test_attention_all_ops_in_process(tmp_path):
     md = (out / "results.md").read_text()
     assert "x SDPA" in md and md.count("latte") >= 4
     assert report["config"]["malloc"] == "cached" and "malloc=cached" in md
+    # --latents is L in total, as in convert and bench decode: 8 over --heads 2 is 4 per head
+    assert (report["config"]["latents"], report["config"]["latents_per_head"]) == (8, 4) and "L=8 (L_h=4)" in md
 
 
 def test_attention_isolated_worker_measures_memory(tmp_path):
@@ -71,6 +73,18 @@ def test_attention_isolated_worker_measures_memory(tmp_path):
     for r in rows:  # the worker ran with a resettable peak-RSS meter (Linux) and saw the backward's tensors
         assert r["memory_method"] in ("peak RSS (VmHWM)", "none")
         assert r["saved_bytes"] > 0
+
+
+def test_latents_must_split_over_the_heads(tmp_path, capsys):
+    rc = main(["bench", "attention", "--heads", "4", "--latents", "6", "--out", str(tmp_path), "--quiet"])
+    assert rc == 1 and "--latents 6 is L in total and must split over the 4 query heads" in capsys.readouterr().err
+
+
+def test_bench_rejects_a_window_the_method_lacks(tmp_path, capsys):
+    rc = main(["bench", "decode", "--method", "exp-linear", "--window", "8", "--tiny-size", "tiny",
+               "--lengths", "32", "--out", str(tmp_path), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "error: window" in err and "does not apply to method 'exp-linear'" in err
 
 
 def test_attention_rejects_unknown_op(tmp_path, capsys):
@@ -91,6 +105,12 @@ def test_decode_and_model_compare_converted_with_base(tmp_path):
     assert by[("base", 96)]["cache_bytes"] == 3 * by[("base", 32)]["cache_bytes"]
     assert by[("converted", 96)]["cache_bytes"] == by[("converted", 32)]["cache_bytes"] < by[("base", 96)]["cache_bytes"]
     assert dec["models"]["method"] == "macchiato"
+    # --latents unset: LATENTS_PER_HEAD per query head, recorded as L in total
+    from retrofit.bench.defaults import LATENTS_PER_HEAD
+
+    heads = 4  # the tiny bench Llama
+    assert dec["models"]["retrofit"]["latents"] == LATENTS_PER_HEAD * heads
+    assert dec["models"]["retrofit"]["window"] == 16
     _png(tmp_path / "dec" / "decode.png")
 
     rc = main(["bench", "model", "--lengths", "64", "--repeats", "1", "--out", str(tmp_path / "mod"), *common])

@@ -91,8 +91,10 @@ def test_errors(base, tmp_path, capsys):
 
 @pytest.mark.parametrize("method,flags,check", [
     ("lavo", ["--window", "8", "--option", "bases=4", "--option", "global_weight=0.25"],
-     lambda rec: rec["options"]["bases"] == 4 and rec["options"]["global_weight"] == 0.25),
-    ("llp", ["--segment", "16"], lambda rec: rec["options"]["segment"] == 16),
+     lambda rec: rec["bases"] == 4 and rec["global_weight"] == 0.25),
+    ("lavo", ["--window", "8", "--bases", "4", "--global-weight", "0.25", "--no-dissect"],
+     lambda rec: rec["bases"] == 4 and rec["global_weight"] == 0.25 and rec["dissect"] is False),
+    ("llp", ["--segment", "16"], lambda rec: rec["segment"] == 16),
 ])
 def test_lavo_and_llp_from_a_fresh_process(base, tmp_path, method, flags, check):
     """The built-in registry knows every method without any test-side registration."""

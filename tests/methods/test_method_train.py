@@ -64,4 +64,4 @@ def test_llp_trains_lora_adapters_and_exports_a_merged_model(base_dir, books, tm
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all(k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")) for k in changed)
     loaded = retrofit.load(result.final_dir)
-    assert isinstance(loaded.model.layers[1].self_attn, LLPAttention) and loaded.config.retrofit["options"] == {"segment": 16}
+    assert isinstance(loaded.model.layers[1].self_attn, LLPAttention) and loaded.config.retrofit["segment"] == 16

@@ -52,7 +52,9 @@ def test_sizes_that_do_not_fit_the_model():
     with pytest.raises(SpecError, match="layers \\[5\\] do not exist"):
         convert(model, ConversionSpec(layers=[0, 5]))
     assert converted_layers(model) == []  # nothing half-converted
-    convert(model, ConversionSpec(method="exp-linear", latents=10))  # latents unused by exp-linear: fine
+    with pytest.raises(SpecError, match="latents .*does not apply to method 'exp-linear'"):
+        ConversionSpec(method="exp-linear", latents=10)  # a key exp-linear does not have is an error now
+    convert(model, ConversionSpec(method="exp-linear"))  # the head count only matters to latents
 
 
 def test_converting_twice_is_refused():

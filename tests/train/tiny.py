@@ -97,5 +97,7 @@ def recipe_dict(model_dir: Path, data_dir: Path, out_dir: Path, **sections) -> d
     }
     for section, values in sections.items():
         d.setdefault(section, {})
+        if section == "conversion" and values.get("method", CONVERSION["method"]) != CONVERSION["method"]:
+            d[section] = {}  # another method: the Macchiato keys would not apply to it (an error)
         d[section] = {**d[section], **values} if isinstance(values, dict) else values
     return d

@@ -1,0 +1,205 @@
+"""Decoding cache for converted models: memory constant in the context length.
+
+Per converted layer a :class:`RetrofitLayerCache` holds
+
+* the latent state (a :class:`~retrofit.ops.LatteState`: ``m`` ``(B, H, L, D)``, ``z`` ``(B, H, L)``),
+* a rolling buffer of the last ``window - 1`` pretrained keys / values ``(B, Hkv, <= w-1, d)``
+  (post-RoPE) with their padding flags ``(B, <= w-1)``, which is all the sliding-window branch
+  can still see (Macchiato; exp-linear keeps none),
+* the last ``conv_size - 1`` latent-branch inputs when the layer has a causal conv,
+* the attention-sink keys / values (the first ``n`` real tokens, kept for good) with their
+  stream indices and flags, when the layer has sinks,
+* the count of tokens seen (positions, ``get_seq_length``).
+
+Layers left as softmax attention keep the usual transformers layer (growing
+``DynamicLayer``, or ``DynamicSlidingWindowLayer`` for natively windowed layers).
+
+How it is wired: a converted layer asks :func:`layer_cache` for its entry. If the model's
+forward or ``generate`` built a plain ``DynamicCache`` (they do whenever ``use_cache`` is on),
+the still-empty transformers layer at that index is swapped for a ``RetrofitLayerCache``
+the first time the converted layer runs, so every cache that reaches a converted model
+becomes constant-memory without callers doing anything. :class:`RetrofitCache` builds the
+same structure up front (``RetrofitCache(model)``) for callers that want it explicitly.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+
+from retrofit.ops import LatteState
+
+__all__ = ["RetrofitLayerCache", "RetrofitCache", "layer_cache"]
+
+
+def _index(x: torch.Tensor | None, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+    return None if x is None else fn(x)
+
+
+class RetrofitLayerCache(CacheLayerMixin):
+    """Recurrent state + rolling key/value window of one converted layer."""
+
+    is_sliding = True  # masks are never sized from it (the "retrofit" mask is the 2D padding mask)
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, window: int = 0, conv_size: int = 0, **kwargs):
+        super().__init__()
+        self.window = int(window)
+        self.conv_size = int(conv_size)
+        self.valid: torch.Tensor | None = None  # (B, P) padding flags of the buffered keys
+        self.state: LatteState | None = None
+        self.conv_tail: torch.Tensor | None = None  # (B, conv_size - 1, hidden)
+        self.sinks: tuple[torch.Tensor, ...] | None = None  # (idx (B, n), valid (B, n), k, v (B, Hkv, n, d))
+        self.cumulative_length = 0
+
+    # ------------------------------------------------------------------ converted layers' API
+    @property
+    def buffered(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def past_kv(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """``(keys, values, valid)`` of the buffered tokens (None before the first call)."""
+        return self.keys, self.values, self.valid
+
+    def store(
+        self,
+        keys: torch.Tensor | None,
+        values: torch.Tensor | None,
+        valid: torch.Tensor | None,
+        state: LatteState | None,
+        num_new: int,
+        conv_tail: torch.Tensor | None = None,
+        sinks: tuple[torch.Tensor, ...] | None = None,
+    ) -> None:
+        """Keep the last ``window - 1`` of ``keys``/``values``/``valid`` (past ++ new), the new state."""
+        keep = max(self.window - 1, 0)
+        if keys is not None:
+            self.keys = keys[..., -keep:, :].contiguous() if keep else keys[..., :0, :]
+            self.values = values[..., -keep:, :].contiguous() if keep else values[..., :0, :]
+            self.valid = valid[:, -keep:].contiguous() if keep else valid[:, :0]
+        self.state = state
+        self.conv_tail = conv_tail
+        if sinks is not None:
+            self.sinks = tuple(t.detach() for t in sinks)
+        self.cumulative_length += int(num_new)
+        if not self.is_initialized:
+            ref = keys if keys is not None else state.m
+            self.dtype, self.device = ref.dtype, ref.device
+            self.is_initialized = True
+
+    def memory_bytes(self) -> int:
+        """Bytes held by this layer's tensors (constant once ``window - 1`` tokens were seen)."""
+        tensors = [self.keys, self.values, self.valid, self.conv_tail, *(self.sinks or ())]
+        if self.state is not None:
+            tensors += [self.state.m, self.state.z]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    # ------------------------------------------------------------------ CacheLayerMixin
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError(
+            "a converted (retrofit) layer's cache holds a latent state and a key window; "
+            "it is filled by the converted layer itself, not through Cache.update"
+        )
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cumulative_length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.keys = self.values = self.valid = self.conv_tail = None
+        self.state = self.sinks = None
+        self.cumulative_length = 0
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove:
+            raise NotImplementedError("a recurrent latent state cannot be rolled back (no assisted/speculative decoding)")
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.keys, self.values = _index(self.keys, fn), _index(self.values, fn)
+        self.valid, self.conv_tail = _index(self.valid, fn), _index(self.conv_tail, fn)
+        if self.state is not None:
+            self.state = LatteState(fn(self.state.m), fn(self.state.z))
+        if self.sinks is not None:
+            self.sinks = tuple(fn(t) for t in self.sinks)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._apply(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._apply(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._apply(lambda x: x[indices, ...])
+
+    def offload(self) -> None:
+        pass  # small by construction; stays on device
+
+    def prefetch(self) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"RetrofitLayerCache(window={self.window}, seen={self.cumulative_length}, buffered={self.buffered})"
+
+
+def layer_cache(
+    cache: Cache | None, layer_idx: int, factory: Callable[[], RetrofitLayerCache]
+) -> RetrofitLayerCache | None:
+    """The converted layer ``layer_idx``'s entry in ``cache`` (adopting an empty transformers layer)."""
+    if cache is None:
+        return None
+    if not isinstance(cache, Cache):
+        raise TypeError(f"past_key_values must be a transformers Cache, got {type(cache).__name__}")
+    layers = cache.layers
+    if getattr(cache, "layer_class_to_replicate", None) is not None:
+        while len(layers) <= layer_idx:
+            layers.append(cache.layer_class_to_replicate())
+    if layer_idx >= len(layers):
+        raise ValueError(f"cache has {len(layers)} layers, converted layer {layer_idx} has no entry")
+    entry = layers[layer_idx]
+    if isinstance(entry, RetrofitLayerCache):
+        return entry
+    holds_data = getattr(entry, "is_initialized", False) and entry.get_seq_length() > 0
+    if holds_data:
+        raise ValueError(
+            f"cache layer {layer_idx} already holds softmax keys/values ({type(entry).__name__}); "
+            "a converted layer needs its own state: start from an empty cache"
+        )
+    layers[layer_idx] = factory()
+    return layers[layer_idx]
+
+
+class RetrofitCache(DynamicCache):
+    """A ``DynamicCache`` whose converted layers are :class:`RetrofitLayerCache` from the start.
+
+    ``RetrofitCache(model)``: converted attention modules (``is_retrofit_attention``) supply
+    their layer cache via ``new_cache_layer()``; other layers get what ``DynamicCache`` would.
+    """
+
+    def __init__(self, model: nn.Module, offloading: bool = False):
+        super().__init__(config=model.config, offloading=offloading)
+        for module in model.modules():
+            if getattr(module, "is_retrofit_attention", False):
+                self.layers[int(module.layer_idx)] = module.new_cache_layer()
+
+    def memory_bytes(self) -> int:
+        """Bytes held by all layers' tensors."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, RetrofitLayerCache):
+                total += layer.memory_bytes()
+            elif getattr(layer, "keys", None) is not None and getattr(layer, "is_initialized", False):
+                total += layer.keys.numel() * layer.keys.element_size() * 2
+        return total

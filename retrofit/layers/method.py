@@ -1,0 +1,194 @@
+"""A conversion method as one unit: its config dataclass, its builder and its registration.
+
+Each method module (``retrofit/layers/<method>.py``) defines
+
+* a :class:`MethodConfig` subclass: the method's own hyper-parameters, each default written
+  once as a dataclass default, with ``help`` in the field metadata (the ``retrofit convert``
+  flags and the recipe's ``conversion:`` keys are derived from these fields),
+* its layer (a ``RetrofitAttention``), its decoding-cache entry, and a builder
+  ``builder(original, patch, spec, layer_idx, generator) -> layer`` that reads ``spec.config``,
+* one ``register_method(name, builder, config=TheConfig, description=...)`` call.
+
+``retrofit/layers/__init__.py`` imports the method modules once, which registers them; a method
+defined anywhere else registers itself the same way when its module is imported (see
+``docs/extending.md``). This module needs no torch: it only holds data and the registry.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar, Mapping
+
+from retrofit.errors import SpecError
+
+__all__ = [
+    "DEFAULT_WINDOW", "MethodConfig", "MethodInfo", "available_methods", "get_method", "method_fields",
+    "register_method", "resolve_window",
+]
+
+# The sliding window of a converted layer unless the spec names one (the paper's w = 128); with
+# ``layers: global`` the family's native window (Gemma 3: 512) is the default instead. Every
+# windowed method (macchiato, lavo) and the benchmarks read this one constant.
+DEFAULT_WINDOW = 128
+
+Builder = Callable[..., Any]
+
+
+def opt(default: Any, help: str, **kw: Any) -> Any:
+    """A config field with its default and its help text (shown by ``retrofit convert --help``)."""
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class MethodConfig:
+    """Base of every method's config. Fields are checked against their annotations on creation
+    (``SpecError`` naming the field); subclasses add range checks in :meth:`check`."""
+
+    method: ClassVar[str] = ""
+
+    def __post_init__(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _coerce(f.name, getattr(self, f.name), hints.get(f.name, Any)))
+        self.check()
+
+    def check(self) -> None:
+        """Range checks beyond the types (raise ``SpecError`` with what to use instead)."""
+
+    def resolved(self, model_config: Any, layers: Any) -> "MethodConfig":
+        """A copy with model-dependent defaults made concrete (what a checkpoint records)."""
+        return dataclasses.replace(self)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.to_dict().items())
+
+
+def _type_args(tp: Any) -> tuple[Any, ...]:
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return typing.get_args(tp)
+    return (tp,)
+
+
+def _coerce(name: str, value: Any, tp: Any) -> Any:
+    """``value`` checked against the annotation ``tp`` (int, float, bool, str, ``X | None``)."""
+    allowed = _type_args(tp)
+    if value is None:
+        if type(None) in allowed or Any in allowed:
+            return None
+        raise SpecError(f"{name} must be set (got null)")
+    if Any in allowed:
+        return value
+    if bool in allowed and isinstance(value, bool):
+        return value
+    if int in allowed and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if float in allowed and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if str in allowed and isinstance(value, str):
+        return value
+    kinds = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    want = " or ".join(kinds.get(t, getattr(t, "__name__", str(t))) for t in allowed if t is not type(None))
+    raise SpecError(f"{name} must be {want}{' (or null)' if type(None) in allowed else ''}, got {value!r}")
+
+
+def resolve_window(window: int | None, model_config: Any, layers: Any) -> int:
+    """``window`` as converted: the given one, else the native window under ``layers: global``,
+    else :data:`DEFAULT_WINDOW`."""
+    if window is not None:
+        return int(window)
+    native = getattr(model_config, "sliding_window", None) if layers == "global" else None
+    return int(native) if native else DEFAULT_WINDOW
+
+
+def method_fields(config_cls: type[MethodConfig]) -> list[tuple[dataclasses.Field, Any]]:
+    """``(field, annotation)`` of a config class, in declaration order."""
+    hints = typing.get_type_hints(config_cls)
+    return [(f, hints.get(f.name, Any)) for f in dataclasses.fields(config_cls)]
+
+
+# ---------------------------------------------------------------------- registry
+@dataclass(frozen=True)
+class MethodInfo:
+    name: str
+    builder: Builder
+    config: type[MethodConfig]
+    description: str = ""
+
+    @property
+    def uses(self) -> tuple[str, ...]:
+        """The method's own spec keys (its config's fields)."""
+        return self.config.field_names()
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """Field -> default (an older name for :attr:`config`'s defaults)."""
+        return {f.name: f.default for f in dataclasses.fields(self.config)}
+
+
+_METHODS: dict[str, MethodInfo] = {}
+
+
+def register_method(
+    name: str,
+    builder: Builder,
+    *,
+    config: type[MethodConfig] | None = None,
+    options: Mapping[str, Any] | None = None,
+    description: str = "",
+    overwrite: bool = False,
+) -> MethodInfo:
+    """Register a conversion method under ``name`` (``--method name``, ``method: name``).
+
+    ``config``: the method's :class:`MethodConfig` subclass. ``options`` (``{key: default}``) is
+    the short form for a method without its own class: a config class with those fields is made.
+    """
+    if name in _METHODS and not overwrite:
+        raise ValueError(f"method {name!r} is already registered (pass overwrite=True to replace it)")
+    if config is None:
+        config = _config_from_options(name, dict(options or {}))
+    elif options:
+        raise ValueError("register_method: give config= or options=, not both")
+    if not (isinstance(config, type) and issubclass(config, MethodConfig)):
+        raise TypeError(f"config must be a MethodConfig subclass, got {config!r}")
+    clash = set(config.field_names()) & set(COMMON_KEYS)
+    if clash:
+        raise ValueError(f"method {name!r}: config field(s) {sorted(clash)} clash with the common spec keys")
+    info = MethodInfo(name, builder, config, description)
+    _METHODS[name] = info
+    return info
+
+
+# keys of ConversionSpec itself, which no method config may reuse
+COMMON_KEYS = ("method", "layers", "dtype", "seed")
+
+
+def _config_from_options(name: str, options: dict[str, Any]) -> type[MethodConfig]:
+    fields = [(k, Any, field(default=v, metadata={"help": f"{name} option"})) for k, v in options.items()]
+    cls = dataclasses.make_dataclass(f"{name.title().replace('-', '')}Config", fields, bases=(MethodConfig,))
+    cls.method = name
+    return cls
+
+
+def _load_methods() -> None:
+    import retrofit.layers  # noqa: F401  (importing the package imports, i.e. registers, each method module)
+
+
+def available_methods() -> list[str]:
+    _load_methods()
+    return sorted(_METHODS)
+
+
+def get_method(name: str) -> MethodInfo:
+    _load_methods()
+    if name not in _METHODS:
+        raise SpecError(f"unknown method {name!r}; available: {', '.join(available_methods())}")
+    return _METHODS[name]

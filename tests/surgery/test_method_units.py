@@ -1,0 +1,248 @@
+"""A method is one unit (issue 12): config dataclass + layer + builder + registration in one module.
+
+Flags and recipe keys derived from the method configs, inapplicable keys as errors, every
+default written once, records of earlier versions still loading, and a method defined in this
+test module converting / saving / loading with no edit anywhere else.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import retrofit
+from retrofit.cli.convert import build_spec, method_flags
+from retrofit.cli.main import build_parser, main
+from retrofit.errors import CheckpointError, SpecError
+from retrofit.layers import (
+    DEFAULT_WINDOW, ExpLinearAttention, ExpLinearConfig, LavoAttention, LavoConfig, LLPAttention, LLPConfig,
+    MacchiatoAttention, MacchiatoConfig, RetrofitAttention,
+)
+from retrofit.layers.method import MethodConfig, get_method, opt, register_method
+from retrofit.surgery import ConversionSpec, available_methods, convert, converted_layers, new_parameter_names, save
+from retrofit.surgery.checkpoint import spec_from_record
+from tests.surgery.tiny import tiny_model
+
+RECORDS = json.loads((Path(__file__).parent / "fixtures" / "records_v0.json").read_text())
+BUILTIN = {"macchiato": MacchiatoConfig, "exp-linear": ExpLinearConfig, "lavo": LavoConfig, "llp": LLPConfig}
+
+
+def _spec_from_argv(*argv: str) -> ConversionSpec:
+    args = build_parser().parse_args(["convert", "MODEL", "--out", "OUT", *argv])
+    return build_spec(args)
+
+
+# ---------------------------------------------------------------------- registry and defaults
+def test_each_builtin_method_is_registered_by_its_module_with_its_config():
+    assert set(BUILTIN) <= set(available_methods())
+    for name, cls in BUILTIN.items():
+        info = get_method(name)
+        assert info.config is cls and cls.method == name
+        assert info.builder.__module__ == cls.__module__  # builder and config live together
+        assert info.uses == cls.field_names()
+
+
+@pytest.mark.parametrize("layer,cls,renames", [
+    (MacchiatoAttention, MacchiatoConfig, {}),
+    (ExpLinearAttention, ExpLinearConfig, {}),
+    (LavoAttention, LavoConfig, {}),
+    (LLPAttention, LLPConfig, {}),
+])
+def test_layer_defaults_are_the_config_defaults(layer, cls, renames):
+    """Each default is written once: the layer's keyword defaults read the config's."""
+    params = inspect.signature(layer.__init__).parameters
+    for f in dataclasses.fields(cls):
+        if f.name not in params:
+            continue
+        want = DEFAULT_WINDOW if f.name == "window" else f.default  # window None = DEFAULT_WINDOW (resolved)
+        assert params[f.name].default == want, (layer.__name__, f.name)
+
+
+def test_window_none_resolves_to_the_default_or_the_native_window():
+    cfg = tiny_model("gemma3", num_hidden_layers=4,
+                     layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"]).config
+    for method in ("macchiato", "lavo"):
+        spec = ConversionSpec(method=method)
+        assert spec.window is None
+        assert spec.resolved(cfg).window == DEFAULT_WINDOW  # layers: all
+        assert ConversionSpec(method=method, layers="global").resolved(cfg).window == cfg.sliding_window
+        assert ConversionSpec(method=method, layers="global", window=8).resolved(cfg).window == 8
+
+
+def test_spec_module_imports_no_layer_or_torch_at_top_level():
+    src = Path(retrofit.surgery.spec.__file__).read_text()
+    top = [n for n in ast.parse(src).body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in names if m.startswith(("torch", "transformers", "retrofit.layers"))], names
+    from retrofit.surgery.spec import DEFAULT_INIT_SWA_SHARE, DEFAULT_WINDOW as W  # still importable, lazily
+
+    assert W == DEFAULT_WINDOW and DEFAULT_INIT_SWA_SHARE == MacchiatoConfig.init_swa_share
+
+
+# ---------------------------------------------------------------------- recipe keys and flags
+def test_recipe_keys_are_the_method_config_fields():
+    flat = ConversionSpec.from_dict({"method": "lavo", "window": 16, "bases": 8, "dissect": False})
+    nested = ConversionSpec.from_dict({"method": "lavo", "window": 16, "options": {"bases": 8, "dissect": False}})
+    assert flat == nested and flat.config == LavoConfig(window=16, bases=8, dissect=False)
+    assert flat.to_dict() == {"method": "lavo", **flat.config.to_dict(), "layers": "all", "dtype": None, "seed": 0}
+    assert ConversionSpec.from_dict(flat.to_dict()) == flat  # a record / recipe round trip
+    with pytest.raises(SpecError, match=r"window \(a key of .*\) does not apply to method 'exp-linear'"):
+        ConversionSpec.from_dict({"method": "exp-linear", "window": 8})
+    with pytest.raises(SpecError, match="segment .*does not apply to method 'macchiato'"):
+        ConversionSpec.from_dict({"method": "macchiato", "segment": 8})
+    with pytest.raises(SpecError, match="unknown conversion key.*wndow"):
+        ConversionSpec.from_dict({"method": "macchiato", "wndow": 8})
+    with pytest.raises(SpecError, match="dissect must be true or false"):
+        ConversionSpec(method="lavo", dissect="no")
+
+
+def test_flags_are_derived_from_every_method_config():
+    flags = method_flags()
+    for name, cls in BUILTIN.items():
+        for f in dataclasses.fields(cls):
+            assert flags[f.name]["flag"] == "--" + f.name.replace("_", "-") and name in flags[f.name]["methods"]
+    assert _spec_from_argv("--window", "8", "--latents", "16", "--sinks", "2").config == \
+        MacchiatoConfig(window=8, latents=16, sinks=2)
+    assert _spec_from_argv("--method", "llp", "--segment", "16").config == LLPConfig(segment=16)
+    assert _spec_from_argv("--method", "exp-linear", "--chunk-size", "32").config == ExpLinearConfig(chunk_size=32)
+    lavo = _spec_from_argv("--method", "lavo", "--no-dissect", "--bases", "8", "--memory-scaling", "none")
+    assert lavo.config == LavoConfig(dissect=False, bases=8, memory_scaling=None)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--method", "exp-linear", "--window", "8"], "--window do(es) not apply to method 'exp-linear' (its flags: --chunk-size)"),
+    (["--segment", "16"], "--segment do(es) not apply to method 'macchiato'"),
+    (["--method", "llp", "--latents", "8", "--sinks", "1"], "--latents, --sinks do(es) not apply to method 'llp'"),
+    (["--method", "lavo", "--option", "rank=4"], "method 'lavo' has no key(s) rank"),
+])
+def test_inapplicable_flags_are_one_error_line(argv, match, tmp_path, capsys):
+    with pytest.raises(SpecError) as exc:
+        _spec_from_argv(*argv)
+    assert match in str(exc.value)
+    out = tmp_path / "never"
+    assert main(["convert", str(tmp_path / "no-model"), "--out", str(out), *argv]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("retrofit convert: error:") and match in err[0]
+    assert not out.exists()
+
+
+def test_flags_from_a_recipe_are_checked_against_its_method(tmp_path):
+    recipe = tmp_path / "lavo.yaml"
+    recipe.write_text("method: lavo\nwindow: 8\nbases: 4\n")
+    assert _spec_from_argv("--config", str(recipe), "--global-weight", "0.25").config == \
+        LavoConfig(window=8, bases=4, global_weight=0.25)
+    with pytest.raises(SpecError, match="--latents do.es. not apply to method 'lavo'"):
+        _spec_from_argv("--config", str(recipe), "--latents", "8")
+    with pytest.raises(SpecError, match="bases .*does not apply to method 'macchiato'"):
+        _spec_from_argv("--config", str(recipe), "--method", "macchiato")  # the recipe's lavo keys
+
+
+# ---------------------------------------------------------------------- records of earlier versions
+@pytest.mark.parametrize("name", sorted(RECORDS))
+def test_records_written_by_earlier_versions_load(name, tmp_path):
+    """The exact config.retrofit dicts the code before issue 12 wrote (tests/surgery/fixtures)."""
+    family, record = RECORDS[name]["family"], RECORDS[name]["record"]
+    spec = spec_from_record(record)
+    assert spec.method == record["method"] and spec.layers == record["layers"] and spec.seed == record["seed"]
+    own = dict(record.get("options") or {})
+    own.update({k: v for k, v in record.items() if k in spec.config.field_names()})
+    assert spec.config == type(spec.config)(**own)  # every method key kept, the unused flat ones dropped
+    # a whole folder with that record (its digest included, as earlier versions wrote it) loads
+    kw = {}
+    if name == "macchiato-global":
+        kw = dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2)
+    model = convert(tiny_model(family, **kw), spec, base_model=record["base_model"])
+    assert converted_layers(model) == record["converted_layers"]
+    save(model, tmp_path / "new")
+    cfg_file = tmp_path / "new" / "config.json"
+    raw = json.loads(cfg_file.read_text())
+    from retrofit.surgery.fingerprint import SECTION_DIGEST_KEY, section_digest
+
+    old = dict(record)
+    old[SECTION_DIGEST_KEY] = section_digest(old)
+    raw["retrofit"] = old
+    cfg_file.write_text(json.dumps(raw))
+    loaded = retrofit.load(tmp_path / "new")
+    assert loaded.config.retrofit == old  # kept verbatim
+    ids = torch.randint(3, 200, (1, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model.eval()(ids).logits)
+
+
+def test_an_edited_old_record_still_fails_its_digest(tmp_path):
+    record = dict(RECORDS["lavo"]["record"])
+    spec = spec_from_record(record)
+    model = convert(tiny_model("llama"), spec)
+    save(model, tmp_path / "m")
+    from retrofit.surgery.fingerprint import SECTION_DIGEST_KEY, section_digest
+
+    record[SECTION_DIGEST_KEY] = section_digest(record)
+    record["options"] = {**record["options"], "dissect": False}  # an edit the weights cannot reveal
+    raw = json.loads((tmp_path / "m" / "config.json").read_text())
+    raw["retrofit"] = record
+    (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError):
+        retrofit.load(tmp_path / "m")
+
+
+# ---------------------------------------------------------------------- a method from outside
+@dataclass
+class GainConfig(MethodConfig):
+    """A toy method's config: output = o_proj(gain * v)."""
+
+    method = "gain-test"
+    gain: float = opt(1.0, "initial output gain")
+    learn_gain: bool = opt(True, "train the gain")
+
+    def check(self) -> None:
+        if self.gain <= 0:
+            raise SpecError(f"gain must be > 0, got {self.gain}")
+
+
+class GainAttention(RetrofitAttention):
+    method = "gain-test"
+    new_module_names = ("gain",)
+
+    def __init__(self, original, patch, *, gain: float = GainConfig.gain):
+        super().__init__(original, patch)
+        self.gain = torch.nn.Linear(1, 1, bias=False)
+        torch.nn.init.constant_(self.gain.weight, gain)
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kw):
+        q, k, v = self.patch.project_qkv(self, hidden_states, position_embeddings)
+        v = v.repeat_interleave(self.num_heads // self.num_kv_heads, 1) * self.gain.weight[0, 0]
+        return self.patch.project_out(self, v), None
+
+
+def build_gain(original, patch, spec, layer_idx, generator):
+    return GainAttention(original, patch, gain=spec.config.gain)
+
+
+register_method("gain-test", build_gain, config=GainConfig, description="test: o_proj(gain * v)", overwrite=True)
+
+
+def test_a_method_registered_from_a_test_module_converts_saves_and_loads(tmp_path, capsys):
+    assert "gain-test" in available_methods()
+    spec = _spec_from_argv("--method", "gain-test", "--gain", "2.5", "--no-learn-gain")  # its flags, derived
+    assert spec.config == GainConfig(gain=2.5, learn_gain=False)
+    with pytest.raises(SpecError, match="gain must be > 0"):
+        ConversionSpec(method="gain-test", gain=0.0)
+    with pytest.raises(SpecError, match="--window do.es. not apply to method 'gain-test'"):
+        _spec_from_argv("--method", "gain-test", "--window", "8")
+    model = convert(tiny_model("llama"), spec)
+    assert model.config.retrofit["gain"] == 2.5 and new_parameter_names(model) == [
+        "model.layers.0.self_attn.gain.weight", "model.layers.1.self_attn.gain.weight"]
+    save(model, tmp_path / "g")
+    loaded = retrofit.load(tmp_path / "g")
+    assert isinstance(loaded.model.layers[0].self_attn, GainAttention)
+    assert loaded.model.layers[0].self_attn.gain.weight.item() == 2.5
+    ids = torch.randint(3, 200, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model.eval()(ids).logits)
