@@ -50,32 +50,43 @@ def slice_tokens_for(vocab_size: int, budget_elements: int = DEFAULT_LOGIT_BUDGE
 
 
 @torch.no_grad()
-def sliced_nll(
-    model: Any, hidden: torch.Tensor, targets: torch.Tensor, *, slice_tokens: int
-) -> tuple[float, int]:
-    """Summed NLL of ``targets`` [B, T] given ``hidden`` [B, T, D]; logits live one slice at a time."""
-    total = 0.0
+def sliced_token_nll(model: Any, hidden: torch.Tensor, targets: torch.Tensor, *, slice_tokens: int) -> torch.Tensor:
+    """Per-token NLL [B, T] (float64, on CPU) of ``targets`` [B, T] given ``hidden`` [B, T, D].
+
+    The logits live one slice of ``slice_tokens`` positions at a time.
+    """
+    out = []
     T = hidden.shape[1]
     for s in range(0, T, slice_tokens):
         logits = head_logits(model, hidden[:, s : s + slice_tokens])
         tgt = targets[:, s : s + slice_tokens]
-        total += F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="sum").item()
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none")
+        out.append(loss.view(tgt.shape).double().cpu())
         del logits
-    return total, int(targets.numel())
+    return torch.cat(out, dim=1) if out else torch.zeros(targets.shape, dtype=torch.float64)
 
 
 @torch.no_grad()
-def window_nll(
+def sliced_nll(
+    model: Any, hidden: torch.Tensor, targets: torch.Tensor, *, slice_tokens: int
+) -> tuple[float, int]:
+    """Summed NLL of ``targets`` [B, T] given ``hidden`` [B, T, D]; logits live one slice at a time."""
+    return float(sliced_token_nll(model, hidden, targets, slice_tokens=slice_tokens).sum()), int(targets.numel())
+
+
+@torch.no_grad()
+def window_token_nll(
     model: Any,
     input_ids: torch.Tensor,
     *,
     chunk_size: int | None = None,
     slice_tokens: int | None = None,
-) -> tuple[float, int]:
-    """Summed next-token NLL over a window and the number of predicted tokens.
+) -> torch.Tensor:
+    """Next-token NLL of each of tokens 1..T-1 of a window: float64 [T-1] on CPU.
 
-    input_ids: [T] or [1, T]. Predicts tokens 1..T-1 from their prefixes: returns (sum, T-1).
-    ``chunk_size``: run the forward ``chunk_size`` tokens at a time through the model's cache.
+    input_ids: [T] or [1, T]. ``chunk_size``: run the forward ``chunk_size`` tokens at a time
+    through the model's cache. For a causal model the first ``L-1`` entries are the NLLs of the
+    window's own first ``L`` tokens (see ``score_windows``' prefix reuse).
     """
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
@@ -87,18 +98,33 @@ def window_nll(
     decoder = _decoder(model)
     if not chunk_size or chunk_size >= T:
         hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
-        return sliced_nll(model, hidden[:, :-1], input_ids[:, 1:], slice_tokens=slice_tokens)
-    total, count, cache = 0.0, 0, None
+        return sliced_token_nll(model, hidden[:, :-1], input_ids[:, 1:], slice_tokens=slice_tokens)[0]
+    parts, cache = [], None
     for s in range(0, T, chunk_size):
         e = min(T, s + chunk_size)
         out = decoder(input_ids=input_ids[:, s:e], past_key_values=cache, use_cache=True)
         cache = out.past_key_values
         hidden = out.last_hidden_state
         targets = input_ids[:, s + 1 : e + 1]  # one short on the last chunk
-        nll, n = sliced_nll(model, hidden[:, : targets.shape[1]], targets, slice_tokens=slice_tokens)
-        total, count = total + nll, count + n
+        parts.append(sliced_token_nll(model, hidden[:, : targets.shape[1]], targets, slice_tokens=slice_tokens)[0])
         del out, hidden
-    return total, count
+    return torch.cat(parts)
+
+
+@torch.no_grad()
+def window_nll(
+    model: Any,
+    input_ids: torch.Tensor,
+    *,
+    chunk_size: int | None = None,
+    slice_tokens: int | None = None,
+) -> tuple[float, int]:
+    """Summed next-token NLL over a window and the number of predicted tokens: (sum, T-1).
+
+    Same arguments as :func:`window_token_nll`.
+    """
+    per_token = window_token_nll(model, input_ids, chunk_size=chunk_size, slice_tokens=slice_tokens)
+    return float(per_token.sum()), int(per_token.numel())
 
 
 @torch.no_grad()
@@ -125,15 +151,21 @@ def check_sliced_head(model: Any, input_ids: torch.Tensor, *, atol: float = 1e-3
 
 
 @torch.no_grad()
-def window_nll_full(model: Any, input_ids: torch.Tensor) -> tuple[float, int]:
-    """Reference: NLL from the model's own full logits [T, V] (memory O(T * V); fallback and tests)."""
+def window_token_nll_full(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
+    """Reference: per-token NLL [T-1] from the model's own full logits [T, V] (memory O(T * V))."""
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     logits = model(input_ids=input_ids, use_cache=False).logits.float()
-    nll = F.cross_entropy(logits[0, :-1], input_ids[0, 1:], reduction="sum").item()
-    return nll, input_ids.shape[1] - 1
+    return F.cross_entropy(logits[0, :-1], input_ids[0, 1:], reduction="none").double().cpu()
+
+
+@torch.no_grad()
+def window_nll_full(model: Any, input_ids: torch.Tensor) -> tuple[float, int]:
+    """Reference: NLL from the model's own full logits [T, V] (memory O(T * V); fallback and tests)."""
+    per_token = window_token_nll_full(model, input_ids)
+    return float(per_token.sum()), int(per_token.numel())
 
 
 def perplexity(nll_sum: float, n_tokens: int) -> float:

@@ -27,6 +27,36 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and ("out of memory" in msg or "not enough memory" in msg)
 
 
+class PrefixCache:
+    """Per-token NLLs of scored windows, keyed by (document, start), for prefix reuse.
+
+    Under the ``windows`` protocol, window 0 of a document at length L is the first L tokens of
+    window 0 at every longer length. A causal model's NLL of a token depends only on the tokens
+    before it, so the first L-1 per-token NLLs of the longer window are the shorter window's own
+    (equal up to float rounding: the kernels see other shapes). One 64K pass then scores 1K-64K.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor, int]] = {}
+
+    def lookup(self, w: Window) -> tuple[torch.Tensor, int] | None:
+        """``(per-token NLL [L-1], source length)`` if a scored window starts with ``w``'s tokens."""
+        hit = self._entries.get((w.doc_id, w.start))
+        if hit is None:
+            return None
+        ids, per_token, length = hit
+        L = w.input_ids.numel()
+        if length < L or not torch.equal(ids[:L], w.input_ids):
+            return None
+        return per_token[: L - 1], length
+
+    def store(self, w: Window, per_token: torch.Tensor) -> None:
+        key = (w.doc_id, w.start)
+        old = self._entries.get(key)
+        if old is None or old[2] < w.input_ids.numel():
+            self._entries[key] = (w.input_ids, per_token, int(w.input_ids.numel()))
+
+
 def score_windows(
     model: Any,
     windows: list[Window],
@@ -35,12 +65,15 @@ def score_windows(
     slice_tokens: int | None = None,
     sliced: bool = True,
     progress=None,
+    prefixes: PrefixCache | None = None,
 ) -> dict:
     """Perplexity of ``model`` over ``windows`` (all one length): ppl, nll, tokens, seconds.
 
+    ``prefixes``: reuse (and record) per-token NLLs of longer windows these windows begin
+    (``reused_windows`` counts them; ``seconds`` covers only the windows run here).
     On out-of-memory the entry has ``"error": "OOM"`` and ``ppl`` None.
     """
-    total, count = 0.0, 0
+    total, count, run_count, reused, sources = 0.0, 0, 0, 0, set()
     per_window = []
     device = next(model.parameters()).device
     if device.type == "cuda":
@@ -48,10 +81,20 @@ def score_windows(
     t0 = time.perf_counter()
     try:
         for w in windows:
-            if sliced:
-                s, n = nll.window_nll(model, w.input_ids, chunk_size=chunk_size, slice_tokens=slice_tokens)
+            hit = prefixes.lookup(w) if prefixes is not None else None
+            if hit is not None:
+                per_token, source = hit
+                reused += 1
+                sources.add(source)
+            elif sliced:
+                per_token = nll.window_token_nll(model, w.input_ids, chunk_size=chunk_size, slice_tokens=slice_tokens)
             else:
-                s, n = nll.window_nll_full(model, w.input_ids)
+                per_token = nll.window_token_nll_full(model, w.input_ids)
+            s, n = float(per_token.sum()), int(per_token.numel())
+            if hit is None:
+                run_count += n
+                if prefixes is not None:
+                    prefixes.store(w, per_token)
             total, count = total + s, count + n
             per_window.append(nll.perplexity(s, n))
             if progress is not None:
@@ -67,7 +110,7 @@ def score_windows(
         }
     seconds = time.perf_counter() - t0
     peak = {"peak_memory_mib": torch.cuda.max_memory_allocated(device) / 2**20} if device.type == "cuda" else {}
-    return {
+    entry = {
         **peak,
         "ppl": nll.perplexity(total, count),
         "nll_sum": total,
@@ -75,8 +118,13 @@ def score_windows(
         "windows": len(windows),
         "window_ppl": per_window,
         "seconds": seconds,
-        "tokens_per_second": (count / seconds) if seconds > 0 else None,
     }
+    if reused:
+        entry["reused_windows"] = reused
+        entry["reused_from_lengths"] = sorted(sources)
+    if run_count:
+        entry["tokens_per_second"] = run_count / seconds if seconds > 0 else None
+    return entry
 
 
 def _peak_rss_mib() -> float | None:
@@ -112,6 +160,7 @@ def run_perplexity(
     out: str | Path | None = None,
     progress: bool = True,
     command: str | None = None,
+    reuse_prefixes: bool = True,
 ) -> dict:
     """Perplexity at each length on each dataset for ``model`` (and ``baseline``), same windows.
 
@@ -125,6 +174,9 @@ def run_perplexity(
         (``baseline_chunk_size`` for the baseline; None = one forward per window).
     logit_budget: fp32 logits held at once (elements); sets the lm_head slice size.
     out: folder for results.json, table.md, perplexity.png (written atomically).
+    reuse_prefixes: score lengths longest first and take a window that begins a longer scored
+        window (window 0 of a document at every length) from that window's per-token NLLs
+        (see :class:`PrefixCache`); False runs every window on its own.
 
     Returns the results dict (also written to ``out/results.json``).
     """
@@ -173,7 +225,9 @@ def run_perplexity(
         sliced = nll.check_sliced_head(mdl, probe) if probe is not None else True
         for ds in datasets:
             oom = False
-            for L in lengths:
+            prefixes = PrefixCache() if reuse_prefixes else None
+            # longest first when reusing prefixes; else shortest first, and an OOM ends the sweep
+            for L in sorted(lengths, reverse=reuse_prefixes):
                 wins = all_windows[ds][L]
                 bar.set_postfix_str(f"{label} {ds} {report.fmt_length(L)}")
                 if not wins:
@@ -184,10 +238,11 @@ def run_perplexity(
                     bar.update(len(wins))
                     continue
                 entry = score_windows(
-                    mdl, wins, chunk_size=chunk, slice_tokens=slice_tokens, sliced=sliced, progress=bar
+                    mdl, wins, chunk_size=chunk, slice_tokens=slice_tokens, sliced=sliced, progress=bar,
+                    prefixes=prefixes,
                 )
                 if entry.get("error") == "OOM":
-                    oom = True
+                    oom = not reuse_prefixes
                     bar.update(len(wins) - entry["scored"])
                 results[ds][str(L)][role] = entry
     bar.close()
@@ -205,6 +260,7 @@ def run_perplexity(
             "chunk_size": chunk_size,
             "baseline_chunk_size": baseline_chunk_size,
             "logit_budget": logit_budget,
+            "reuse_prefixes": reuse_prefixes,
             "device": device,
             "dtype": dtype,
         },
@@ -233,9 +289,13 @@ def describe(res: dict) -> str:
         counts = ", ".join(f"{report.fmt_length(int(L))}: {len(w)}" for L, w in info["windows"].items())
         parts.append(f"{ds} ({info['protocol']}; windows {counts})")
     bos = "BOS first" if s["bos_used"] else "no BOS"
+    reused = any(e.get("reused_windows") for per_len in res["results"].values()
+                 for roles in per_len.values() for e in roles.values())
+    note = (" A window that begins a longer scored window takes its per-token NLLs from that window's "
+            "forward (causal models; --no-reuse-prefixes runs it alone).") if reused else ""
     return (
         f"Perplexity (lower is better) on exactly-L-token windows, {bos}; the model and the baseline "
-        f"score the same windows. Datasets: " + "; ".join(parts) + "."
+        f"score the same windows. Datasets: " + "; ".join(parts) + "." + note
     )
 
 

@@ -32,8 +32,9 @@ class DemoSettings:
     train_steps: int | None = None  # None: the recipe's own (sized for ~15 min on 2 CPU cores)
     seq_len: int | None = None
     batch_size: int | None = None
-    ppl_lengths: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])
+    ppl_lengths: list[int] = field(default_factory=lambda: [1024, 4096, 16384, 32768, 65536])
     ppl_windows: int = 1
+    ppl_chunk_size: int = 4096  # both models run long windows through their cache, chunk by chunk
     passkey_lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048])
     passkey_depths: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])
     passkey_trials: int = 5  # prompts per (length, depth) cell: a cell is not one coin flip
@@ -117,7 +118,7 @@ def _loss_curve(history: list[dict], evals: list[dict], path: Path) -> Path | No
         ax.plot([e["step"] for e in held], [e["loss"] for e in held], "o-", label="held-out loss")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (nats/token)")
-    ax.set_title("Gemma 3 270M -> Latte Macchiato, continual pretraining")
+    ax.set_title("Training the new weights")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -135,6 +136,7 @@ def run_demo(out: str | Path = "runs/demo", settings: DemoSettings | None = None
     from retrofit.surgery import ConversionSpec, convert, load, load_any, new_parameter_names, save
     from retrofit.train.loop import train
     from retrofit.train.recipe import load_recipe
+    from retrofit.train.stages import train_stages
 
     s = settings or DemoSettings.full()
     out = Path(out).resolve()
@@ -155,15 +157,20 @@ def run_demo(out: str | Path = "runs/demo", settings: DemoSettings | None = None
     converted_dir = out / "converted"
 
     def stage_convert():
+        from retrofit.surgery.distill import converted_modules
+
         convert(base, spec, base_model=s.model)
         n_new = sum(p.numel() for n, p in base.named_parameters() if n in set(new_parameter_names(base)))
         n_all = sum(p.numel() for p in base.parameters())
         save(base, converted_dir, tokenizer=tok, overwrite=True)
-        echo(f"  {spec.method}: window {spec.window}, {spec.latents} latents, initial SWA share "
-             f"{spec.init_swa_share}; {n_new:,} new of {n_all:,} parameters -> {converted_dir}")
-        return {"new_parameters": n_new, "total_parameters": n_all, "spec": spec.to_dict()}
+        layers = converted_modules(base)
+        summary = (f"{len(layers)} of {base.config.num_hidden_layers} attention layers "
+                   f"({', '.join(str(int(m.layer_idx)) for m in layers)}) -> {spec.method} "
+                   f"({layers[0].extra_repr()})")
+        echo(f"  {summary}; {n_new:,} new of {n_all:,} parameters -> {converted_dir}")
+        return {"new_parameters": n_new, "total_parameters": n_all, "spec": spec.to_dict(), "summary": summary}
 
-    conversion = stages.run("convert to Latte Macchiato", stage_convert)
+    conversion = stages.run(f"convert ({spec.method}, layers: {spec.layers})", stage_convert)
     del base
 
     def stage_train():
@@ -171,10 +178,12 @@ def run_demo(out: str | Path = "runs/demo", settings: DemoSettings | None = None
             f"model.name={converted_dir}", f"checkpoint.output_dir={out / 'train'}", "checkpoint.resume=none",
             *s.recipe_overrides(),
         ])
-        return train(r)
+        return train_stages(r) if r.stages else train(r)
 
     steps, batch, seq = recipe.train.max_steps, recipe.train.batch_size, recipe.data.seq_len
-    result = stages.run(f"train the new weights ({steps} steps of {batch}x{seq} tokens)", stage_train)
+    plan = (f"{len(recipe.stages)} stages" if recipe.stages
+            else f"{recipe.train.objective} objective, {steps} steps of {batch}x{seq} tokens")
+    result = stages.run(f"train the new weights ({plan})", stage_train)
     trained_dir = Path(result.final_dir) if result.final_dir else None
     if trained_dir is None:
         raise RetrofitError("training wrote no final export; check checkpoint.export in the recipe")
@@ -185,7 +194,8 @@ def run_demo(out: str | Path = "runs/demo", settings: DemoSettings | None = None
         baseline, btok = load_any(s.model)
         ppl = run_perplexity(model, tokenizer=tok, baseline=baseline, baseline_tokenizer=btok,
                              datasets=[str(p) for p in held_out], lengths=s.ppl_lengths,
-                             max_windows=s.ppl_windows, out=out / "eval" / "ppl")
+                             max_windows=s.ppl_windows, chunk_size=s.ppl_chunk_size,
+                             baseline_chunk_size=s.ppl_chunk_size, out=out / "eval" / "ppl")
         keys = run_passkey(model, tokenizer=tok, baseline=baseline, baseline_tokenizer=btok,
                            lengths=s.passkey_lengths, depths=s.passkey_depths, trials=s.passkey_trials,
                            out=out / "eval" / "passkey")
@@ -219,7 +229,7 @@ def _write_report(out: Path, s: DemoSettings, conversion: dict, result: Any, cur
     counts = result.counts
     evals = [e for e in result.evals if "loss" in e]
     lines = [
-        f"# retrofit demo: {s.model} -> Latte Macchiato",
+        f"# retrofit demo: {s.model} -> {conversion['spec']['method']}",
         "",
         f"retrofit {__version__}, {platform.processor() or platform.machine()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.",
         "Held-out books (never trained on): " + ", ".join(p.name for p in held_out) + ".",
@@ -228,8 +238,7 @@ def _write_report(out: Path, s: DemoSettings, conversion: dict, result: Any, cur
         _md_table([[k, f"{v:.0f} s"] for k, v in times.items()], ["stage", "wall time"]),
         "",
         "## Conversion",
-        f"Method `{conversion['spec']['method']}`, window {conversion['spec']['window']}, "
-        f"{conversion['spec']['latents']} latents, initial SWA share {conversion['spec']['init_swa_share']}: "
+        f"Recipe `{s.recipe}`: {conversion['summary']}; "
         f"{conversion['new_parameters']:,} new parameters of {conversion['total_parameters']:,}.",
         "",
         "## Training",

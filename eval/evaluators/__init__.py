@@ -26,7 +26,8 @@ class Evaluator:
 
     name: the section key (``results.json`` ``kind``, ``run_all`` keyword, ``--skip`` value).
     command: the ``retrofit eval COMMAND`` sub-command; subdir: its folder under ``eval all``.
-    heading: its section title in ``report.md``; help: the sub-command's one-line help.
+    heading: its section title in ``report.md``; help: the sub-command's one-line help; label: its
+    short name in ``eval all``'s help (default: ``name``).
     add_arguments(parser, prefix): its flags; ``prefix`` is ``""`` for its own sub-command and
     ``"<command>-"`` inside ``eval all``, where flags that several kinds share (``--lengths``) take
     it (``--ppl-lengths``). kwargs(args): parsed arguments -> keyword arguments of ``run``.
@@ -50,6 +51,7 @@ class Evaluator:
     uses_seed: bool = False
     reads_text: bool = False
     order: int = 100
+    label: str = ""
 
     def runner(self) -> Callable[..., dict]:
         module, _, fn = self.run.partition(":")

@@ -42,5 +42,5 @@ EVALUATOR = register_evaluator(Evaluator(
     name="harness", command="harness", subdir="harness", heading="Few-shot benchmarks (lm-eval)",
     help="lm-eval few-shot benchmarks (paper Table 5)",
     add_arguments=add_arguments, kwargs=kwargs, run="retrofit.eval.harness:run_harness", check=check,
-    uses_seed=True, order=20,
+    uses_seed=True, order=20, label="lm-eval",
 ))

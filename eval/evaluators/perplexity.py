@@ -24,6 +24,9 @@ def add_arguments(p: argparse.ArgumentParser, prefix: str) -> None:
     g.add_argument("--logit-budget-mb", type=int, default=256,
                    help="fp32 logits held at once; sets the lm_head slice size (default 256 MiB)")
     g.add_argument("--text-field", help="record field holding the text (jsonl / hub rows)")
+    g.add_argument("--no-reuse-prefixes", dest="reuse_prefixes", action="store_false",
+                   help="run every window on its own (default: a window that begins a longer one, e.g. the "
+                        "first window of a book at each length, reuses that window's per-token NLLs)")
 
 
 def kwargs(args: argparse.Namespace) -> dict:
@@ -32,7 +35,7 @@ def kwargs(args: argparse.Namespace) -> dict:
         max_windows=args.max_windows or None, max_docs=args.max_docs, bos=args.bos,
         chunk_size=args.chunk_size, baseline_chunk_size=args.baseline_chunk_size,
         logit_budget=args.logit_budget_mb * (1 << 20) // 4, text_field=args.text_field,
-        progress=not args.quiet,
+        progress=not args.quiet, reuse_prefixes=args.reuse_prefixes,
     )
 
 

@@ -58,7 +58,7 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
         pe.set_defaults(handler=_run_one, evaluator=ev.name)
 
     names = [ev.name for ev in kinds]
-    pa = evsub.add_parser("all", help=" + ".join(ev.command for ev in kinds) + ", and one markdown report")
+    pa = evsub.add_parser("all", help=" + ".join(ev.label or ev.name for ev in kinds) + ", and one markdown report")
     _common(pa)
     for ev in kinds:
         ev.add_arguments(pa, f"{ev.command}-")

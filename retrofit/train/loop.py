@@ -84,6 +84,8 @@ def _fingerprint(recipe: Recipe) -> dict:
             "batch_size": d["train"]["batch_size"], "micro_batch_size": d["train"]["micro_batch_size"]}
     if d["train"]["objective"] != "lm":  # older checkpoints (lm only) keep their hash
         same["objective"] = {"objective": d["train"]["objective"], "weights": d["train"]["objective_weights"]}
+        if d["train"].get("head_positions"):
+            same["objective"]["head_positions"] = d["train"]["head_positions"]
     return {"hash": hashlib.sha256(json.dumps(same, sort_keys=True, default=str).encode()).hexdigest()[:16], **same}
 
 
@@ -201,7 +203,8 @@ class _Run:
         new = new_parameter_names(model)
         from retrofit.train.objectives import Objective, objective_weights
 
-        self.objective = Objective(objective_weights(r.train.objective, r.train.objective_weights))
+        self.objective = Objective(objective_weights(r.train.objective, r.train.objective_weights),
+                                   head_positions=r.train.head_positions)
 
         from retrofit.surgery import retrofit_record
         from retrofit.surgery.fingerprint import section_digest, weights_fingerprint

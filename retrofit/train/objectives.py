@@ -11,6 +11,12 @@
   one slice of positions at a time (recomputed in backward), never whole;
 * ``mix``: ``sum_k train.objective_weights[k] * loss_k`` over any of the three.
 
+``train.head_positions: n`` runs the LM head (for ``kl`` and ``lm``) on n positions per sequence,
+sampled without replacement from those that have a next token, instead of all T: an unbiased
+estimate of the mean per-token term at n/T of the head's cost (for Gemma 3's 262k vocabulary the
+head is most of a KL step). The sample is a function of the batch's tokens, so a resumed run
+draws the same positions.
+
 Every objective returns ``(loss, parts)``: the scalar to back-propagate and each term's value.
 """
 from __future__ import annotations
@@ -98,9 +104,11 @@ def _capture_final_hidden(causal_lm: nn.Module):
 class Objective:
     """Computes a recipe's training loss for one micro-batch of packed token ids ``(B, T)``."""
 
-    def __init__(self, weights: dict[str, float], *, logit_budget: int = DEFAULT_LOGIT_BUDGET):
+    def __init__(self, weights: dict[str, float], *, logit_budget: int = DEFAULT_LOGIT_BUDGET,
+                 head_positions: int | None = None):
         self.weights = dict(weights)
         self.logit_budget = int(logit_budget)
+        self.head_positions = head_positions
 
     @property
     def name(self) -> str:
@@ -129,20 +137,40 @@ class Objective:
             with _capture_final_hidden(causal_lm) as box:
                 model(input_ids=input_ids, logits_to_keep=1)
             student = box[0]
-            for term, value in self._sliced_terms(causal_lm, student, teacher, input_ids).items():
+            targets = input_ids[:, 1:]
+            idx = self.sampled_positions(input_ids)
+            if idx is not None:
+                student, targets = student[:, idx], input_ids[:, idx + 1]
+                teacher = None if teacher is None else teacher[:, idx]
+            for term, value in self._sliced_terms(causal_lm, student, teacher, targets).items():
                 parts[term] = float(value.detach())
                 total = self.weights[term] * value if total is None else total + self.weights[term] * value
         return total, parts
 
+    def sampled_positions(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        """Sorted positions ``(n,)`` the head runs on (``head_positions`` of the T-1 with a next token),
+        or None for all. Seeded by the tokens, so the same batch always draws the same positions."""
+        T = input_ids.shape[1]
+        if not self.head_positions or self.head_positions >= T - 1:
+            return None
+        seed = int(input_ids.long().sum().item()) * 1_000_003 + T
+        g = torch.Generator().manual_seed(seed % (2**63 - 1))
+        idx = torch.randperm(T - 1, generator=g)[: self.head_positions].sort().values
+        return idx.to(input_ids.device)
+
     def _sliced_terms(self, causal_lm: nn.Module, student: torch.Tensor, teacher: torch.Tensor | None,
-                      input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Mean KL and/or next-token CE over positions, one slice of logits at a time."""
+                      targets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Mean KL and/or next-token CE over positions, one slice of logits at a time.
+
+        student / teacher: final hidden states ``(B, T, D)``; targets ``(B, N <= T)``: the next token
+        of each of the first N positions (the rest have none and enter only the KL).
+        """
         logits_of = _head_fn(causal_lm)
         B, T, _ = student.shape
+        N = targets.shape[1]
         vocab = causal_lm.get_output_embeddings().weight.shape[0]
         step = max(1, self.logit_budget // max(1, vocab * B))
         want_kl, want_lm = "kl" in self.weights, "lm" in self.weights
-        targets = input_ids[:, 1:]
 
         def piece(hs: torch.Tensor, ht: torch.Tensor | None, tgt: torch.Tensor, n_pred: int) -> torch.Tensor:
             logp = torch.log_softmax(logits_of(hs), dim=-1)
@@ -159,7 +187,7 @@ class Objective:
         sums = None
         for s in range(0, T, step):
             e = min(T, s + step)
-            n_pred = max(0, min(e, T - 1) - s)  # positions in this slice that have a next token
+            n_pred = max(0, min(e, N) - s)  # positions in this slice that have a next token
             args = (student[:, s:e], None if teacher is None else teacher[:, s:e], targets[:, s:s + n_pred], n_pred)
             val = checkpoint(piece, *args, use_reentrant=False) if student.requires_grad else piece(*args)
             sums = val if sums is None else sums + val
@@ -168,5 +196,5 @@ class Objective:
             out["kl"] = sums[i] / (B * T)
             i += 1
         if want_lm:
-            out["lm"] = sums[i] / (B * (T - 1))
+            out["lm"] = sums[i] / (B * N)
         return out

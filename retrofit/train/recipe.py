@@ -110,6 +110,7 @@ class TrainSection:
     grad_clip: float = 1.0
     objective: str = "lm"  # lm | attention | kl | mix (see retrofit.train.objectives)
     objective_weights: dict = field(default_factory=dict)  # mix only: {lm: w, attention: w, kl: w}
+    head_positions: int | None = None  # kl / lm terms: the LM head runs on this many sampled positions per sequence
     gradient_checkpointing: bool = True
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     seed: int = 0
@@ -217,6 +218,8 @@ class Recipe:
         from retrofit.train.objectives import objective_weights
 
         objective_weights(t.objective, t.objective_weights)  # SpecError naming the bad key
+        if t.head_positions is not None and (not isinstance(t.head_positions, int) or t.head_positions < 1):
+            raise SpecError(f"train.head_positions must be a positive integer or null (all positions), got {t.head_positions!r}")
         if self.stages:
             from retrofit.train.stages import stage_recipes
 

@@ -100,3 +100,38 @@ def test_uncapped_hub_stream_is_refused_before_any_download(base_dir):
 
     with pytest.raises(DataError, match="--max-windows"):
         run_perplexity(str(base_dir), datasets=["slimpajama"], lengths=[64], max_windows=None, progress=False)
+
+
+def test_prefix_reuse_matches_separate_forwards(converted_dir, base_dir):
+    """Window 0 of a book at 64 tokens is the start of window 0 at 128: reusing the longer forward's
+    per-token NLLs gives the numbers that running each window alone gives (model and baseline)."""
+    model, tok = loading.load_model(str(converted_dir))
+    base, btok = loading.load_model(str(base_dir))
+    kwargs = dict(tokenizer=tok, baseline=base, baseline_tokenizer=btok, datasets=["pg-books"],
+                  lengths=[40, 64, 128], max_windows=2, chunk_size=48, progress=False)
+    reused = run_perplexity(model, **kwargs)
+    alone = run_perplexity(model, reuse_prefixes=False, **kwargs)
+    for L in ("40", "64"):
+        for role in ("model", "baseline"):
+            a, b = reused["results"]["pg-books"][L][role], alone["results"]["pg-books"][L][role]
+            assert a["reused_windows"] >= 1 and a["reused_from_lengths"] == [128]
+            assert "reused_windows" not in b
+            assert a["tokens"] == b["tokens"]
+            assert a["ppl"] == pytest.approx(b["ppl"], rel=1e-5)
+    assert "reused_windows" not in reused["results"]["pg-books"]["128"]["model"]
+    assert "takes its per-token NLLs" in reused["description"]
+
+
+def test_prefix_reuse_checks_the_tokens():
+    """A cached window is reused only when its tokens really begin the asked window."""
+    from retrofit.eval.perplexity import PrefixCache
+    from retrofit.eval.windows import Window
+
+    cache = PrefixCache()
+    long = Window("doc", 0, torch.arange(10))
+    cache.store(long, torch.arange(9, dtype=torch.float64))
+    per_token, source = cache.lookup(Window("doc", 0, torch.arange(4)))
+    assert source == 10 and per_token.tolist() == [0.0, 1.0, 2.0]
+    assert cache.lookup(Window("doc", 0, torch.tensor([0, 1, 5, 3]))) is None  # other tokens
+    assert cache.lookup(Window("doc", 0, torch.arange(12))) is None  # longer than the cached one
+    assert cache.lookup(Window("other", 0, torch.arange(4))) is None

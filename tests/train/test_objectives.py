@@ -113,3 +113,37 @@ def test_distill_mode_needs_converted_model():
     with pytest.raises(SpecError, match="no converted layers"):
         with distill_mode(tiny_model("llama"), "teacher"):
             pass
+
+
+def test_head_positions_sample_matches_the_dense_terms_at_those_positions():
+    """With train.head_positions the KL / CE are the dense per-token terms averaged over the sampled
+    positions; the sample depends only on the tokens; a sample as large as T-1 is the full objective."""
+    model = convert(tiny_model("llama"), ConversionSpec(window=6, latents=8, init_swa_share=0.5))
+    ids = _ids()
+    obj = Objective({"kl": 1.0, "lm": 1.0}, head_positions=7)
+    idx = obj.sampled_positions(ids)
+    assert idx.shape == (7,) and bool((idx[1:] > idx[:-1]).all()) and int(idx.max()) < T - 1
+    assert torch.equal(idx, obj.sampled_positions(ids.clone()))  # resume draws the same positions
+    assert not torch.equal(idx, obj.sampled_positions(_ids(seed=1)))
+    _, parts = obj(model, ids)
+    with torch.no_grad():
+        student = model(input_ids=ids).logits
+        with distill_mode(model, "teacher"):
+            teacher = model(input_ids=ids).logits
+    ce = torch.nn.functional.cross_entropy(student[:, idx].reshape(-1, 256), ids[:, idx + 1].reshape(-1))
+    assert parts["kl"] == pytest.approx(kl_divergence(teacher[:, idx], student[:, idx]), rel=1e-4)
+    assert parts["lm"] == pytest.approx(float(ce), rel=1e-5)
+    loss, _ = obj(model, ids)
+    loss.backward()  # gradients flow through the gathered positions to the new weights
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in model.named_parameters() if "latent" in n)
+    full = Objective({"kl": 1.0})
+    assert Objective({"kl": 1.0}, head_positions=T - 1).sampled_positions(ids) is None
+    assert Objective({"kl": 1.0}, head_positions=T)(model, ids)[1] == pytest.approx(full(model, ids)[1])
+
+
+def test_head_positions_validation(tmp_path):
+    from retrofit.train.recipe import load_recipe
+
+    for bad in ("0", "-3", "2.5", "many"):
+        with pytest.raises(SpecError, match="head_positions"):
+            load_recipe("configs/gemma3-270m-hybrid-cpu.yaml", [f"train.head_positions={bad}"])
