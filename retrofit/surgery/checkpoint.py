@@ -110,6 +110,13 @@ def _sample(names: Iterable[str], n: int = 4) -> str:
     return ", ".join(names[:n]) + (f" (+{len(names) - n} more)" if len(names) > n else "")
 
 
+def _refuse_mismatch(head: str, *found: tuple[str, Iterable[str]]) -> None:
+    """``CheckpointError("head; what: a, b (+n more); ...")`` if any ``(what, names)`` has names."""
+    parts = [f"{what}: {_sample(names)}" for what, names in found if names]
+    if parts:
+        raise CheckpointError("; ".join([head, *parts]))
+
+
 def is_delta(path: str | os.PathLike) -> bool:
     return (Path(path) / DELTA_MANIFEST).is_file()
 
@@ -218,13 +225,9 @@ def load(
     model_keys = set(model.state_dict().keys())
     extra = set(where) - model_keys
     absent = set(new) - set(where)
-    if extra or absent:
-        msg = [f"{path}: its retrofit section ({spec.describe()}) and its weights disagree"]
-        if absent:
-            msg.append(f"weights the section needs but the files lack: {_sample(absent)}")
-        if extra:
-            msg.append(f"tensors in the files the section does not explain: {_sample(extra)}")
-        raise CheckpointError("; ".join(msg))
+    _refuse_mismatch(f"{path}: its retrofit section ({spec.describe()}) and its weights disagree",
+                     ("weights the section needs but the files lack", absent),
+                     ("tensors in the files the section does not explain", extra))
     recorded_layers = record.get("converted_layers")
     if recorded_layers is not None and list(recorded_layers) != converted_layers(model):
         raise CheckpointError(
@@ -341,13 +344,8 @@ def load_delta(
     new = set(new_parameter_names(model))
     absent = new - set(where)
     foreign = set(where) - set(params)
-    if absent or foreign:
-        msg = [f"{path}: the delta does not fit its base {base} converted with {spec.describe()}"]
-        if absent:
-            msg.append(f"new weights missing from the delta: {_sample(absent)}")
-        if foreign:
-            msg.append(f"delta tensors the model does not have: {_sample(foreign)}")
-        raise CheckpointError("; ".join(msg))
+    _refuse_mismatch(f"{path}: the delta does not fit its base {base} converted with {spec.describe()}",
+                     ("new weights missing from the delta", absent), ("delta tensors the model does not have", foreign))
     recorded_fp = manifest.get("base_fingerprint")
     if recorded_fp:
         held = set(where)
