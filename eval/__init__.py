@@ -12,8 +12,10 @@ Python API (each returns a JSON-friendly result dict and, given ``out=``, writes
     lm = run_harness("runs/gemma-macchiato", tasks=["hellaswag", "piqa"], out="runs/eval/harness")
     write_report("runs/eval", {"perplexity": ppl, "passkey": keys, "harness": lm})
 
-Importing this package also registers the lm-eval model ``retrofit`` (lazily: lm-eval itself
-loads only when that model is requested), so ``lm_eval.simple_evaluate(model="retrofit",
+Importing this package also registers the lm-eval model ``retrofit`` (at once if lm-eval is
+already imported, else right after its import, so importing retrofit.eval - which the CLI does for
+the evaluator registry - never imports lm-eval itself; ``RetrofitLM`` loads only when that model is
+requested), so ``lm_eval.simple_evaluate(model="retrofit",
 model_args="pretrained=DIR")`` works, and ``python -m retrofit.eval.lm_eval_cli run --model
 retrofit ...`` runs the lm-eval CLI with it.
 """
@@ -67,4 +69,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'retrofit.eval' has no attribute {name!r}")
 
 
-register_lm_eval_model()
+from retrofit._hooks import when_imported  # noqa: E402
+
+when_imported("lm_eval", register_lm_eval_model)
+del when_imported

@@ -7,27 +7,17 @@ with `datasets` (never downloaded in full); local corpora are .txt files (one do
 from __future__ import annotations
 
 import fnmatch
-import json
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from retrofit.data.text import check_utf8, current_text_errors, read_text
+from retrofit.data.documents import Document, file_documents, hub_documents, strip_gutenberg  # re-exported
 from retrofit.errors import DataError
 
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".json")
 PROTOCOLS = ("windows", "packed")
-
-
-@dataclass(frozen=True)
-class Document:
-    """One document: ``doc_id`` names it in results (file name, file:line or split:row)."""
-
-    doc_id: str
-    text: str
 
 
 @dataclass(frozen=True)
@@ -187,68 +177,10 @@ def _iter_local(spec: CorpusSpec) -> Iterator[Document]:
     files = list_local_files(spec)
     root = resolve_local_path(spec)
     for f in files:
-        rel = f.name if root.is_file() else str(f.relative_to(root))
-        if f.suffix == ".txt":  # the same policy as training: strict (error + byte offset) unless asked
-            yield Document(rel, read_text(f))
-            continue
-        policy = current_text_errors()
-        if policy == "strict":
-            check_utf8(f)  # streams the file once; the error names the byte offset
-        with f.open(encoding="utf-8", errors=policy) as fh:
-            for i, line in enumerate(fh):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{f}:{i + 1}: not valid JSON ({exc.msg})") from None
-                text = row.get(spec.text_field) if isinstance(row, dict) else None
-                if not isinstance(text, str):
-                    raise DataError(
-                        f"{f}:{i + 1}: no string field {spec.text_field!r} (pass --text-field to choose one)"
-                    )
-                yield Document(f"{rel}:{i + 1}", text)
+        yield from file_documents(f, f.name if root.is_file() else str(f.relative_to(root)), spec.text_field)
 
 
 def _iter_hub(spec: CorpusSpec) -> Iterator[Document]:
-    try:
-        import datasets
-    except ImportError as exc:  # pragma: no cover - the eval extra ships datasets
-        raise DataError("streaming hub datasets needs `datasets` (pip install 'retrofit[eval]')") from exc
-    try:
-        ds = datasets.load_dataset(
-            spec.hub_id, name=spec.config, split=spec.split, data_files=spec.data_files, streaming=True
-        )
-        for i, row in enumerate(ds):
-            text = row.get(spec.text_field)
-            if not isinstance(text, str):
-                raise DataError(
-                    f"dataset {spec.name!r} ({spec.hub_id}): rows have no string field {spec.text_field!r}; "
-                    f"fields are {sorted(row)}"
-                )
-            yield Document(f"{spec.split}:{i}", text)
-    except DataError:
-        raise
-    except Exception as exc:  # network, missing split, gated repo...
-        raise DataError(
-            f"could not stream dataset {spec.name!r} ({spec.hub_id}, split={spec.split}): "
-            f"{type(exc).__name__}: {exc}. Offline, evaluate on local files instead (e.g. pg-books)."
-        ) from exc
-
-
-_PG_START = re.compile(r"^\*\*\*\s*START OF.*$", re.MULTILINE | re.IGNORECASE)
-_PG_END = re.compile(
-    r"^(\*\*\*\s*END OF|End of (the )?Project Gutenberg)", re.MULTILINE | re.IGNORECASE
-)
-
-
-def strip_gutenberg(text: str) -> str:
-    """Keep the text between Project Gutenberg's ``*** START OF`` and ``*** END OF`` lines
-    (or the earlier ``End of Project Gutenberg's ...`` line); unchanged if there are none."""
-    m = _PG_START.search(text)
-    if m:
-        text = text[m.end() :]
-    m = _PG_END.search(text)
-    if m:
-        text = text[: m.start()]
-    return text.strip()
+    assert spec.hub_id is not None
+    yield from hub_documents(spec.name, spec.hub_id, config=spec.config, split=spec.split,
+                             data_files=spec.data_files, text_field=spec.text_field)

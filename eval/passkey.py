@@ -232,8 +232,7 @@ def run_passkey(
         res["out"] = str(out)
         plot_heatmap(res, out / "passkey.png")
         res["images"] = ["passkey.png"]
-        report.atomic_write_text(out / "table.md", res["description"] + "\n\n" + res["table"] + "\n")
-        report.write_json(out / "results.json", res)
+        report.save_results(out, res)
     return res
 
 

@@ -9,72 +9,32 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from retrofit.eval.evaluators import evaluators
+from retrofit.fs.atomic import write_json_atomic, write_text_atomic
+from retrofit.results import markdown_table, pyplot, save_figure as _save_figure, write_results
 
-def atomic_write_text(path: str | Path, text: str) -> Path:
-    """Write via a temp file in the same folder + rename: readers never see a half file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+__all__ = ["atomic_write_text", "fmt_length", "fmt_num", "markdown_table", "pyplot", "save_figure", "save_results", "write_json",
+           "write_report", "write_results"]
 
-
-def _json_default(o: Any):
-    if hasattr(o, "item"):
-        return o.item()
-    if isinstance(o, Path):
-        return str(o)
-    return str(o)
-
-
-def _finite(o: Any) -> Any:
-    """JSON has no inf/nan: write them as strings so every reader can parse the file."""
-    if isinstance(o, float) and not math.isfinite(o):
-        return str(o)
-    if isinstance(o, dict):
-        return {k: _finite(v) for k, v in o.items()}
-    if isinstance(o, (list, tuple)):
-        return [_finite(v) for v in o]
-    return o
+atomic_write_text = write_text_atomic  # the old name (retrofit.eval.report.atomic_write_text)
 
 
 def write_json(path: str | Path, obj: Any) -> Path:
-    return atomic_write_text(path, json.dumps(_finite(obj), indent=2, default=_json_default) + "\n")
+    """``obj`` as JSON, inf/nan written as strings, atomically."""
+    return write_json_atomic(path, obj, finite=True)
 
 
 def save_figure(fig, path: str | Path) -> Path:
     """Save a matplotlib figure atomically as PNG."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}.", suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=130, bbox_inches="tight")
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    return path
+    return _save_figure(fig, path, dpi=130)
 
 
-def pyplot():
-    """matplotlib.pyplot on the non-interactive Agg backend (headless machines)."""
-    from retrofit.extras import require
-
-    matplotlib = require("matplotlib", "plots (PNG files)")
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    return plt
+def save_results(out: str | Path, res: dict) -> tuple[Path, Path]:
+    """An evaluator's ``results.json`` and ``table.md`` (its description above its table) in ``out``."""
+    return write_results(out, res, res["description"] + "\n\n" + res["table"] + "\n")
 
 
 def fmt_length(n: int) -> str:
@@ -100,15 +60,6 @@ def fmt_num(x: Any, digits: int = 2) -> str:
     return f"{x:.{digits}f}"
 
 
-def markdown_table(header: list[str], rows: list[list[str]], align: list[str] | None = None) -> str:
-    """A GitHub-flavoured markdown table; ``align`` items are 'l' or 'r'."""
-    align = align or (["l"] + ["r"] * (len(header) - 1))
-    seps = [":---" if a == "l" else "---:" for a in align]
-    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(seps) + " |"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
-    return "\n".join(lines)
-
-
 def write_report(
     out_dir: str | Path,
     sections: dict[str, dict] | None = None,
@@ -118,9 +69,10 @@ def write_report(
 ) -> dict:
     """Combine evaluator results into ``out_dir/report.md``; returns ``{"path", "markdown"}``.
 
-    ``sections`` maps a kind (``perplexity``, ``harness``, ``passkey``) to the result dict of
-    ``run_perplexity`` / ``run_harness`` / ``run_passkey`` (each carries its ``out`` folder, its
-    table and its images). Without ``sections``, ``out_dir/*/results.json`` are read.
+    ``sections`` maps an evaluator name (``perplexity``, ``harness``, ``passkey``: see
+    :mod:`retrofit.eval.evaluators`, which gives each its heading and order) to its result dict
+    (each carries its ``out`` folder, its table and its images). Without ``sections``,
+    ``out_dir/*/results.json`` are read.
     """
     out_dir = Path(out_dir)
     if sections is None:
@@ -129,15 +81,12 @@ def write_report(
             res = json.loads(p.read_text())
             res.setdefault("out", str(p.parent))
             sections[res.get("kind", p.parent.name)] = res
-    headings = {
-        "perplexity": "Long-context perplexity",
-        "harness": "Few-shot benchmarks (lm-eval)",
-        "passkey": "Passkey retrieval",
-    }
+    kinds = [ev for ev in evaluators() if ev.name in sections]
+    headings = {ev.name: ev.heading for ev in kinds}
     parts = [f"# {title}", ""]
     if preamble:
         parts += [preamble.strip(), ""]
-    for kind in ("perplexity", "harness", "passkey", *[k for k in sections if k not in headings]):
+    for kind in (*headings, *[k for k in sections if k not in headings]):
         res = sections.get(kind)
         if not res:
             continue

@@ -12,7 +12,7 @@ its import, so ``import retrofit`` itself stays instant.
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from retrofit._version import __version__
 
 __all__ = ["__version__", "convert", "load", "ConversionSpec"]
 

@@ -70,7 +70,7 @@ class RetrofitCausalLMMixin:
                 f"{type(self).__name__} needs config.retrofit (the conversion record); build converted models "
                 "with retrofit.convert(base_model, spec) or load them from a converted folder"
             )
-        from retrofit.surgery.checkpoint import spec_from_record
+        from retrofit.surgery.records import spec_from_record
         from retrofit.surgery.convert import convert
 
         del config.retrofit  # convert refuses an already converted model; it writes the record again

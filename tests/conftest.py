@@ -18,6 +18,17 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the test (restored after it): tiny models decoded token by token and
+    tiny tensors run faster on one thread than on two on a shared 2-core box. Use it per module with
+    ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -13,13 +13,7 @@ from tests.surgery.tiny import tiny_model
 W = 8
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models decode token by token: intra-op threads only add contention on a shared box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def _decode(model, ids, cache, prefill):

@@ -43,10 +43,11 @@ from retrofit.bench.common import (
     matmul_flops,
     run_worker,
     save_figure_atomic,
+    bench_command,
+    log_log_axes,
+    write_bench_results,
     saved_tensor_bytes,
     time_call,
-    write_json_atomic,
-    write_text_atomic,
 )
 
 __all__ = ["OPS", "MODES", "run_attention_benchmark", "measure_point", "op_flops", "render_summary", "render_table"]
@@ -260,9 +261,8 @@ def run_attention_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     report = _assemble(results, cfg, modes, hw, max(ref_flops), ref_flops, args)
     report["backends_installed"] = available_backends()
     out_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out_dir / "results.json", report)
     table = render_table(report)
-    write_text_atomic(out_dir / "results.md", _markdown_report(report, table))
+    write_bench_results(out_dir, report, _markdown_report(report, table))
     _plot(report, out_dir / "attention.png")
     if not args.quiet:
         print(f"\n{hardware_line(hw)}")
@@ -293,7 +293,7 @@ def _assemble(results, cfg, modes, hw, ref, ref_all, args) -> dict[str, Any]:
             })
     report = {
         "suite": "attention",
-        "command": " ".join(["retrofit", *sys.argv[1:]]) if Path(sys.argv[0]).name == "retrofit" else None,
+        "command": bench_command(),
         "hardware": hw,
         "config": {**cfg, "lengths": sorted(args.lengths), "ops": sorted({r["op"] for r in results}), "modes": modes,
                    "isolate": args.isolate},
@@ -440,12 +440,7 @@ def _plot(report, path: Path) -> None:
             mem = [(r["T"], r["peak_bytes"] / 2**20) for r in rs if r.get("peak_bytes")]
             if mem:
                 ax_m.plot(*zip(*mem), style, color=colors[op], label=label, ms=4)
-    for ax, ylabel in ((ax_t, "time per call (s)"), (ax_m, "peak memory above inputs (MiB)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length T")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
+    log_log_axes(((ax_t, "time per call (s)"), (ax_m, "peak memory above inputs (MiB)")), "sequence length T")
     ax_t.legend(fontsize=7)
     cfg = report["config"]
     fig.suptitle(

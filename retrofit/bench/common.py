@@ -23,12 +23,14 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
+
+from retrofit.fs.atomic import save_figure_atomic
+from retrofit.results import markdown_table as _markdown_table, write_results
 
 __all__ = [
     "MALLOC_MODES",
@@ -40,8 +42,11 @@ __all__ = [
     "set_malloc_mode",
     "sync",
     "time_call",
-    "write_json_atomic",
-    "write_text_atomic",
+    "bench_command",
+    "finish_pair_bench",
+    "log_log_axes",
+    "save_figure_atomic",
+    "write_bench_results",
 ]
 
 # glibc mallopt parameters and defaults (64-bit)
@@ -278,40 +283,49 @@ def hardware_line(info: dict[str, Any]) -> str:
 # files and tables
 
 
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return path
+def write_bench_results(out: str | Path, report: dict, markdown: str) -> tuple[Path, Path]:
+    """A bench's ``results.json`` and ``results.md`` in ``out`` (atomic)."""
+    return write_results(out, report, markdown, markdown_name="results.md", finite=False, json_default=str)
 
 
-def write_json_atomic(path: str | Path, obj: Any) -> Path:
-    return write_text_atomic(path, json.dumps(obj, indent=2, default=str) + "\n")
+def bench_command() -> str | None:
+    """The ``retrofit ...`` command line of this run (None when not run through the console script)."""
+    return " ".join(["retrofit", *sys.argv[1:]]) if Path(sys.argv[0]).name == "retrofit" else None
 
 
-def save_figure_atomic(fig, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
-    fig.savefig(tmp, dpi=120, bbox_inches="tight")
-    os.replace(tmp, path)
-    return path
+def finish_pair_bench(suite: str, args: Any, hw: dict, info: dict, config: dict, rows: list[dict],
+                      render_table: Callable[[dict], str], plot: Callable[[dict, Path], Any]) -> dict[str, Any]:
+    """A base-vs-converted bench (``model``, ``decode``): its report dict, written as results.json,
+    results.md and ``<suite>.png`` under ``args.out``, and printed unless ``args.quiet``."""
+    report = {"suite": suite, "command": bench_command(), "hardware": hw, "models": info, "config": config,
+              "rows": rows}
+    out = Path(args.out)
+    table = render_table(report)
+    write_bench_results(out, report, "\n".join([
+        f"# retrofit bench {suite}", "", f"Hardware: {hardware_line(hw)}",
+        f"Base: {info['base']}", f"Converted: {info['converted']}", "", table, "",
+    ]))
+    plot(report, out / f"{suite}.png")
+    if not args.quiet:
+        print(f"\n{hardware_line(hw)}\nbase: {info['base']}\nconverted: {info['converted']}\n")
+        print(table)
+        print(f"\nwrote {out / 'results.json'}, {out / 'results.md'}, {out / f'{suite}.png'}")
+    return report
+
+
+def log_log_axes(axes_and_labels: Iterable[tuple[Any, str]], xlabel: str) -> None:
+    """Log2 x, log y, labels and a light grid on each ``(ax, ylabel)``: the bench plots' common frame."""
+    for ax, ylabel in axes_and_labels:
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
 
 
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
-    rows = [[_fmt(c) for c in r] for r in rows]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    line = lambda cells: "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    sep = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
-    return "\n".join([line(list(headers)), sep, *(line(r) for r in rows)])
+    """A bench table: right-aligned, padded columns, numbers to 2-3 significant digits."""
+    return _markdown_table(headers, rows, ["r"] * len(headers), pad=True, cell=_fmt)
 
 
 def _fmt(x: Any) -> str:

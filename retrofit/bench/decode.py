@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,12 +21,11 @@ import torch
 from retrofit.bench.common import (
     set_malloc_mode,
     hardware_info,
-    hardware_line,
     markdown_table,
     save_figure_atomic,
+    finish_pair_bench,
+    log_log_axes,
     sync,
-    write_json_atomic,
-    write_text_atomic,
 )
 from retrofit.bench.models import build_pair, cache_bytes, forward_kwargs
 
@@ -103,28 +101,9 @@ def run_decode_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         except RuntimeError as exc:  # out of memory at long contexts: record and go on
             r = {"T": T, "error": str(exc).splitlines()[0][:200]}
         rows.append({"model": name, **r})
-    report = {
-        "suite": "decode",
-        "command": " ".join(["retrofit", *sys.argv[1:]]) if Path(sys.argv[0]).name == "retrofit" else None,
-        "hardware": hw,
-        "models": info,
-        "config": {"lengths": lengths, "new_tokens": new_tokens, "batch": args.batch, "prefill_chunk": args.prefill_chunk,
-                   "device": args.device, "dtype": args.dtype, "backend": args.backend},
-        "rows": rows,
-    }
-    out = Path(args.out)
-    write_json_atomic(out / "results.json", report)
-    table = render_table(report)
-    write_text_atomic(out / "results.md", "\n".join([
-        "# retrofit bench decode", "", f"Hardware: {hardware_line(hw)}",
-        f"Base: {info['base']}", f"Converted: {info['converted']}", "", table, "",
-    ]))
-    _plot(report, out / "decode.png")
-    if not args.quiet:
-        print(f"\n{hardware_line(hw)}\nbase: {info['base']}\nconverted: {info['converted']}\n")
-        print(table)
-        print(f"\nwrote {out / 'results.json'}, {out / 'results.md'}, {out / 'decode.png'}")
-    return report
+    config = {"lengths": lengths, "new_tokens": new_tokens, "batch": args.batch, "prefill_chunk": args.prefill_chunk,
+              "device": args.device, "dtype": args.dtype, "backend": args.backend}
+    return finish_pair_bench("decode", args, hw, info, config, rows, render_table, _plot)
 
 
 def render_table(report: dict[str, Any]) -> str:
@@ -157,12 +136,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
         label = label if len(label) < 60 else label[:57] + "..."
         ax_t.plot([r["T"] for r in rs], [r["step_s"] * 1e3 for r in rs], style, label=f"{name}: {label}", ms=4)
         ax_m.plot([r["T"] for r in rs], [r["cache_bytes"] / 2**20 for r in rs], style, label=name, ms=4)
-    for ax, ylabel in ((ax_t, "latency per token (ms)"), (ax_m, "cache after the context (MiB)")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("context length")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
+    log_log_axes(((ax_t, "latency per token (ms)"), (ax_m, "cache after the context (MiB)")), "context length")
     ax_t.legend(fontsize=7)
     fig.suptitle(f"decoding: {report['config']['dtype']} on {report['hardware'].get('gpu') or report['hardware']['cpu_model']}",
                  fontsize=9)

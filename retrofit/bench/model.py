@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,12 +26,11 @@ from retrofit.bench.common import (
     set_malloc_mode,
     MemoryMeter,
     hardware_info,
-    hardware_line,
     markdown_table,
     save_figure_atomic,
+    finish_pair_bench,
+    log_log_axes,
     sync,
-    write_json_atomic,
-    write_text_atomic,
 )
 from retrofit.bench.models import build_pair, forward_kwargs
 
@@ -126,28 +124,9 @@ def run_model_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         except RuntimeError as exc:
             row["error"] = str(exc).splitlines()[0][:200]
         rows.append(row)
-    report = {
-        "suite": "model",
-        "command": " ".join(["retrofit", *sys.argv[1:]]) if Path(sys.argv[0]).name == "retrofit" else None,
-        "hardware": hw,
-        "models": info,
-        "config": {"lengths": lengths, "batch": args.batch, "repeats": repeats, "train_all": args.train_all,
-                   "device": args.device, "dtype": args.dtype, "backend": args.backend},
-        "rows": rows,
-    }
-    out = Path(args.out)
-    write_json_atomic(out / "results.json", report)
-    table = render_table(report)
-    write_text_atomic(out / "results.md", "\n".join([
-        "# retrofit bench model", "", f"Hardware: {hardware_line(hw)}",
-        f"Base: {info['base']}", f"Converted: {info['converted']}", "", table, "",
-    ]))
-    _plot(report, out / "model.png")
-    if not args.quiet:
-        print(f"\n{hardware_line(hw)}\nbase: {info['base']}\nconverted: {info['converted']}\n")
-        print(table)
-        print(f"\nwrote {out / 'results.json'}, {out / 'results.md'}, {out / 'model.png'}")
-    return report
+    config = {"lengths": lengths, "batch": args.batch, "repeats": repeats, "train_all": args.train_all,
+              "device": args.device, "dtype": args.dtype, "backend": args.backend}
+    return finish_pair_bench("model", args, hw, info, config, rows, render_table, _plot)
 
 
 def render_table(report: dict[str, Any]) -> str:
@@ -180,11 +159,7 @@ def _plot(report: dict[str, Any], path: Path) -> None:
                         key=lambda r: r["T"])
             if rs:
                 ax.plot([r["T"] for r in rs], [r["tokens_per_s"] for r in rs], style, color=color, label=f"{name} {kind}", ms=4)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("sequence length T")
-    ax.set_ylabel("tokens / s")
-    ax.grid(True, which="both", alpha=0.3)
+    log_log_axes([(ax, "tokens / s")], "sequence length T")
     ax.legend(fontsize=8)
     ax.set_title(f"whole model: {report['config']['dtype']} on {report['hardware'].get('gpu') or report['hardware']['cpu_model']}",
                  fontsize=9)

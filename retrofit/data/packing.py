@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
+from retrofit.data.bos import sequence_bos  # re-exported: the old import path
 from retrofit.errors import DataError
 
 __all__ = ["PackedSequences", "pack_tokens", "take_block", "make_tokenize", "eval_blocks", "sequence_bos"]
@@ -35,15 +36,6 @@ def make_tokenize(tokenizer: Any) -> Callable[[str], list[int]]:
         return tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"]
 
     return tokenize
-
-
-def sequence_bos(tokenizer: Any) -> int | None:
-    """The BOS id if the tokenizer puts one in front of every text (Gemma, Llama), else None (Qwen2, GPT-2)."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is None:
-        return None
-    ids = tokenizer("a", add_special_tokens=True, verbose=False)["input_ids"]
-    return int(bos) if ids and ids[0] == bos else None
 
 
 def take_block(stream: np.ndarray, seq_len: int, bos_id: int | None) -> tuple[np.ndarray | None, np.ndarray]:

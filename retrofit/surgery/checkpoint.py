@@ -17,28 +17,30 @@ place at the end: a failure leaves nothing partial behind.
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
 import os
-import shutil
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 import torch
 from torch import nn
 
-from retrofit.errors import CheckpointError, SpecError
+from retrofit.errors import CheckpointError
+from retrofit.fs.atomic import atomic_directory  # re-exported: the old import path
 from retrofit.surgery.convert import convert, converted_layers, is_converted, new_parameter_names, retrofit_record
 from retrofit.surgery.fingerprint import (
     SECTION_DIGEST_KEY, compare_fingerprints, section_digest, weights_fingerprint,
 )
-from retrofit.surgery.spec import ConversionSpec
+from retrofit.surgery.records import check_section_digest, spec_from_record  # re-exported
+from retrofit.surgery.sources import (
+    ALIASES, first_line, load_plain, locate, quiet_transformers, read_config, read_json, resolve_dtype,
+)
 
 __all__ = [
     "DELTA_MANIFEST",
     "DELTA_WEIGHTS",
     "atomic_directory",
+    "quiet_transformers",
     "is_delta",
     "load",
     "load_delta",
@@ -53,73 +55,6 @@ DELTA_FORMAT = "retrofit-delta/1"
 
 
 # ---------------------------------------------------------------------- helpers
-@contextlib.contextmanager
-def atomic_directory(
-    out_dir: str | os.PathLike, *, overwrite: bool = False, protect: Iterable[str | os.PathLike | None] = (),
-) -> Iterator[Path]:
-    """Yield a fresh temporary folder next to ``out_dir``; rename it to ``out_dir`` on success.
-
-    The target is locked for the whole write (``.NAME.lock``, see :mod:`retrofit.fs.locks`). An
-    existing target is replaced only with ``overwrite`` and only if it is a checkpoint folder that
-    neither is nor contains the current directory or a ``protect`` path (see
-    :func:`retrofit.fs.check_replaceable`). The temporary folder is named after this process
-    (``.NAME.tmp-PID-HOST-RAND``): a failure or SIGTERM removes it, and after a SIGKILL the next
-    writer of the same target removes it.
-    """
-    from retrofit.fs import check_replaceable, clean_stale_temps, make_temp_dir, output_lock
-
-    out = Path(out_dir)
-    check_replaceable(out, overwrite=overwrite, protect=protect)
-    with output_lock(out):
-        clean_stale_temps(out.parent, out.name)
-        try:
-            tmp = make_temp_dir(out.parent, out.name)
-        except OSError as exc:
-            raise CheckpointError(f"cannot write into {out.parent}: {exc.strerror or exc}; choose a writable "
-                                  "output folder") from None
-        try:
-            yield tmp
-            os.chmod(tmp, 0o755)
-            if out.exists() or out.is_symlink():
-                check_replaceable(out, overwrite=overwrite, protect=protect)  # appeared or changed meanwhile
-                trash = make_temp_dir(out.parent, out.name, kind="old")
-                os.rename(out, trash / "old")
-                os.rename(tmp, out)
-                shutil.rmtree(trash, ignore_errors=True)
-            else:
-                os.rename(tmp, out)
-        except OSError as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"cannot write {out}: {exc.strerror or exc}; free space or choose a writable "
-                                  "output folder (nothing was written)") from None
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-
-
-@contextlib.contextmanager
-def quiet_transformers() -> Iterator[None]:
-    """Silence transformers' info/warning logs (e.g. the expected 'unused weights' notice)."""
-    from transformers.utils import logging as hf_logging
-
-    level = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-
-
-def spec_from_record(record: Any, where: str = "checkpoint") -> ConversionSpec:
-    if isinstance(record, dict):
-        record = {k: v for k, v in record.items() if k != SECTION_DIGEST_KEY}
-    try:
-        spec = ConversionSpec.from_dict(record, allow_record_keys=True)
-    except SpecError as exc:
-        raise CheckpointError(f"{where}: its retrofit section is invalid: {exc}") from None
-    return dataclasses.replace(spec, dtype=None)  # weights are loaded in the caller's dtype
-
-
 def _safetensors_keys(files: Iterable[Path]) -> dict[str, Path]:
     from safetensors import safe_open
 
@@ -130,31 +65,15 @@ def _safetensors_keys(files: Iterable[Path]) -> dict[str, Path]:
                 for k in fh.keys():
                     where[k] = f
         except Exception as exc:  # SafetensorError, OSError: truncated, corrupt or unreadable
-            raise CheckpointError(f"{f} is not a readable safetensors file ({_first_line(exc)}); it is truncated or "
+            raise CheckpointError(f"{f} is not a readable safetensors file ({first_line(exc)}); it is truncated or "
                                   "corrupt: write or download it again") from None
     return where
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else type(exc).__name__)[:300]
-
-
-def check_section_digest(record: dict, where: str) -> None:
-    """The record's conversion fields still hash to the digest written with the weights (if any)."""
-    recorded = record.get(SECTION_DIGEST_KEY)
-    if recorded is not None and recorded != section_digest(record):
-        raise CheckpointError(f"{where}: its retrofit section was edited after the weights were written (digest "
-                              f"{recorded} recorded, {section_digest(record)} now); restore the original section "
-                              "(method, window, latents, layers, ...) or convert and train again")
 
 
 def _local_base(name: str | None) -> str | None:
     """An existing local base path made absolute (hub ids and aliases unchanged)."""
     if not name:
         return name
-    from retrofit.surgery.loading import ALIASES
-
     if name in ALIASES:
         return name
     p = Path(name).expanduser()
@@ -175,7 +94,7 @@ def _copy_tensors(model: nn.Module, names: Iterable[str], where: dict[str, Path]
                     try:
                         t = fh.get_tensor(k)
                     except Exception as exc:
-                        raise CheckpointError(f"{f}: cannot read {k} ({_first_line(exc)}); the file is truncated "
+                        raise CheckpointError(f"{f}: cannot read {k} ({first_line(exc)}); the file is truncated "
                                               "or corrupt: write or download it again") from None
                     p = params[k]
                     if tuple(t.shape) != tuple(p.shape):
@@ -191,11 +110,11 @@ def _sample(names: Iterable[str], n: int = 4) -> str:
     return ", ".join(names[:n]) + (f" (+{len(names) - n} more)" if len(names) > n else "")
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from None
+def _refuse_mismatch(head: str, *found: tuple[str, Iterable[str]]) -> None:
+    """``CheckpointError("head; what: a, b (+n more); ...")`` if any ``(what, names)`` has names."""
+    parts = [f"{what}: {_sample(names)}" for what, names in found if names]
+    if parts:
+        raise CheckpointError("; ".join([head, *parts]))
 
 
 def is_delta(path: str | os.PathLike) -> bool:
@@ -262,7 +181,7 @@ def load(
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{path} is not a checkpoint folder (no config.json)")
-    raw = _read_json(cfg_file)
+    raw = read_json(cfg_file)
     record = raw.get("retrofit")
     if not isinstance(record, dict):
         raise CheckpointError(
@@ -292,7 +211,7 @@ def load(
                 ignore_mismatched_sizes=True,  # reported below, with the retrofit section named
             )
         except (OSError, ValueError, RuntimeError, TypeError, KeyError) as exc:
-            raise CheckpointError(f"cannot rebuild the converted architecture from {path}: {_first_line(exc)}") from None
+            raise CheckpointError(f"cannot rebuild the converted architecture from {path}: {first_line(exc)}") from None
     if legacy:
         del model.config.retrofit  # from config.json; convert writes it again
         convert(model, spec, base_model=record.get("base_model"))
@@ -306,13 +225,9 @@ def load(
     model_keys = set(model.state_dict().keys())
     extra = set(where) - model_keys
     absent = set(new) - set(where)
-    if extra or absent:
-        msg = [f"{path}: its retrofit section ({spec.describe()}) and its weights disagree"]
-        if absent:
-            msg.append(f"weights the section needs but the files lack: {_sample(absent)}")
-        if extra:
-            msg.append(f"tensors in the files the section does not explain: {_sample(extra)}")
-        raise CheckpointError("; ".join(msg))
+    _refuse_mismatch(f"{path}: its retrofit section ({spec.describe()}) and its weights disagree",
+                     ("weights the section needs but the files lack", absent),
+                     ("tensors in the files the section does not explain", extra))
     recorded_layers = record.get("converted_layers")
     if recorded_layers is not None and list(recorded_layers) != converted_layers(model):
         raise CheckpointError(
@@ -394,10 +309,8 @@ def load_delta(
     dtype: torch.dtype | str | None = None,
 ) -> tuple[nn.Module, Any]:
     """Re-attach a delta to its base (``base`` or the recorded ``base_model``); returns ``(model, tokenizer)``."""
-    from retrofit.surgery.loading import load_any
-
     path = Path(path)
-    manifest = _read_json(path / DELTA_MANIFEST)
+    manifest = read_json(path / DELTA_MANIFEST)
     if manifest.get("format") != DELTA_FORMAT:
         raise CheckpointError(f"{path}: unknown delta format {manifest.get('format')!r} (expected {DELTA_FORMAT})")
     record = manifest.get("retrofit")
@@ -420,7 +333,10 @@ def load_delta(
     if set(listed) != set(where):
         raise CheckpointError(f"{path}: manifest lists {_sample(listed)} but the file holds {_sample(where)}")
 
-    model, tokenizer = load_any(base, dtype=dtype)
+    folder, source, alias = locate(base)
+    if folder is not None and (is_delta(folder) or "retrofit" in read_config(folder)):
+        raise CheckpointError(f"the base {base} is itself converted; a delta attaches to a base model")
+    model, tokenizer = load_plain(source, alias, resolve_dtype(dtype))
     if is_converted(model):
         raise CheckpointError(f"the base {base} is itself converted; a delta attaches to a base model")
     convert(model, spec, base_model=str(base))
@@ -428,13 +344,8 @@ def load_delta(
     new = set(new_parameter_names(model))
     absent = new - set(where)
     foreign = set(where) - set(params)
-    if absent or foreign:
-        msg = [f"{path}: the delta does not fit its base {base} converted with {spec.describe()}"]
-        if absent:
-            msg.append(f"new weights missing from the delta: {_sample(absent)}")
-        if foreign:
-            msg.append(f"delta tensors the model does not have: {_sample(foreign)}")
-        raise CheckpointError("; ".join(msg))
+    _refuse_mismatch(f"{path}: the delta does not fit its base {base} converted with {spec.describe()}",
+                     ("new weights missing from the delta", absent), ("delta tensors the model does not have", foreign))
     recorded_fp = manifest.get("base_fingerprint")
     if recorded_fp:
         held = set(where)

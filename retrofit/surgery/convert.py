@@ -97,7 +97,7 @@ def convert(model: nn.Module, spec: ConversionSpec | None = None, *, base_model:
     (``convert(model, method="exp-linear")``). ``base_model`` overrides the recorded base id
     (default: ``config._name_or_path``).
     """
-    from retrofit import __version__
+    from retrofit._version import __version__
     from retrofit.patches import get_patch
     from retrofit.patches.attention import register as register_attention
 

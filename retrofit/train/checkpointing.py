@@ -25,6 +25,7 @@ import uuid
 from pathlib import Path
 
 from retrofit.errors import CheckpointError
+from retrofit.fs.atomic import fsync_dir, write_json_atomic as _write_json_atomic
 
 __all__ = [
     "STATE_FILE", "checkpoint_dir", "temp_dir", "list_checkpoints", "latest_checkpoint", "publish",
@@ -59,28 +60,9 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(str(path), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def write_json_atomic(path: Path, data: dict) -> None:
-    """Write JSON to ``path`` via a temporary file, fsync and rename."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
-    with open(tmp, "w") as fh:
-        json.dump(data, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    """Write JSON to ``path`` via a temporary file, fsync and rename (keys sorted; no fallback encoder)."""
+    _write_json_atomic(path, data, sort_keys=True, default=None)
 
 
 def publish(tmp: Path, final: Path, state: dict) -> Path:
@@ -89,7 +71,7 @@ def publish(tmp: Path, final: Path, state: dict) -> Path:
     if final.exists():  # a re-save of the same step (e.g. after resuming from it): replace it
         remove_dir(final)
     os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     return final
 
 

@@ -11,7 +11,9 @@ from typing import Any, Callable
 
 import torch
 
-from retrofit.data.packing import PackedSequences, eval_blocks, make_tokenize, sequence_bos
+from retrofit.data.bos import sequence_bos
+from retrofit.data.documents import strip_gutenberg
+from retrofit.data.packing import PackedSequences, eval_blocks, make_tokenize
 from retrofit.data.sources import load_documents, resolve_files, shard_documents, split_holdout
 from retrofit.train.recipe import Recipe
 
@@ -40,8 +42,6 @@ def recipe_tokenize(recipe: Recipe, tokenizer: Any) -> Callable[[str], list[int]
     tokenize = make_tokenize(tokenizer)
     if not recipe.data.strip_gutenberg:
         return tokenize
-    from retrofit.eval.corpora import strip_gutenberg
-
     return lambda text: tokenize(strip_gutenberg(text))
 
 

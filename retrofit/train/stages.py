@@ -19,12 +19,12 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from retrofit.errors import CheckpointError, SpecError
+from retrofit.fs.atomic import write_json_atomic
 from retrofit.train.recipe import Recipe, recipe_from_dict
 
 if TYPE_CHECKING:
@@ -104,9 +104,7 @@ def stage_recipes(recipe: Recipe) -> list[tuple[str, Recipe]]:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, data, indent=1, default=str)
 
 
 def _stage_list_hash(recipe: Recipe) -> dict:

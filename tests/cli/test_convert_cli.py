@@ -13,12 +13,7 @@ from retrofit.surgery import load, load_any
 from tests.surgery.tiny import tiny_model, tiny_tokenizer
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 @pytest.fixture(scope="module")

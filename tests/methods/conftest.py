@@ -2,12 +2,9 @@
 loops many times slower, so these tests run on one thread.
 """
 import pytest
-import torch
 
 
 @pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
+    """Every test in this folder uses the shared ``one_thread`` fixture (tests/conftest.py)."""
     yield
-    torch.set_num_threads(n)

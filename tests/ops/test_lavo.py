@@ -22,13 +22,7 @@ from retrofit.ops.sliding_window import sliding_window_attention
 from tests.ops._inputs import padding_mask
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread is faster than two on a shared 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def _bases(H, r, d, dtype=torch.float64):

@@ -11,13 +11,7 @@ from retrofit.ops.llp import LLPState, llp_attention, llp_attention_cached, llp_
 from tests.ops._inputs import padding_mask
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: one intra-op thread is faster than two on a shared 2-core box."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def _loop_reference(q, k, v, segment, scaling, softcap, mask):

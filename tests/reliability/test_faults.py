@@ -27,12 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------- helpers
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,113 @@
+"""The evaluator registry: what ``retrofit eval`` can run, read by the CLI, the suite and the report.
+
+Each evaluator kind (perplexity, harness, passkey, ...) is one module in this package that calls
+:func:`register_evaluator` with an :class:`Evaluator`: its name, CLI sub-command, arguments,
+how parsed arguments become keyword arguments of its run function, the run function itself
+(``"module:function"``, imported only when it runs, so ``retrofit --help`` stays light) and its
+report section. The modules here are discovered, so adding a kind is adding one module.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+from retrofit.errors import RetrofitError
+
+__all__ = ["Evaluator", "evaluators", "get_evaluator", "length_arg", "depth_arg", "register_evaluator"]
+
+
+@dataclass(frozen=True)
+class Evaluator:
+    """One evaluator kind.
+
+    name: the section key (``results.json`` ``kind``, ``run_all`` keyword, ``--skip`` value).
+    command: the ``retrofit eval COMMAND`` sub-command; subdir: its folder under ``eval all``.
+    heading: its section title in ``report.md``; help: the sub-command's one-line help; label: its
+    short name in ``eval all``'s help (default: ``name``).
+    add_arguments(parser, prefix): its flags; ``prefix`` is ``""`` for its own sub-command and
+    ``"<command>-"`` inside ``eval all``, where flags that several kinds share (``--lengths``) take
+    it (``--ppl-lengths``). kwargs(args): parsed arguments -> keyword arguments of ``run``.
+    run: ``"module:function"`` called as ``fn(model, baseline=..., device=..., dtype=..., out=...,
+    command=..., **kwargs)``. check(args): flag checks that must fail before any model loads.
+    uses_bos / uses_seed: whether it takes the shared ``--bos`` / ``--seed`` flags.
+    reads_text: whether it reads local text (then ``--text-errors`` applies around it).
+    order: position in ``eval all`` and in the report.
+    """
+
+    name: str
+    command: str
+    subdir: str
+    heading: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser, str], None]
+    kwargs: Callable[[argparse.Namespace], dict]
+    run: str
+    check: Callable[[argparse.Namespace], None] | None = None
+    uses_bos: bool = False
+    uses_seed: bool = False
+    reads_text: bool = False
+    order: int = 100
+    label: str = ""
+
+    def runner(self) -> Callable[..., dict]:
+        module, _, fn = self.run.partition(":")
+        return getattr(importlib.import_module(module), fn)
+
+
+_REGISTRY: dict[str, Evaluator] = {}
+_DISCOVERED = False
+
+
+def register_evaluator(ev: Evaluator) -> Evaluator:
+    """Add an evaluator kind (a name or command already taken by another kind is an error)."""
+    for other in _REGISTRY.values():
+        if other.name != ev.name and ev.command in (other.command, other.name):
+            raise RetrofitError(f"evaluator {ev.name!r}: command {ev.command!r} is taken by {other.name!r}")
+    _REGISTRY[ev.name] = ev
+    return ev
+
+
+def _discover() -> None:
+    global _DISCOVERED
+    if _DISCOVERED:
+        return
+    _DISCOVERED = True
+    for info in pkgutil.iter_modules(__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{info.name}")
+
+
+def evaluators() -> list[Evaluator]:
+    """Every registered evaluator kind, in ``order``."""
+    _discover()
+    return sorted(_REGISTRY.values(), key=lambda e: (e.order, e.name))
+
+
+def get_evaluator(name: str) -> Evaluator:
+    _discover()
+    if name not in _REGISTRY:
+        raise RetrofitError(f"unknown evaluator {name!r}: known are {', '.join(e.name for e in evaluators())}")
+    return _REGISTRY[name]
+
+
+# ---------------------------------------------------------------------- argument types shared by kinds
+def length_arg(text: str) -> int:
+    """'4096', '4K', '4k', '32K' -> tokens."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kK]?)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a length: {text!r} (use 4096 or 4K)")
+    value = float(m.group(1)) * (1024 if m.group(2) else 1)
+    if value != int(value) or value < 2:
+        raise argparse.ArgumentTypeError(f"not a whole number of tokens >= 2: {text!r}")
+    return int(value)
+
+
+def depth_arg(text: str) -> float:
+    d = float(text)
+    if not 0.0 <= d <= 1.0:
+        raise argparse.ArgumentTypeError(f"depth {text} must be in [0, 1]")
+    return d

@@ -1,0 +1,32 @@
+"""``retrofit eval passkey``: passkey retrieval over lengths x depths (a heat map)."""
+from __future__ import annotations
+
+import argparse
+
+from retrofit.eval.evaluators import Evaluator, depth_arg, length_arg, register_evaluator
+
+
+def add_arguments(p: argparse.ArgumentParser, prefix: str) -> None:
+    g = p.add_argument_group("passkey")
+    g.add_argument(f"--{prefix}lengths", dest="passkey_lengths", type=length_arg, nargs="+", metavar="L",
+                   default=[1024, 2048, 4096, 8192, 16384, 32768], help="prompt lengths (default 1K..32K)")
+    g.add_argument("--depths", type=depth_arg, nargs="+", metavar="D", default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                   help="needle depths in [0, 1] (default 0 0.25 0.5 0.75 1)")
+    g.add_argument("--trials", type=int, default=5, help="prompts per (length, depth) cell")
+    g.add_argument("--haystack", default="pg-books", help="corpus for the filler text (default pg-books)")
+    g.add_argument("--key-digits", type=int, default=5)
+
+
+def kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        lengths=args.passkey_lengths, depths=args.depths, trials=args.trials, haystack=args.haystack,
+        key_digits=args.key_digits, seed=args.seed, bos=args.bos, progress=not args.quiet,
+    )
+
+
+EVALUATOR = register_evaluator(Evaluator(
+    name="passkey", command="passkey", subdir="passkey", heading="Passkey retrieval",
+    help="passkey retrieval over lengths x depths (heat map)",
+    add_arguments=add_arguments, kwargs=kwargs, run="retrofit.eval.passkey:run_passkey",
+    uses_bos=True, uses_seed=True, reads_text=True, order=30,
+))

