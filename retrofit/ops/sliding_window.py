@@ -37,6 +37,38 @@ def _softcap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return torch.tanh(scores / softcap) * softcap
 
 
+def _dense_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    window: int,
+    scaling: float | None,
+    softcap: float | None,
+    key_padding_mask: torch.Tensor | None,
+    num_past: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Window-masked scores ``(B, Hkv, group, Tq, Tk)`` (-inf outside; fp32 or wider) and the query
+    validity ``(B, 1, 1, Tq, 1)`` (None without padding). A padded query sees only its own key, so
+    no row is all -inf."""
+    B, Hq, Tq, d = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    scaling = d**-0.5 if scaling is None else scaling
+    qg = q.reshape(B, Hkv, group * Tq, d)
+    scores = _upcast(torch.matmul(qg, k.transpose(-1, -2))) * scaling
+    scores = _softcap(scores, softcap).view(B, Hkv, group, Tq, Tk)
+    q_pos = torch.arange(Tq, device=q.device)[:, None] + num_past
+    k_pos = torch.arange(Tk, device=q.device)[None, :]
+    allowed = (k_pos <= q_pos) & (k_pos > q_pos - window)  # (Tq, Tk)
+    allowed = allowed.view(1, 1, 1, Tq, Tk)
+    q_valid = None
+    if key_padding_mask is not None:
+        kv_valid = key_padding_mask.view(B, 1, 1, 1, Tk).bool()
+        q_valid = key_padding_mask[:, num_past:].view(B, 1, 1, Tq, 1).bool()
+        self_key = k_pos == q_pos
+        allowed = (allowed & kv_valid) | (~q_valid & self_key.view(1, 1, 1, Tq, Tk))
+    return scores.masked_fill(~allowed, float("-inf")), q_valid
+
+
 def sliding_window_attention_reference(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -53,26 +85,9 @@ def sliding_window_attention_reference(
     Hkv, Tk = k.shape[1], k.shape[2]
     if Tk != num_past + Tq:
         raise ValueError(f"keys ({Tk}) must be num_past ({num_past}) + queries ({Tq})")
-    group = Hq // Hkv
-    scaling = d**-0.5 if scaling is None else scaling
-    qg = q.reshape(B, Hkv, group * Tq, d)
-    scores = _upcast(torch.matmul(qg, k.transpose(-1, -2))) * scaling
-    scores = _softcap(scores, softcap).view(B, Hkv, group, Tq, Tk)
-
-    q_pos = torch.arange(Tq, device=q.device)[:, None] + num_past
-    k_pos = torch.arange(Tk, device=q.device)[None, :]
-    allowed = (k_pos <= q_pos) & (k_pos > q_pos - window)  # (Tq, Tk)
-    allowed = allowed.view(1, 1, 1, Tq, Tk)
-    q_valid = None
-    if key_padding_mask is not None:
-        kv_valid = key_padding_mask.view(B, 1, 1, 1, Tk).bool()
-        q_valid = key_padding_mask[:, num_past:].view(B, 1, 1, Tq, 1).bool()
-        # a padded query sees its own key only, so its row never is all -inf; zeroed below
-        self_key = k_pos == q_pos
-        allowed = (allowed & kv_valid) | (~q_valid & self_key.view(1, 1, 1, Tq, Tk))
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    scores, q_valid = _dense_scores(q, k, window, scaling, softcap, key_padding_mask, num_past)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    out = torch.matmul(probs.view(B, Hkv, group * Tq, Tk), v).view(B, Hq, Tq, -1)
+    out = torch.matmul(probs.view(B, Hkv, (Hq // Hkv) * Tq, Tk), v).view(B, Hq, Tq, -1)
     if q_valid is not None:
         out = out * q_valid.view(B, 1, Tq, 1).to(out.dtype)
     return out
@@ -334,6 +349,9 @@ def sliding_window_lse(
         k = k[:, :, drop:]
         key_padding_mask = None if key_padding_mask is None else key_padding_mask[:, drop:]
         num_past, Tk = window, window + Tq
+    if Tq <= window:  # short query blocks (decoding, short sequences): dense over <= 2w keys, no w-padding
+        scores, _ = _dense_scores(q, k, window, scaling, softcap, key_padding_mask, num_past)
+        return torch.logsumexp(scores, dim=-1).view(B, Hq, Tq)
     scaling = d**-0.5 if scaling is None else scaling
     w, group = window, Hq // Hkv
     qb, (kb,), allowed, _, n = _block_layout(q, (k,), window, num_past, key_padding_mask)

@@ -116,3 +116,26 @@ def test_chunked_calls_with_carried_sinks_equal_one_call():
         outs.append(out)
         seen = hi
     torch.testing.assert_close(torch.cat(outs, dim=2), ref, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("num_past", [0, 3, 7])
+@pytest.mark.parametrize("T", [1, 5, 12, 29])
+def test_lse_short_and_long_query_blocks_agree_with_dense(num_past, T):
+    """Query blocks no longer than the window take the dense path, longer ones the blocked layout;
+    both equal the dense log-sum-exp, with cached keys in front (decoding / chunked prefill)."""
+    window = 8
+    q, k, _ = _inputs(T=T)
+    past = _inputs(T=max(num_past, 1), seed=5)[1][:, :, :num_past]
+    keys = torch.cat([past, k], dim=2)
+    mask = torch.ones(2, num_past + T, dtype=torch.bool)
+    mask[1, : min(2, num_past + T - 1)] = False
+    got = sliding_window_lse(q, keys, window, scaling=0.3, softcap=2.0, key_padding_mask=mask, num_past=num_past)
+    s = torch.matmul(q, keys.repeat_interleave(2, 1).transpose(-1, -2)) * 0.3
+    s = torch.tanh(s / 2.0) * 2.0
+    tq = torch.arange(T)[:, None] + num_past
+    tk = torch.arange(num_past + T)[None]
+    allowed = ((tk <= tq) & (tk > tq - window))[None, None] & mask[:, None, None, :]
+    ref = torch.logsumexp(s.masked_fill(~allowed, float("-inf")), -1)
+    real = mask[:, None, num_past:].expand_as(ref)
+    assert got.shape == (2, q.shape[1], T)
+    torch.testing.assert_close(got[real], ref[real], atol=1e-12, rtol=1e-12)
