@@ -11,6 +11,7 @@ from tests.surgery.tiny import tiny_model, tiny_tokenizer
 def test_generate_streams_text(tmp_path, capsys):
     model = convert(tiny_model("llama"), ConversionSpec(window=8, latents=8), base_model="tiny")
     save(model, tmp_path / "mac", tokenizer=tiny_tokenizer())
+    capsys.readouterr()  # what saving printed (DeepSpeed's first-import notice) is not generate's output
     rc = main(["generate", str(tmp_path / "mac"), "--prompt", "It is a truth universally", "--max-new-tokens", "20"])
     out = capsys.readouterr()
     assert rc == 0
