@@ -75,7 +75,10 @@ def _default_chunk(op: str) -> int:
 
     if op not in _CHUNKED_OP:
         return 64  # unchunked ops: the FLOP formula does not use C
-    return int(inspect.signature(getattr(retrofit.ops, _CHUNKED_OP[op])).parameters["chunk_size"].default)
+    default = inspect.signature(getattr(retrofit.ops, _CHUNKED_OP[op])).parameters["chunk_size"].default
+    if default is None:  # a composition (Macchiato) that keeps its Latte kernel's own default
+        return _default_chunk("latte")
+    return int(default)
 
 
 # --------------------------------------------------------------------------------------
