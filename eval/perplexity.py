@@ -277,8 +277,7 @@ def run_perplexity(
         res["out"] = str(out)
         plot_perplexity(res, out / "perplexity.png")
         res["images"] = ["perplexity.png"]
-        report.atomic_write_text(out / "table.md", res["description"] + "\n\n" + res["table"] + "\n")
-        report.write_json(out / "results.json", res)
+        report.save_results(out, res)
     return res
 
 
