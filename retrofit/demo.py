@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from retrofit import __version__
 from retrofit.errors import RetrofitError
+from retrofit.results import markdown_table
 
 __all__ = ["DemoSettings", "run_demo"]
 
@@ -218,12 +219,6 @@ def run_demo(out: str | Path = "runs/demo", settings: DemoSettings | None = None
     return report
 
 
-def _md_table(rows: list[list[Any]], header: list[str]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def _write_report(out: Path, s: DemoSettings, conversion: dict, result: Any, curve: Path | None,
                   ppl: dict, keys: dict, sample: dict, held_out: list[Path], times: dict) -> Path:
     counts = result.counts
@@ -235,7 +230,7 @@ def _write_report(out: Path, s: DemoSettings, conversion: dict, result: Any, cur
         "Held-out books (never trained on): " + ", ".join(p.name for p in held_out) + ".",
         "",
         "## Stages",
-        _md_table([[k, f"{v:.0f} s"] for k, v in times.items()], ["stage", "wall time"]),
+        markdown_table(["stage", "wall time"], [[k, f"{v:.0f} s"] for k, v in times.items()]),
         "",
         "## Conversion",
         f"Recipe `{s.recipe}`: {conversion['summary']}; "
@@ -246,7 +241,7 @@ def _write_report(out: Path, s: DemoSettings, conversion: dict, result: Any, cur
         f"of {getattr(counts, 'total', '?'):,} parameters.",
     ]
     if evals:
-        lines += ["", _md_table([[e["step"], f"{e['loss']:.4f}"] for e in evals], ["step", "held-out loss"])]
+        lines += ["", markdown_table(["step", "held-out loss"], [[e["step"], f"{e['loss']:.4f}"] for e in evals])]
     if curve:
         lines += ["", f"![training loss]({curve.name})"]
     for title, res, folder in (("Perplexity vs length", ppl, "eval/ppl"), ("Passkey retrieval", keys, "eval/passkey")):
