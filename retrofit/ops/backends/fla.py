@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import sys
 from typing import Callable
 
 import torch
@@ -48,6 +50,8 @@ __all__ = [
     "exp_linear_attention_fla",
     "exp_linear_attention_step_fla",
     "fla_kernels",
+    "quick_autotune",
+    "quick_configs",
     "BACKEND",
 ]
 
@@ -55,12 +59,58 @@ __all__ = [
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+AUTOTUNE_ENV = "RETROFIT_FLA_AUTOTUNE"
+
+
 @functools.lru_cache(maxsize=None)
 def fla_kernels() -> tuple[Callable, Callable]:
-    """``(chunk_gla, fused_recurrent_gla)``; raises ImportError when fla is not installed."""
+    """``(chunk_gla, fused_recurrent_gla)``; raises ImportError when fla is not installed.
+
+    ``RETROFIT_FLA_AUTOTUNE=quick`` narrows the autotuning of fla's kernels (see
+    :func:`quick_autotune`) before their first call.
+    """
     from fla.ops.gla import chunk_gla, fused_recurrent_gla
 
+    mode = os.environ.get(AUTOTUNE_ENV, "full").strip().lower()
+    if mode == "quick":
+        modules = [m for name, m in list(sys.modules.items()) if name.startswith("fla.ops.") and m is not None]
+        quick_autotune(modules)
+    elif mode != "full":
+        raise ValueError(f"{AUTOTUNE_ENV}={mode!r}: use 'full' (fla's autotuning) or 'quick'")
     return chunk_gla, fused_recurrent_gla
+
+
+def quick_configs(configs: list) -> list:
+    """The autotuning candidates ``quick`` keeps: the fewest pipeline stages and the warp count
+    nearest 4 among them, every block size (which decides what fits in shared memory)."""
+    if len(configs) <= 1:
+        return list(configs)
+    stages = min(c.num_stages for c in configs)
+    kept = [c for c in configs if c.num_stages == stages]
+    warps = min({c.num_warps for c in kept}, key=lambda w: (abs(w - 4), w))
+    return [c for c in kept if c.num_warps == warps]
+
+
+def quick_autotune(modules) -> int:
+    """Narrow every Triton autotuner found in ``modules`` to :func:`quick_configs`; returns how
+    many were narrowed.
+
+    fla autotunes each kernel over up to ~100 configurations on its first call per key (head
+    dims, dtype). Compiling them is minutes per key on a fresh machine (measured on an H100:
+    92 s for Latte's first forward at L_h 16, d 64, 79 s for its first backward, ``BENCHMARKS.md``),
+    which a short job or a test run cannot afford. ``quick`` keeps a handful per kernel.
+    """
+    narrowed, seen = 0, set()
+    for module in modules:
+        for obj in list(vars(module).values()):
+            while obj is not None and id(obj) not in seen:  # Heuristics -> Autotuner -> JITFunction
+                seen.add(id(obj))
+                configs = getattr(obj, "configs", None)
+                if isinstance(configs, list) and configs and hasattr(configs[0], "num_warps") and hasattr(obj, "keys"):
+                    obj.configs = quick_configs(configs)
+                    narrowed += 1
+                obj = getattr(obj, "fn", None)
+    return narrowed
 
 
 @functools.lru_cache(maxsize=None)
