@@ -222,7 +222,6 @@ def run_attention_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
     from retrofit.errors import SpecError
-    from retrofit.ops.backends import available_backends
 
     if args.lengths is None:
         args.lengths = list(QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS)
@@ -259,13 +258,11 @@ def run_attention_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             except RuntimeError as exc:  # e.g. out of memory at the largest lengths
                 res = {"op": op, "T": T, "error": str(exc).splitlines()[0]}
         results.append(res)
+        # after every point, so a run stopped by a time limit keeps what it measured
+        _write_report(out_dir, results, cfg, modes, hw, ref_flops, args, complete=False)
     ref_flops.append(matmul_flops(device, dtype))
 
-    report = _assemble(results, cfg, modes, hw, max(ref_flops), ref_flops, args)
-    report["backends_installed"] = available_backends()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    table = render_table(report)
-    write_bench_results(out_dir, report, _markdown_report(report, table))
+    report, table = _write_report(out_dir, results, cfg, modes, hw, ref_flops, args, complete=True)
     _plot(report, out_dir / "attention.png")
     if not args.quiet:
         print(f"\n{hardware_line(hw)}")
@@ -275,6 +272,19 @@ def run_attention_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             print(line)
         print(f"\nwrote {out_dir / 'results.json'}, {out_dir / 'results.md'}, {out_dir / 'attention.png'}")
     return report
+
+
+def _write_report(out_dir: Path, results, cfg, modes, hw, ref_flops, args, *, complete: bool):
+    """Write results.json / results.md for the points measured so far (``complete``: all of them)."""
+    from retrofit.ops.backends import available_backends
+
+    report = _assemble(results, cfg, modes, hw, max(ref_flops), ref_flops, args)
+    report["backends_installed"] = available_backends()
+    report["complete"] = complete
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = render_table(report)
+    write_bench_results(out_dir, report, _markdown_report(report, table))
+    return report, table
 
 
 def _assemble(results, cfg, modes, hw, ref, ref_all, args) -> dict[str, Any]:

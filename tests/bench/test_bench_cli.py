@@ -54,13 +54,35 @@ def test_attention_all_ops_in_process(tmp_path):
     assert all(abs(r["speedup_vs_sdpa"] - 1.0) < 1e-9 for r in sdpa)
     assert report["reference_matmul_flops_per_s"] > 0
     assert report["hardware"]["torch"] == torch.__version__ and report["hardware"]["cpu_count"] >= 1
-    assert report["backends_installed"]["torch"] is True
+    assert report["backends_installed"]["torch"] is True and report["complete"] is True
     _png(out / "attention.png")
     md = (out / "results.md").read_text()
     assert "x SDPA" in md and md.count("latte") >= 4
     assert report["config"]["malloc"] == "cached" and "malloc=cached" in md
     # --latents is L in total, as in convert and bench decode: 8 over --heads 2 is 4 per head
     assert (report["config"]["latents"], report["config"]["latents_per_head"]) == (8, 4) and "L=8 (L_h=4)" in md
+
+
+def test_attention_keeps_measured_points_when_stopped(tmp_path, monkeypatch):
+    """A run stopped part way (a time limit, Ctrl-C) leaves results.json with the points done so far."""
+    import retrofit.bench.attention as attention
+
+    measured = attention.measure_point
+
+    def stop_at_second_length(payload):
+        if payload["T"] == 128:
+            raise KeyboardInterrupt
+        return measured(payload)
+
+    monkeypatch.setattr(attention, "measure_point", stop_at_second_length)
+    out = tmp_path / "stopped"
+    rc = main(["bench", "attention", "--lengths", "64", "128", "--ops", "latte", "sdpa", "--modes", "fwd",
+               "--no-isolate", "--out", str(out), *TINY_ATTENTION])
+    assert rc != 0  # the CLI reports the interruption
+    report = json.loads((out / "results.json").read_text())
+    assert report["complete"] is False
+    assert {(r["op"], r["T"]) for r in report["rows"]} == {("latte", 64), ("sdpa", 64)}
+    assert "latte" in (out / "results.md").read_text()
 
 
 def test_attention_isolated_worker_measures_memory(tmp_path):
