@@ -20,7 +20,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -371,6 +371,8 @@ class _Run:
                "tokens": self.tokens, "tokens_per_s": step_tokens / dt, "step_time_s": dt}
         if len(parts) > 1 or (parts and "lm" not in parts):
             out.update({f"loss_{k}": v for k, v in parts.items()})
+        if self.cuda:  # peak since the start of training, this rank (activations, weights, optimizer shards)
+            out["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return out
 
     @torch.no_grad()
@@ -508,7 +510,9 @@ class _Run:
                     if bar.disable and self.main:
                         print(f"[retrofit] step {self.step}/{self.total_steps} loss {metrics['loss']:.4f} "
                               f"lr {metrics['lr']:.3e} grad_norm {metrics['grad_norm']:.3g} "
-                              f"tokens/s {metrics['tokens_per_s']:.0f}", flush=True)
+                              f"tokens/s {metrics['tokens_per_s']:.0f}"
+                              + (f" peak {metrics['peak_memory_gib']:.2f} GiB" if "peak_memory_gib" in metrics else ""),
+                              flush=True)
                 if r.eval.every and self.step % r.eval.every == 0 and self.step < self.total_steps:
                     self._eval_and_log()
                 if self.step % r.checkpoint.save_every == 0 or self.step == self.total_steps:
