@@ -1,0 +1,189 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks behind BENCHMARKS.md's "GPU" section, in one script that a
+# machine with no package registry can run: `bash scripts/gpu/run.sh STAGE...` from the repo root.
+#
+# Stages (each bounded by its own timeout, logs and results kept when one fails):
+#   setup       install carried wheels ($WHEELS/*.whl) and this checkout; print the versions
+#   model       a random-weight Gemma 3 270M (the real config and tokenizer from $MODEL_FILES) in
+#               bf16, and its demo conversion (global layers -> Macchiato, w 2048, 4 sinks)
+#   tests       the CUDA test suite (tests/ops/test_backends_cuda.py) and the CUDA-capable rest
+#   attn[-quick] retrofit bench attention, bf16: fla's setting (B 8, H 32, d 128) and Latte's
+#               (H 8, d 256, L_h 16, w 128)
+#   decode[-quick] retrofit bench decode, batch 1 and 64, converted vs base
+#   model-bench retrofit bench model (prefill and training step tokens/s, converted vs base)
+#   train[-quick] retrofit train configs/gemma3-270m-hybrid-gpu.yaml, bf16 ZeRO-2, at 4K and 16K
+#
+# Environment: OUT (results folder; default runs/gpu), WHEELS (default .whl), MODEL_FILES
+# (config.json, tokenizer.json[.xz], pg-books.tar.xz; default .gpu), WORK (default /tmp/retrofit-gpu),
+# DEADLINE (seconds for the whole run: later stages shrink their limits or are skipped).
+set -uo pipefail
+OUT=${OUT:-runs/gpu}
+WHEELS=${WHEELS:-.whl}
+MODEL_FILES=${MODEL_FILES:-.gpu}
+WORK=${WORK:-/tmp/retrofit-gpu}
+mkdir -p "$OUT" "$WORK"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
+export RETROFIT_PG_BOOKS=$WORK/pg-books
+BASE=$WORK/gemma3-270m-random
+HYBRID=$WORK/gemma3-270m-random-hybrid
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+# Triton's cache (compiled kernels, fla's autotuning results) and Inductor's (flex attention):
+# kept under WORK and packed into $OUT/kernel-cache.tgz, so a later machine can start warm from
+# $MODEL_FILES/kernel-cache.tgz instead of autotuning for minutes.
+export TRITON_CACHE_DIR=$WORK/cache/triton TORCHINDUCTOR_CACHE_DIR=$WORK/cache/inductor
+# fla's full autotuning costs minutes per head-dim/dtype key on a fresh machine (92 s + 79 s for
+# Latte's first forward + backward at L_h 16, d 64 on an H100); quick keeps a few configs a kernel
+export RETROFIT_FLA_AUTOTUNE=${RETROFIT_FLA_AUTOTUNE:-quick}
+
+log() { echo "[gpu $(date +%H:%M:%S)] $*"; }
+
+# pack everything small under $WORK/results into $OUT/results.tgz (the device tool returns <= 8 files)
+pack() { tar -C "$WORK" -czf "$OUT/results.tgz" results 2>/dev/null; }
+
+stage() {  # stage NAME TIMEOUT FUNC ARGS...: run with a timeout, log to results/NAME.log, keep going
+  local name=$1 limit=$2; shift 2
+  local left=$((DEADLINE - SECONDS - 20))
+  if [ "$left" -lt 30 ]; then log "skip $name: ${left}s left of the ${DEADLINE}s budget"; return 0; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  mkdir -p "$WORK/results"
+  log "start $name (limit ${limit}s)"
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" bash "$0" __inner "$@" > >(tee "$WORK/results/$name.log") 2>&1
+  local rc=$?
+  log "end $name rc=$rc in $((SECONDS - t0))s"
+  echo "$name rc=$rc ${SECONDS}s-$t0" >> "$WORK/results/stages.txt"
+  pack
+  return 0
+}
+
+do_setup() {
+  if compgen -G "$WHEELS/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl || return 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || return 1
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv
+  python3 - <<'EOF'
+import importlib, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))
+for m in ("triton", "transformers", "fla", "deepspeed", "accelerate", "datasets", "peft", "pyarrow", "fsspec"):
+    try:
+        print(m, importlib.import_module(m).__version__)
+    except Exception as e:
+        print(m, "FAILED", type(e).__name__, e)
+from retrofit.ops.backends import available_backends
+print("backends", available_backends())
+EOF
+}
+
+do_warmup() {  # fla's first calls (autotuning) timed per shape, with stack dumps if one hangs
+  TRITON_PRINT_AUTOTUNING=1 python3 scripts/gpu/fla_warmup.py --dump 60 "$@"
+}
+
+pack_cache() {  # the kernel caches, if they fit the device tool's 16 MiB per file
+  [ -d "$WORK/cache" ] || return 0
+  tar -C "$WORK" -czf "$WORK/kernel-cache.tgz" cache 2>/dev/null
+  local size; size=$(stat -c %s "$WORK/kernel-cache.tgz")
+  if [ "$size" -lt 16000000 ]; then cp "$WORK/kernel-cache.tgz" "$OUT/"; else
+    log "kernel cache is $size bytes; packing only the autotuning results"
+    (cd "$WORK" && find cache -name '*.autotune.json' -o -name '*.json' -path '*autotune*' | tar -czf "$OUT/kernel-cache.tgz" -T -)
+  fi
+}
+
+do_model() {
+  mkdir -p "$BASE"
+  cp "$MODEL_FILES"/config.json "$MODEL_FILES"/tokenizer_config.json "$MODEL_FILES"/generation_config.json "$BASE"/
+  if [ -f "$MODEL_FILES/tokenizer.json.xz" ]; then xz -dc "$MODEL_FILES/tokenizer.json.xz" > "$BASE/tokenizer.json"; else cp "$MODEL_FILES/tokenizer.json" "$BASE/"; fi
+  [ -f "$MODEL_FILES/pg-books.tar.xz" ] && tar -C "$WORK" -xJf "$MODEL_FILES/pg-books.tar.xz"
+  python3 - "$BASE" <<'EOF'
+import sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+path = sys.argv[1]
+cfg = AutoConfig.from_pretrained(path)
+torch.manual_seed(0)
+with torch.device("cuda"):
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+model.save_pretrained(path)
+print("random", type(model).__name__, sum(p.numel() for p in model.parameters()) / 1e6, "M params")
+EOF
+  retrofit convert "$BASE" --out "$HYBRID" --method macchiato --layers global --window 2048 --sinks 4 --latents 128 \
+    --dtype bfloat16 --overwrite --probe-tokens 0
+}
+
+do_tests() {
+  python3 -m pytest tests/ops/test_backends_cuda.py -rs -p no:cacheprovider --timeout 240 -v --durations 15 \
+    --junitxml "$WORK/results/cuda-tests.xml"
+}
+
+do_tests_rest() {  # the CPU suite's op, layer and cache tests, on a machine where CUDA is visible
+  python3 -m pytest tests/ops tests/layers tests/test_cache.py tests/test_generate.py -q -p no:cacheprovider \
+    -x --timeout 300 -n 8
+}
+
+attn() {  # attn NAME LENGTHS... ; extra flags in ATTN_FLAGS
+  local name=$1; shift
+  retrofit bench attention --device cuda --dtype bfloat16 --backend fla,flex --no-isolate --max-seconds 5 --repeats 10 \
+    --lengths "$@" $ATTN_FLAGS --out "$WORK/results/$name"
+}
+
+do_attn() {
+  local lengths=${1:-"1024 2048 4096 8192 16384 32768"}
+  ATTN_FLAGS="--batch 8 --heads 32 --head-dim 128" attn attn-fla-setting $lengths
+  ATTN_FLAGS="--batch 8 --heads 8 --head-dim 256 --latents 128 --window 128" attn attn-latte-setting $lengths
+}
+
+do_decode() {
+  local lengths=${1:-"4096 8192 16384 32768 65536"} big=${2:-"4096 8192 16384 32768"}
+  retrofit bench decode --model "$BASE" --converted "$HYBRID" --device cuda --dtype bfloat16 --batch 1 \
+    --new-tokens 64 --prefill-chunk 8192 --lengths $lengths --out "$WORK/results/decode-b1"
+  retrofit bench decode --model "$BASE" --converted "$HYBRID" --device cuda --dtype bfloat16 --batch 64 \
+    --new-tokens 32 --prefill-chunk 4096 --lengths $big --out "$WORK/results/decode-b64"
+}
+
+do_model_bench() {
+  retrofit bench model --model "$BASE" --converted "$HYBRID" --device cuda --dtype bfloat16 --batch 1 \
+    --lengths ${1:-4096 16384} --out "$WORK/results/model"
+}
+
+do_train() {
+  local steps=${1:-8}
+  for T in 4096 16384; do
+    local B=$((65536 / T))
+    retrofit train configs/gemma3-270m-hybrid-gpu.yaml model.name="$BASE" data.seq_len=$T train.batch_size=$B \
+      train.micro_batch_size=$B train.max_steps=$steps train.warmup_steps=1 eval.sequences=1 \
+      checkpoint.output_dir="$WORK/train-$T" checkpoint.resume=none checkpoint.save_every=100000 || return 1
+    mkdir -p "$WORK/results/train-$T"
+    find "$WORK/train-$T" -maxdepth 2 \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' \) -size -2M \
+      -exec cp {} "$WORK/results/train-$T/" \;
+  done
+}
+
+if [ "${1:-}" = __inner ]; then shift; "$@"; exit $?; fi
+if [ -f "$MODEL_FILES/kernel-cache.tgz" ] && [ ! -d "$WORK/cache" ]; then
+  tar -C "$WORK" -xzf "$MODEL_FILES/kernel-cache.tgz" && log "kernel cache restored from $MODEL_FILES/kernel-cache.tgz"
+fi
+DEADLINE=${DEADLINE:-100000}  # seconds for all stages of this run (a device call's limit, say)
+
+for s in "$@"; do
+  case $s in
+    setup) stage setup 300 do_setup ;;
+    model) stage model 300 do_model ;;
+    warmup-tests) stage warmup-tests 240 do_warmup --shape 2,4,1000,16,64 --dtype float32 --dtype bfloat16 ;;
+    warmup-bench) stage warmup-bench 300 do_warmup --shape 8,8,2048,16,256 --shape 8,32,2048,16,128 --dtype bfloat16 ;;
+    tests) stage tests ${TESTS_LIMIT:-300} do_tests ;;
+    tests-rest) stage tests-rest 480 do_tests_rest ;;
+    attn) stage attn 600 do_attn ;;
+    attn-quick) stage attn 180 do_attn "1024 4096 16384" ;;
+    attn-latte-quick) stage attn-latte 300 env ATTN_FLAGS="--batch 8 --heads 8 --head-dim 256 --latents 128 --window 128" \
+      bash "$0" __inner attn attn-latte-setting 2048 16384 ;;
+    decode) stage decode 480 do_decode ;;
+    decode-quick) stage decode 150 do_decode "4096 32768" "4096" ;;
+    model-bench) stage model-bench 300 do_model_bench ;;
+    train) stage train 480 do_train 8 ;;
+    train-quick) stage train 180 do_train 3 ;;
+    *) echo "unknown stage $s"; exit 2 ;;
+  esac
+done
+pack
+pack_cache
+log "done"
