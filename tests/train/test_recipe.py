@@ -23,6 +23,22 @@ def test_bundled_recipes_are_the_repo_configs():
     assert bundled_recipe_dir() == CONFIGS.resolve()
 
 
+TRAINING_RECIPES = sorted(p.name for p in CONFIGS.glob("*.yaml") if "train" in (yaml.safe_load(p.read_text()) or {}))
+
+
+@pytest.mark.parametrize("name", TRAINING_RECIPES)
+def test_every_bundled_training_recipe_loads(name):
+    r = load_recipe(CONFIGS / name)
+    r.validate()
+    assert r.train.max_steps or r.train.max_tokens or r.stages  # a length, here or per stage
+
+
+def test_gpu_hybrid_recipe_is_the_demo_conversion_in_bf16():
+    gpu, cpu = load_recipe(CONFIGS / "gemma3-270m-hybrid-gpu.yaml"), load_recipe(CONFIGS / "gemma3-270m-hybrid-cpu.yaml")
+    assert gpu.conversion == cpu.conversion
+    assert (gpu.train.precision, gpu.model.dtype, gpu.data.seq_len) == ("bf16", "bfloat16", 16384)
+
+
 def test_paper_recipe_is_table_7():
     r = load_recipe(CONFIGS / "gemma2-2b-macchiato.yaml")
     spec = ConversionSpec.from_dict(r.conversion)
