@@ -135,9 +135,8 @@ def run_demo(out: str | Path = "runs/demo", settings: DemoSettings | None = None
 
     from retrofit.eval import run_passkey, run_perplexity
     from retrofit.surgery import ConversionSpec, convert, load, load_any, new_parameter_names, save
-    from retrofit.train.loop import train
+    from retrofit.train.entry import train
     from retrofit.train.recipe import load_recipe
-    from retrofit.train.stages import train_stages
 
     s = settings or DemoSettings.full()
     out = Path(out).resolve()
@@ -179,7 +178,7 @@ def run_demo(out: str | Path = "runs/demo", settings: DemoSettings | None = None
             f"model.name={converted_dir}", f"checkpoint.output_dir={out / 'train'}", "checkpoint.resume=none",
             *s.recipe_overrides(),
         ])
-        return train_stages(r) if r.stages else train(r)
+        return train(r)
 
     steps, batch, seq = recipe.train.max_steps, recipe.train.batch_size, recipe.data.seq_len
     plan = (f"{len(recipe.stages)} stages" if recipe.stages

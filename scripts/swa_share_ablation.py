@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", metavar="section.key=value")
     args = p.parse_args(argv)
 
-    from retrofit.train.loop import train
+    from retrofit.train.entry import train
     from retrofit.train.metrics import read_metrics
     from retrofit.train.recipe import load_recipe
 

@@ -45,7 +45,7 @@ def _run(args: argparse.Namespace) -> int:
         require(module, "retrofit train")
     if recipe.trainable.mode == "lora":
         require("peft", "trainable.mode: lora")
-    from retrofit.train.loop import train
+    from retrofit.train.entry import train
 
     result = train(recipe)
     if result.final_dir is not None:

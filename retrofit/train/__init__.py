@@ -5,7 +5,8 @@
 
 Modules: ``recipe`` (schema, overrides), ``trainable`` (what trains), ``distributed`` (launch
 and DeepSpeed config), ``schedule`` (LR), ``memory`` (sequence-length check),
-``checkpointing`` (atomic checkpoints), ``metrics`` (jsonl / TensorBoard / W&B), ``loop``.
+``checkpointing`` (atomic checkpoints), ``metrics`` (jsonl / TensorBoard / W&B), ``loop`` (one
+recipe's run), ``stages`` (a staged recipe's runs) and ``entry`` (``train``: either).
 """
 from __future__ import annotations
 
@@ -17,7 +18,11 @@ def __getattr__(name: str):  # lazy: importing retrofit.train must not import De
         from retrofit.train import recipe
 
         return getattr(recipe, name)
-    if name in ("train", "TrainCallback", "TrainResult"):
+    if name == "train":
+        from retrofit.train import entry
+
+        return entry.train
+    if name in ("TrainCallback", "TrainResult"):
         from retrofit.train import loop
 
         return getattr(loop, name)

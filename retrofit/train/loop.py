@@ -34,7 +34,7 @@ from retrofit.train.recipe import Recipe
 from retrofit.train.schedule import lr_at
 from retrofit.train.trainable import ParameterCounts, apply_trainable, count_parameters
 
-__all__ = ["train", "TrainCallback", "TrainResult", "total_steps"]
+__all__ = ["run_recipe", "TrainCallback", "TrainResult", "total_steps"]
 
 
 class TrainCallback:
@@ -542,14 +542,12 @@ def _teardown() -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def train(recipe: Recipe, *, callbacks: Sequence[TrainCallback] = ()) -> TrainResult:
-    """Run (or resume) the recipe's training. Launch-agnostic: plain process, ``torchrun`` or ``deepspeed``.
+def run_recipe(recipe: Recipe, *, callbacks: Sequence[TrainCallback] = ()) -> TrainResult:
+    """Run (or resume) one recipe without stages. Launch-agnostic: plain process, ``torchrun`` or ``deepspeed``.
 
-    A recipe with ``stages`` runs them in order (:mod:`retrofit.train.stages`)."""
+    :func:`retrofit.train.train` runs any recipe, staged ones stage by stage."""
     if recipe.stages:
-        from retrofit.train.stages import train_stages
-
-        return train_stages(recipe, callbacks=callbacks)
+        raise ValueError("run_recipe runs one recipe; a recipe with stages runs through retrofit.train.train")
     with single_process_env() as made_world:
         run = _Run(recipe, callbacks)
         try:

@@ -22,7 +22,7 @@ Every objective returns ``(loss, parts)``: the scalar to back-propagate and each
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.nn.functional as F

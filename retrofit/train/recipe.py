@@ -22,6 +22,7 @@ Paths: inputs (data files, the DeepSpeed JSON) resolve against the recipe file's
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -39,6 +40,7 @@ __all__ = [
     "Recipe", "ModelSection", "TrainableSection", "LoraSection", "DataSection", "EvalSection",
     "TrainSection", "DeepSpeedSection", "CheckpointSection", "LoggingSection",
     "load_recipe", "recipe_from_dict", "apply_overrides", "expand_path", "bundled_recipe_dir",
+    "stage_recipes", "stage_name",
 ]
 
 TRAINABLE_MODES = ("new", "lora", "attention", "all")
@@ -221,14 +223,86 @@ class Recipe:
         if t.head_positions is not None and (not isinstance(t.head_positions, int) or t.head_positions < 1):
             raise SpecError(f"train.head_positions must be a positive integer or null (all positions), got {t.head_positions!r}")
         if self.stages:
-            from retrofit.train.stages import stage_recipes
-
             stage_recipes(self)  # every stage validated now, before any weight is loaded
         if self.deepspeed.zero_stage is not None and self.deepspeed.zero_stage not in (0, 1, 2, 3):
             raise SpecError(f"deepspeed.zero_stage must be 0, 1, 2 or 3, got {self.deepspeed.zero_stage}")
         if d.files is None and d.holdout_last:
             raise SpecError("data.holdout_last needs local data.files (a streamed hub dataset has no file order)")
         return self
+
+
+# ----------------------------------------------------------------------------- stages
+# A recipe with ``stages:`` expands into one recipe per stage (running them: retrofit.train.stages).
+_FORBIDDEN = {("model",): "a stage starts from the previous stage's model; set model.name at the top level",
+              ("stages",): "stages do not nest",
+              ("checkpoint", "output_dir"): "each stage writes into OUTPUT_DIR/stage-<i>-<name>; set "
+                                            "checkpoint.output_dir at the top level"}
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def stage_name(i: int, stage: dict) -> str:
+    """Stage ``i``'s (1-based) name: its ``name`` key, else ``stage<i>``; checked for use in a folder name."""
+    name = str(stage.get("name") or f"stage{i}")
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise SpecError(f"stages[{i - 1}].name {name!r}: use letters, digits, '_', '-' or '.'")
+    return name
+
+
+def _check_stage(i: int, stage: Any) -> dict:
+    if not isinstance(stage, dict):
+        raise SpecError(f"stages[{i - 1}] must be a mapping (a partial recipe), got {stage!r}")
+    for path, why in _FORBIDDEN.items():
+        node = stage
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None:
+            raise SpecError(f"stages[{i - 1}] sets {'.'.join(path)}: {why}")
+    if i > 1 and stage.get("conversion"):
+        raise SpecError(f"stages[{i - 1}] sets conversion: only the first stage converts the model "
+                        "(later stages continue the converted model)")
+    return {k: v for k, v in stage.items() if k != "name"}
+
+
+def stage_recipes(recipe: Recipe) -> list[tuple[str, Recipe]]:
+    """``[(folder name, recipe)]`` of every stage, validated before any weight is loaded.
+
+    Stage ``i > 1``'s ``model.name`` points at stage ``i - 1``'s ``final/`` folder.
+    """
+    if not isinstance(recipe.stages, list) or not recipe.stages:
+        raise SpecError("stages must be a non-empty list of partial recipes")
+    base = recipe.to_dict()
+    base.pop("stages")
+    out_dir = Path(recipe.checkpoint.output_dir).expanduser().resolve()
+    result: list[tuple[str, Recipe]] = []
+    names = set()
+    prev_final: Path | None = None
+    for i, raw in enumerate(recipe.stages, start=1):
+        stage = _check_stage(i, raw)
+        name = stage_name(i, raw)
+        if name in names:
+            raise SpecError(f"stages: two stages are named {name!r}")
+        names.add(name)
+        folder = f"stage-{i}-{name}"
+        data = _merge(base, stage)
+        data["checkpoint"]["output_dir"] = str(out_dir / folder)
+        if prev_final is not None:
+            data["model"]["name"] = str(prev_final)
+            data["conversion"] = {}
+        if i < len(recipe.stages):
+            data["checkpoint"]["export"] = True  # the next stage starts from it
+        try:
+            sub = recipe_from_dict(data, base_dir=recipe.base_dir)
+        except SpecError as exc:
+            raise SpecError(f"stages[{i - 1}] ({name}): {exc}") from None
+        result.append((folder, sub))
+        prev_final = out_dir / folder / "final"
+    return result
 
 
 # ----------------------------------------------------------------------------- building

@@ -16,92 +16,19 @@ a run with a different list refuses to continue the folder.
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
-import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from retrofit.errors import CheckpointError, SpecError
 from retrofit.fs.atomic import write_json_atomic
-from retrofit.train.recipe import Recipe, recipe_from_dict
+from retrofit.train.recipe import Recipe, stage_name, stage_recipes
 
 if TYPE_CHECKING:
     from retrofit.train.loop import TrainCallback, TrainResult
 
 __all__ = ["stage_recipes", "train_stages"]
-
-_FORBIDDEN = {("model",): "a stage starts from the previous stage's model; set model.name at the top level",
-              ("stages",): "stages do not nest",
-              ("checkpoint", "output_dir"): "each stage writes into OUTPUT_DIR/stage-<i>-<name>; set "
-                                            "checkpoint.output_dir at the top level"}
-
-
-def _merge(base: dict, over: dict) -> dict:
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
-    return out
-
-
-def _stage_name(i: int, stage: dict) -> str:
-    name = str(stage.get("name") or f"stage{i}")
-    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-        raise SpecError(f"stages[{i - 1}].name {name!r}: use letters, digits, '_', '-' or '.'")
-    return name
-
-
-def _check_stage(i: int, stage: Any) -> dict:
-    if not isinstance(stage, dict):
-        raise SpecError(f"stages[{i - 1}] must be a mapping (a partial recipe), got {stage!r}")
-    for path, why in _FORBIDDEN.items():
-        node = stage
-        for part in path:
-            node = node.get(part) if isinstance(node, dict) else None
-        if node is not None:
-            raise SpecError(f"stages[{i - 1}] sets {'.'.join(path)}: {why}")
-    if i > 1 and stage.get("conversion"):
-        raise SpecError(f"stages[{i - 1}] sets conversion: only the first stage converts the model "
-                        "(later stages continue the converted model)")
-    return {k: v for k, v in stage.items() if k != "name"}
-
-
-def stage_recipes(recipe: Recipe) -> list[tuple[str, Recipe]]:
-    """``[(folder name, recipe)]`` of every stage, validated before any weight is loaded.
-
-    Stage ``i > 1``'s ``model.name`` points at stage ``i - 1``'s ``final/`` folder.
-    """
-    if not isinstance(recipe.stages, list) or not recipe.stages:
-        raise SpecError("stages must be a non-empty list of partial recipes")
-    base = recipe.to_dict()
-    base.pop("stages")
-    out_dir = Path(recipe.checkpoint.output_dir).expanduser().resolve()
-    result: list[tuple[str, Recipe]] = []
-    names = set()
-    prev_final: Path | None = None
-    for i, raw in enumerate(recipe.stages, start=1):
-        stage = _check_stage(i, raw)
-        name = _stage_name(i, raw)
-        if name in names:
-            raise SpecError(f"stages: two stages are named {name!r}")
-        names.add(name)
-        folder = f"stage-{i}-{name}"
-        data = _merge(base, stage)
-        data["checkpoint"]["output_dir"] = str(out_dir / folder)
-        if prev_final is not None:
-            data["model"]["name"] = str(prev_final)
-            data["conversion"] = {}
-        if i < len(recipe.stages):
-            data["checkpoint"]["export"] = True  # the next stage starts from it
-        try:
-            sub = recipe_from_dict(data, base_dir=recipe.base_dir)
-        except SpecError as exc:
-            raise SpecError(f"stages[{i - 1}] ({name}): {exc}") from None
-        result.append((folder, sub))
-        prev_final = out_dir / folder / "final"
-    return result
-
 
 def _write_json(path: Path, data: dict) -> None:
     write_json_atomic(path, data, indent=1, default=str)
@@ -113,7 +40,7 @@ def _stage_list_hash(recipe: Recipe) -> dict:
     data["logging"] = {}
     text = json.dumps(data, sort_keys=True, default=str)
     return {"hash": hashlib.sha256(text.encode()).hexdigest()[:16],
-            "stages": [_stage_name(i, s) for i, s in enumerate(recipe.stages, start=1)]}
+            "stages": [stage_name(i, s) for i, s in enumerate(recipe.stages, start=1)]}
 
 
 def _claim(out_dir: Path, recipe: Recipe, main: bool) -> None:
@@ -137,7 +64,7 @@ def _claim(out_dir: Path, recipe: Recipe, main: bool) -> None:
 def train_stages(recipe: Recipe, *, callbacks: Sequence["TrainCallback"] = ()) -> "TrainResult":
     """Run every stage in order (skipping finished ones); the last stage's result, with ``stages`` set."""
     from retrofit.train.distributed import world_from_env
-    from retrofit.train.loop import train
+    from retrofit.train.loop import run_recipe
 
     stages = stage_recipes(recipe)
     rank, _ = world_from_env()
@@ -155,7 +82,7 @@ def train_stages(recipe: Recipe, *, callbacks: Sequence["TrainCallback"] = ()) -
             continue
         if rank == 0:
             print(f"[retrofit] stage {i}/{len(stages)}: {folder} (objective {sub.train.objective})", flush=True)
-        result = last = train(sub, callbacks=callbacks)
+        result = last = run_recipe(sub, callbacks=callbacks)
         summary = {"stage": folder, "steps": result.steps, "tokens": result.tokens,
                    "final_dir": str(result.final_dir) if result.final_dir else None,
                    "evals": result.evals}

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 import retrofit
 from retrofit.layers.lavo import LavoAttention
 from retrofit.layers.llp import LLPAttention
-from retrofit.train.loop import train
+from retrofit.train import train
 from retrofit.train.recipe import recipe_from_dict
 from tests.train import tiny
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from retrofit.train.checkpointing import list_checkpoints
-from retrofit.train.loop import train
+from retrofit.train import train
 from retrofit.train.metrics import read_metrics
 from retrofit.train.recipe import recipe_from_dict
 from tests.train import tiny
@@ -24,7 +24,7 @@ KILLED_RUN = """
 import json, os, signal, sys
 import torch
 torch.set_num_threads(int(sys.argv[3]))
-from retrofit.train.loop import TrainCallback, train
+from retrofit.train import TrainCallback, train
 from retrofit.train.recipe import recipe_from_dict
 
 class Kill(TrainCallback):

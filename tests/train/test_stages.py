@@ -6,7 +6,7 @@ import torch
 from safetensors.torch import load_file
 
 from retrofit.errors import CheckpointError, SpecError
-from retrofit.train.loop import TrainCallback, train
+from retrofit.train import TrainCallback, train
 from retrofit.train.recipe import recipe_from_dict
 from tests.train import tiny
 
@@ -73,6 +73,14 @@ def test_two_stages_chain_and_resume_bit_exactly(pretrained_base, books, tmp_pat
 def test_bad_stage_lists_fail_before_any_weight_is_loaded(stages, match, tmp_path):
     with pytest.raises(SpecError, match=match):
         recipe_from_dict(_recipe(tmp_path / "no-model-here", tmp_path, tmp_path / "out", stages))
+
+
+def test_the_loop_runs_one_recipe_and_train_runs_stages(tmp_path):
+    from retrofit.train.loop import run_recipe
+
+    staged = recipe_from_dict(_recipe(tmp_path / "no-model-here", tmp_path, tmp_path / "out", STAGES))
+    with pytest.raises(ValueError, match="retrofit.train.train"):
+        run_recipe(staged)
 
 
 def test_attention_objective_needs_a_converted_model(pretrained_base, books, tmp_path):

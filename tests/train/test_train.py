@@ -10,7 +10,7 @@ from retrofit.cli.main import main as cli_main
 from retrofit.errors import TrainingError
 from retrofit.surgery import ConversionSpec, new_parameter_names
 from retrofit.train.checkpointing import list_checkpoints
-from retrofit.train.loop import TrainCallback, train
+from retrofit.train import TrainCallback, train
 from retrofit.train.metrics import read_metrics
 from retrofit.train.recipe import recipe_from_dict
 from tests.train import tiny

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 RANK_SCRIPT = """
 import json, os, sys
 import torch
-from retrofit.train.loop import TrainCallback, train
+from retrofit.train import TrainCallback, train
 from retrofit.train.recipe import recipe_from_dict
 
 class Keep(TrainCallback):
