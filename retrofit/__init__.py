@@ -25,17 +25,25 @@ def __getattr__(name: str):  # lazy: importing retrofit must not import transfor
     raise AttributeError(f"module 'retrofit' has no attribute {name!r}")
 
 
-def _register_transformers() -> None:
-    from retrofit.hf import register
+def _build_converted(model, record: dict) -> None:  # imported on first use: keeps transformers' import light
+    from retrofit.surgery.convert import build_from_record
 
+    build_from_record(model, record)
+
+
+def _register_transformers() -> None:
+    from retrofit.hf import register, set_builder
+
+    set_builder(_build_converted)
     register()
 
 
 def _register_peft() -> None:
     import transformers  # noqa: F401  (runs the transformers registration first)
 
-    from retrofit.hf import register, register_peft
+    from retrofit.hf import register, register_peft, set_builder
 
+    set_builder(_build_converted)
     register()
     register_peft()
 

@@ -18,12 +18,13 @@ transformers refuses the folder ("model type `retrofit_llama` ... does not recog
 architecture"): a converted model never loads silently as its base.
 
 ``convert`` gives a converted model these classes in memory (:func:`adopt`), so even a plain
-``model.save_pretrained`` writes the retrofit identity.
+``model.save_pretrained`` writes the retrofit identity. The classes convert themselves through
+the builder the package sets (:func:`set_builder`; ``retrofit.surgery.convert.build_from_record``).
 """
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Callable
 
 from torch import nn
 
@@ -35,14 +36,26 @@ __all__ = [
     "config_class",
     "register",
     "retrofit_model_type",
+    "set_builder",
 ]
 
 PREFIX = "retrofit_"
 _CONFIGS: dict[str, type] = {}  # base model_type -> Retrofit config class
 _MODELS: dict[str, type] = {}  # base model_type -> Retrofit causal-LM class
 _REGISTERED: set[str] = set()
+# (model, config.retrofit) -> None: converts a freshly built base model to the recorded architecture.
+# retrofit.surgery.convert.build_from_record, set by the package (retrofit/__init__.py) when transformers
+# is imported: conversion sits beside this module, and this module must not import it (convert adopts
+# its result into the classes below).
+_BUILDER: Callable[[nn.Module, dict], None] | None = None
 # generate() options that need to roll the decoding state back (impossible for a recurrent state)
 _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "assistant_tokenizer")
+
+
+def set_builder(builder: Callable[[nn.Module, dict], None]) -> None:
+    """What ``Retrofit*ForCausalLM.__init__`` runs to convert itself (``builder(model, record)``)."""
+    global _BUILDER
+    _BUILDER = builder
 
 
 def retrofit_model_type(model_type: str) -> str:
@@ -70,19 +83,17 @@ class RetrofitCausalLMMixin:
                 f"{type(self).__name__} needs config.retrofit (the conversion record); build converted models "
                 "with retrofit.convert(base_model, spec) or load them from a converted folder"
             )
-        from retrofit.surgery.records import spec_from_record
-        from retrofit.surgery.convert import convert
-
-        del config.retrofit  # convert refuses an already converted model; it writes the record again
-        try:
-            convert(self, spec_from_record(record, "config.json"), base_model=record.get("base_model"))
-        finally:
-            config.retrofit = dict(record)  # the checkpoint's record, verbatim
+        if _BUILDER is None:
+            raise RuntimeError(
+                f"{type(self).__name__}: no conversion builder is set; import retrofit before transformers "
+                "builds a converted model (retrofit registers it with transformers)"
+            )
+        _BUILDER(self, record)
 
     @classmethod
     def from_pretrained(cls, *args: Any, **kwargs: Any) -> Any:
         """``PreTrainedModel.from_pretrained``; afterwards only the new weights are trainable, as after ``convert``."""
-        from retrofit.surgery.convert import mark_new_trainable
+        from retrofit.surgery.converted import mark_new_trainable
 
         out = super().from_pretrained(*args, **kwargs)
         mark_new_trainable(out[0] if isinstance(out, tuple) else out)

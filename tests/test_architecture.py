@@ -56,19 +56,7 @@ ALLOWED: dict[tuple[str, str], str] = {}
 # Import cycles that stay for now (as frozensets of modules), each with its reason. Each is a mutual
 # *call* (function-level imports), not a load-order problem; remove an entry when its cycle is broken
 # (test_allowed_cycles_still_exist fails once it is).
-ALLOWED_CYCLES: dict[frozenset[str], str] = {
-    frozenset({"retrofit.hf", "retrofit.surgery.convert"}): (
-        "a converted model's transformers class (hf.Retrofit*ForCausalLM) builds itself with convert(), and "
-        "convert() gives the model that class (hf.adopt): one mechanism split over two modules; breaking it "
-        "needs convert's identity step moved into hf (TODO: issue 12 follow-up)"),
-    frozenset({"retrofit.train.loop", "retrofit.train.stages", "retrofit.train.recipe", "retrofit.train.data",
-               "retrofit.train.data_checks", "retrofit.train.distributed", "retrofit.train.model"}): (
-        "multi-stage training: recipe validation expands stages into sub-recipes (recipe <-> stages) and "
-        "loop.train runs a staged recipe through stages.train_stages, which calls loop.train per stage "
-        "(loop <-> stages); the other train modules are in the component only through loop and recipe. "
-        "Breaking it: stage expansion into recipe.py and one dispatching entry above loop and stages "
-        "(TODO: issue 12 follow-up; left alone here because wt-12c edits the recipe schema)"),
-}
+ALLOWED_CYCLES: dict[frozenset[str], str] = {}
 
 
 def _modules() -> dict[str, Path]:
