@@ -86,6 +86,30 @@ def test_auto_takes_the_highest_priority_backend_that_can_run_the_call(_clean_di
     assert backends.resolve_backend("causal_latte_chunked", "cpu", torch.float32) == "torch"
 
 
+def test_choices_are_remembered_until_a_request_or_the_registry_changes(_clean_dispatch_state, monkeypatch):
+    """Decoding calls each op per layer per token: the choice is made once per (op, call, request),
+    and made again when the process request, RETROFIT_BACKEND or the registered backends change."""
+    added = _clean_dispatch_state
+    q, k, v = _latte()
+    choose = registry._resolve
+    made = []
+    monkeypatch.setattr(registry, "_resolve", lambda *a: (made.append(a[0]), choose(*a))[1])
+    for _ in range(3):
+        ops.causal_latte_chunked(q, k, v)
+    assert made == ["causal_latte_chunked"]
+    counts = _fake(added, "fast", 90, ("causal_latte_chunked",))  # a new backend: chosen afresh, and runs
+    ops.causal_latte_chunked(q, k, v)
+    assert counts["causal_latte_chunked"] == 1 and len(made) == 2
+    with backends.use_backend("torch"):
+        ops.causal_latte_chunked(q, k, v)
+    monkeypatch.setenv(backends.ENV_VAR, "torch")
+    ops.causal_latte_chunked(q, k, v)
+    assert counts["causal_latte_chunked"] == 1 and len(made) == 4  # both requests chose torch, each afresh
+    monkeypatch.delenv(backends.ENV_VAR)
+    ops.causal_latte_chunked(q, k, v)
+    assert counts["causal_latte_chunked"] == 2 and len(made) == 4  # back to the remembered choice
+
+
 def test_request_only_kernels_and_dtypes_need_a_request(_clean_dispatch_state):
     step = backends.get_backend("torch").kernel("causal_latte_step").fn
     chunked = backends.get_backend("torch").kernel("causal_latte_chunked").fn

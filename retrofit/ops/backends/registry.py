@@ -146,6 +146,7 @@ def register(backend: Backend) -> Backend:
         raise ValueError(f"bad backend name {backend.name!r}: lower case, not 'auto', no commas")
     _backends[backend.name] = backend
     is_installed.cache_clear()
+    _resolved.clear()
     return backend
 
 
@@ -153,6 +154,7 @@ def unregister(name: str) -> None:
     """Remove a backend (tests)."""
     _backends.pop(name, None)
     is_installed.cache_clear()
+    _resolved.clear()
 
 
 def get_backend(name: str) -> Backend:
@@ -244,8 +246,9 @@ def _log_once(level: int, key: tuple, msg: str, *args: Any) -> None:
 
 
 def _reset_log_memory() -> None:
-    """Forget which choices were logged (tests)."""
+    """Forget which choices were logged, and the choices themselves, so they are made and logged again (tests)."""
     _logged.clear()
+    _resolved.clear()
 
 
 def _auto(op: str, call: Call, *, quiet: bool = False) -> Backend:
@@ -261,8 +264,22 @@ def _auto(op: str, call: Call, *, quiet: bool = False) -> Backend:
     raise RuntimeError(f"no registered backend can run {op} on {call.device.type} {_dtype(call.dtype)}")
 
 
+# (op, call, request, process default, env var) -> the backend chosen: a decoding step calls a few ops
+# per layer per token, and choosing afresh costs ~25 us per call on a CPU (parsing the request,
+# sorting candidates, checking each). Cleared whenever a backend is (un)registered.
+_resolved: dict[tuple, Backend] = {}
+
+
 def resolve(op: str, call: Call, requested: str | None = None) -> Backend:
     """The backend that runs ``call`` of ``op``; ``requested`` None or "auto": the default request."""
+    key = (op, call, requested, _default_backend, os.environ.get(ENV_VAR))
+    chosen = _resolved.get(key)
+    if chosen is None:
+        chosen = _resolved[key] = _resolve(op, call, requested)
+    return chosen
+
+
+def _resolve(op: str, call: Call, requested: str | None) -> Backend:
     names = _parse(requested)
     if not names or names == (AUTO,):
         names = _parse(get_default_backend())
