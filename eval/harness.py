@@ -256,14 +256,7 @@ def run_harness(
         + (f" Limited to {limit} examples per task." if limit else "")
     )
     res["table"] = table_markdown(res)
-    res["images"] = []
-    if out is not None:
-        out = Path(out)
-        res["out"] = str(out)
-        if plot_scores(res, out / "harness.png") is not None:
-            res["images"] = ["harness.png"]
-        report.save_results(out, res)
-    return res
+    return report.finish_results(res, out, plot_scores, "harness.png")
 
 
 def _columns(res: dict) -> list[str]:

@@ -226,14 +226,7 @@ def run_passkey(
         f"columns: prompt length in tokens. Haystack: {haystack}."
     )
     res["table"] = table_markdown(res)
-    res["images"] = []
-    if out is not None:
-        out = Path(out)
-        res["out"] = str(out)
-        plot_heatmap(res, out / "passkey.png")
-        res["images"] = ["passkey.png"]
-        report.save_results(out, res)
-    return res
+    return report.finish_results(res, out, plot_heatmap, "passkey.png")
 
 
 def table_markdown(res: dict) -> str:

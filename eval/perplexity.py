@@ -271,14 +271,7 @@ def run_perplexity(
         res["command"] = command
     res["description"] = describe(res)
     res["table"] = table_markdown(res)
-    res["images"] = []
-    if out is not None:
-        out = Path(out)
-        res["out"] = str(out)
-        plot_perplexity(res, out / "perplexity.png")
-        res["images"] = ["perplexity.png"]
-        report.save_results(out, res)
-    return res
+    return report.finish_results(res, out, plot_perplexity, "perplexity.png")
 
 
 def describe(res: dict) -> str:

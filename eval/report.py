@@ -10,7 +10,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from retrofit.eval.evaluators import evaluators
 from retrofit.fs.atomic import write_json_atomic, write_text_atomic
@@ -35,6 +35,19 @@ def save_figure(fig, path: str | Path) -> Path:
 def save_results(out: str | Path, res: dict) -> tuple[Path, Path]:
     """An evaluator's ``results.json`` and ``table.md`` (its description above its table) in ``out``."""
     return write_results(out, res, res["description"] + "\n\n" + res["table"] + "\n")
+
+
+def finish_results(res: dict, out: str | Path | None, plot: Callable[[dict, Path], Path | None], image: str) -> dict:
+    """An evaluator's last step: its markdown table (``res["table"]`` must be set), and with ``out``
+    its plot ``out/image`` (``plot`` may return None: nothing to draw) and :func:`save_results`."""
+    res["images"] = []
+    if out is not None:
+        out = Path(out)
+        res["out"] = str(out)
+        if plot(res, out / image) is not None:
+            res["images"] = [image]
+        save_results(out, res)
+    return res
 
 
 def fmt_length(n: int) -> str:

@@ -35,19 +35,20 @@ from typing import Any
 import torch
 
 from retrofit.bench.common import (
-    set_malloc_mode,
-    MemoryMeter,
+    bench_command,
     hardware_info,
     hardware_line,
+    log_log_axes,
     markdown_table,
     matmul_flops,
+    MemoryMeter,
     run_worker,
     save_figure_atomic,
-    bench_command,
-    log_log_axes,
-    write_bench_results,
     saved_tensor_bytes,
+    set_malloc_mode,
+    start_run,
     time_call,
+    write_bench_results,
 )
 
 __all__ = ["OPS", "MODES", "run_attention_benchmark", "measure_point", "op_flops", "render_summary", "render_table"]
@@ -232,12 +233,9 @@ def run_attention_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if bad:
         raise SpecError(f"unknown op(s) {', '.join(bad)}: choose from {', '.join(OPS)}")
     modes = args.modes or list(MODES)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SpecError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+    device = start_run(args)
     cfg = _config(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device, dtype = torch.device(args.device), _dtype(args.dtype)
+    dtype = _dtype(args.dtype)
     out_dir = Path(args.out)
 
     hw = hardware_info(device)

@@ -288,6 +288,20 @@ def write_bench_results(out: str | Path, report: dict, markdown: str) -> tuple[P
     return write_results(out, report, markdown, markdown_name="results.md", finite=False, json_default=str)
 
 
+def start_run(args: Any) -> torch.device:
+    """The set-up every suite shares: refuse ``--device cuda`` without CUDA, apply ``--threads``
+    and ``--malloc`` (default cached), and seed torch with ``--seed``; returns the device."""
+    from retrofit.errors import SpecError
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SpecError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    set_malloc_mode(getattr(args, "malloc", "cached"))
+    torch.manual_seed(args.seed)
+    return torch.device(args.device)
+
+
 def bench_command() -> str | None:
     """The ``retrofit ...`` command line of this run (None when not run through the console script)."""
     return " ".join(["retrofit", *sys.argv[1:]]) if Path(sys.argv[0]).name == "retrofit" else None

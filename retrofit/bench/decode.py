@@ -19,12 +19,12 @@ from typing import Any
 import torch
 
 from retrofit.bench.common import (
-    set_malloc_mode,
+    finish_pair_bench,
     hardware_info,
+    log_log_axes,
     markdown_table,
     save_figure_atomic,
-    finish_pair_bench,
-    log_log_axes,
+    start_run,
     sync,
 )
 from retrofit.bench.models import build_pair, cache_bytes, forward_kwargs
@@ -76,17 +76,9 @@ def decode_point(model, T: int, *, batch: int, new_tokens: int, prefill_chunk: i
 def run_decode_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from retrofit.errors import SpecError
-
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SpecError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+    device = start_run(args)
     lengths = sorted(args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS))
     new_tokens = min(args.new_tokens, 8) if args.quick else args.new_tokens
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    set_malloc_mode(getattr(args, "malloc", "cached"))
-    torch.manual_seed(args.seed)
-    device = torch.device(args.device)
     base, converted, info = build_pair(args, max(lengths) + new_tokens + 1)
     hw = hardware_info(device)
     rows = []

@@ -23,13 +23,13 @@ from typing import Any
 import torch
 
 from retrofit.bench.common import (
-    set_malloc_mode,
-    MemoryMeter,
-    hardware_info,
-    markdown_table,
-    save_figure_atomic,
     finish_pair_bench,
+    hardware_info,
     log_log_axes,
+    markdown_table,
+    MemoryMeter,
+    save_figure_atomic,
+    start_run,
     sync,
 )
 from retrofit.bench.models import build_pair, forward_kwargs
@@ -89,16 +89,9 @@ def _train(model, ids, device, repeats, train_all: bool):
 def run_model_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
-    from retrofit.errors import SpecError
-
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SpecError("--device cuda asked for, but torch sees no CUDA device; use --device cpu")
+    device = start_run(args)
     lengths = sorted(args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS))
     repeats = min(args.repeats, 2) if args.quick else args.repeats
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    set_malloc_mode(getattr(args, "malloc", "cached"))
-    device = torch.device(args.device)
     base, converted, info = build_pair(args, max(lengths))
     hw = hardware_info(device)
     g = torch.Generator().manual_seed(args.seed)
