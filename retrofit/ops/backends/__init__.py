@@ -21,44 +21,11 @@ import importlib
 import pkgutil
 from typing import Any
 
-from retrofit.ops.backends.registry import (
-    AUTO,
-    ENV_VAR,
-    Backend,
-    Call,
-    Kernel,
-    _reset_log_memory,
-    available_backends,
-    backend_names,
-    get_backend,
-    get_default_backend,
-    is_installed,
-    register,
-    resolve,
-    resolve_backend,
-    set_default_backend,
-    unregister,
-    use_backend,
-)
+from retrofit.ops.backends import registry as _registry
+from retrofit.ops.backends.registry import *  # noqa: F401,F403 - the registry's public names
+from retrofit.ops.backends.registry import _reset_log_memory  # noqa: F401 - tests
 
-__all__ = [
-    "AUTO",
-    "ENV_VAR",
-    "Backend",
-    "Call",
-    "Kernel",
-    "available_backends",
-    "backend_names",
-    "get_backend",
-    "get_default_backend",
-    "is_installed",
-    "register",
-    "resolve",
-    "resolve_backend",
-    "set_default_backend",
-    "unregister",
-    "use_backend",
-]
+__all__ = list(_registry.__all__)
 
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     if _module != "registry" and not _module.startswith("_"):
