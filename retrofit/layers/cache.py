@@ -53,6 +53,7 @@ class RetrofitLayerCache(CacheLayerMixin):
         self.state: LatteState | None = None
         self.conv_tail: torch.Tensor | None = None  # (B, conv_size - 1, hidden)
         self.sinks: tuple[torch.Tensor, ...] | None = None  # (idx (B, n), valid (B, n), k, v (B, Hkv, n, d))
+        self.sinks_full = False  # every row has its n sinks: later tokens never become sinks
         self.cumulative_length = 0
 
     # ------------------------------------------------------------------ converted layers' API
@@ -82,8 +83,9 @@ class RetrofitLayerCache(CacheLayerMixin):
             self.valid = valid[:, -keep:].contiguous() if keep else valid[:, :0]
         self.state = state
         self.conv_tail = conv_tail
-        if sinks is not None:
+        if sinks is not None and sinks is not self.sinks:
             self.sinks = tuple(t.detach() for t in sinks)
+            self.sinks_full = bool(self.sinks[1].all())  # one check per call until full, then none
         self.cumulative_length += int(num_new)
         if not self.is_initialized:
             ref = keys if keys is not None else state.m
@@ -120,6 +122,7 @@ class RetrofitLayerCache(CacheLayerMixin):
     def reset(self) -> None:
         self.keys = self.values = self.valid = self.conv_tail = None
         self.state = self.sinks = None
+        self.sinks_full = False
         self.cumulative_length = 0
         self.is_initialized = False
 

@@ -203,7 +203,9 @@ class MacchiatoAttention(RetrofitAttention):
             k_all, v_all = torch.cat([pk, k], dim=-2), torch.cat([pv, v], dim=-2)
             valid_all = torch.cat([pvalid, valid], dim=-1)
         sinks, seen = None, 0
-        if self.sinks:
+        if self.sinks and cache is not None and cache.sinks_full:  # the first n real tokens are known
+            seen, sinks = cache.cumulative_length, cache.sinks
+        elif self.sinks:
             seen = cache.cumulative_length if cache is not None else 0
             idx = torch.arange(seen, seen + T, device=q.device).expand(B, T)
             cand = [idx, torch.ones(B, T, dtype=torch.bool, device=q.device) if valid is None else valid, k, v]

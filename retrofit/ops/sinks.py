@@ -25,6 +25,9 @@ from retrofit.ops.dispatched import sliding_window_attention, sliding_window_lse
 
 __all__ = ["first_valid", "sink_window_attention", "sink_window_attention_reference"]
 
+# calls with at most this many queries run as one dense softmax over [sinks; window keys]
+FUSED_MAX_QUERIES = 16
+
 
 def first_valid(n: int, idx: torch.Tensor, valid: torch.Tensor, *tensors: torch.Tensor):
     """The first ``n`` valid candidates of each row, in stream order.
@@ -73,6 +76,9 @@ def sink_window_attention(
     Hkv = k.shape[1]
     group = Hq // Hkv
     scaling = d**-0.5 if scaling is None else scaling
+    if Tq <= FUSED_MAX_QUERIES:
+        return _one_dense_softmax(q, k, v, window, sink_k, sink_v, sink_idx, sink_valid, q_start=q_start,
+                                  scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask, num_past=num_past)
     o_w = sliding_window_attention(q, k, v, window, scaling=scaling, softcap=softcap,
                                    key_padding_mask=key_padding_mask, num_past=num_past, backend=backend)
     lse_w = sliding_window_lse(q, k, window, scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask,
@@ -96,6 +102,46 @@ def sink_window_attention(
     out = o_w + w_s[..., None].to(o_w.dtype) * (o_s.to(o_w.dtype) - o_w)
     if key_padding_mask is not None:  # padded queries return zeros, as the window kernel does
         out = out * key_padding_mask[:, -Tq:].to(out.dtype)[:, None, :, None]
+    return out
+
+
+def _one_dense_softmax(q, k, v, window, sink_k, sink_v, sink_idx, sink_valid, *, q_start, scaling, softcap,
+                       key_padding_mask, num_past) -> torch.Tensor:
+    """A few queries (decoding, short chunks): one dense softmax over ``[sinks; the window's keys]``.
+
+    The same function as the window kernel + log-sum-exp merge, in a tenth of the small ops:
+    a decoding step of a converted layer otherwise runs two dense score blocks and the merge.
+    """
+    B, Hq, Tq, d = q.shape
+    if num_past > window:  # only the last w - 1 past keys can be seen (as the window kernel drops them)
+        drop = num_past - window
+        k, v = k[:, :, drop:], v[:, :, drop:]
+        key_padding_mask = None if key_padding_mask is None else key_padding_mask[:, drop:]
+        num_past = window
+    Hkv, Tk, n = k.shape[1], k.shape[2], sink_k.shape[2]
+    group = Hq // Hkv
+    kk, vv = torch.cat([sink_k.to(k.dtype), k], dim=2), torch.cat([sink_v.to(v.dtype), v], dim=2)
+    s = torch.matmul(q.reshape(B, Hkv, group * Tq, d), kk.transpose(-1, -2))
+    s = s.to(torch.promote_types(s.dtype, torch.float32)) * scaling
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    q_pos = torch.arange(Tq, device=q.device)[:, None] + num_past
+    k_pos = torch.arange(Tk, device=q.device)[None, :]
+    band = ((k_pos <= q_pos) & (k_pos > q_pos - window)).expand(B, Tq, Tk)
+    t = torch.arange(Tq, device=q.device) + q_start
+    seen = sink_valid[:, None, :] & (sink_idx[:, None, :] <= (t - window)[None, :, None])  # (B, Tq, n)
+    q_valid = None
+    if key_padding_mask is not None:  # a padded query sees only its own key (its output is zeroed)
+        kpm = key_padding_mask.bool()
+        q_valid = kpm[:, num_past:]
+        band = (band & kpm[:, None, :]) | ((k_pos == q_pos) & ~q_valid[:, :, None])
+        seen = seen & q_valid[:, :, None]
+    allowed = torch.cat([seen, band], dim=-1)[:, None, None]  # (B, 1, 1, Tq, n + Tk)
+    s = s.view(B, Hkv, group, Tq, n + Tk).masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(s, dim=-1).to(vv.dtype)
+    out = torch.matmul(p.view(B, Hkv, group * Tq, n + Tk), vv).view(B, Hq, Tq, -1)
+    if q_valid is not None:
+        out = out * q_valid[:, None, :, None].to(out.dtype)
     return out
 
 

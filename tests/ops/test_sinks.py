@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import retrofit.ops.sinks as sinks_mod
 from retrofit.ops.sinks import first_valid, sink_window_attention, sink_window_attention_reference
 from retrofit.ops.sliding_window import sliding_window_attention_reference, sliding_window_lse
 
@@ -35,7 +36,7 @@ def _whole(q, k, v, window, sinks, mask=None, softcap=None):
 @pytest.mark.parametrize("sinks", [1, 4])
 @pytest.mark.parametrize("padded", [False, True])
 @pytest.mark.parametrize("softcap", [None, 3.0])
-def test_forward_matches_dense_reference(window, sinks, padded, softcap):
+def test_forward_matches_dense_reference(window, sinks, padded, softcap, path):
     q, k, v = _inputs()
     mask = _padding(2, q.shape[2]) if padded else None
     ref = sink_window_attention_reference(q, k, v, window, sinks, softcap=softcap, key_padding_mask=mask)
@@ -63,7 +64,15 @@ def test_lse_matches_dense_logsumexp():
         torch.testing.assert_close(got[real], ref[real], atol=1e-12, rtol=1e-12)
 
 
-def test_gradcheck_float64():
+@pytest.fixture(params=["merged", "one-softmax"])
+def path(request, monkeypatch):
+    """Both forms of sink_window_attention: the window kernel + LSE merge, and the one dense softmax
+    that calls with few queries (decoding) take."""
+    monkeypatch.setattr(sinks_mod, "FUSED_MAX_QUERIES", 0 if request.param == "merged" else 10**9)
+    return request.param
+
+
+def test_gradcheck_float64(path):
     q, k, v = _inputs(B=1, Hq=2, Hkv=1, T=13, d=4)
     mask = torch.ones(1, 13, dtype=torch.bool)
     mask[0, :2] = False
@@ -76,7 +85,7 @@ def test_gradcheck_float64():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_large_logits_long_sequence_forward_and_backward(dtype):
+def test_large_logits_long_sequence_forward_and_backward(dtype, path):
     """Logit spreads of 100+: finite, and no further from the float64 truth than the dense form in the same dtype."""
     q, k, v = _inputs(B=1, Hq=4, Hkv=1, T=700, d=16, dtype=torch.float32, scale=4.0)
 
@@ -95,7 +104,7 @@ def test_large_logits_long_sequence_forward_and_backward(dtype):
         assert err <= 2 * ref_err + 1e-4 * t.abs().max(), (err, ref_err)
 
 
-def test_chunked_calls_with_carried_sinks_equal_one_call():
+def test_chunked_calls_with_carried_sinks_equal_one_call(path):
     """What decoding does: keys beyond the window are dropped, the sinks are kept apart."""
     q, k, v = _inputs(T=50)
     mask = _padding(2, 50, left=(0, 7))
@@ -139,3 +148,27 @@ def test_lse_short_and_long_query_blocks_agree_with_dense(num_past, T):
     real = mask[:, None, num_past:].expand_as(ref)
     assert got.shape == (2, q.shape[1], T)
     torch.testing.assert_close(got[real], ref[real], atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoding_steps_one_softmax_equals_the_merge_forward_and_backward(dtype, monkeypatch):
+    """Single-token steps with far more past keys than the window (dropped), left padding, softcap,
+    logits of spread 50+: the one-softmax form and the merged form agree, values and gradients."""
+    B, window, n, past = 2, 16, 3, 40
+    q, k, v = _inputs(B=B, Hq=4, Hkv=2, T=past + 1, d=8, dtype=torch.float32, seed=3, scale=3.0)
+    mask = _padding(B, past + 1, left=(0, 9))
+    sidx, svalid, sk, sv = first_valid(n, torch.arange(past).expand(B, -1), mask[:, :past], k[:, :, :past], v[:, :, :past])
+
+    def run(limit):
+        monkeypatch.setattr(sinks_mod, "FUSED_MAX_QUERIES", limit)
+        ts = [t.to(dtype).clone().requires_grad_() for t in (q[:, :, past:], k, v, sk, sv)]
+        out = sink_window_attention(ts[0], ts[1], ts[2], window, ts[3], ts[4], sidx, svalid, q_start=past,
+                                    softcap=20.0, key_padding_mask=mask, num_past=past)
+        out.float().pow(2).sum().backward()
+        return [out.detach().float()] + [t.grad.float() for t in ts]
+
+    merged, fused = run(0), run(10**9)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    for a, b in zip(fused, merged):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, **tol)
