@@ -45,10 +45,10 @@ def test_memory_stops_growing(method):
     cache = RetrofitCache(model)
     sizes = _decode(model, torch.randint(3, 256, (2, 60)), cache, prefill=3)
     assert cache.get_seq_length() == 60
-    assert len(set(sizes[W:])) == 1  # constant once w - 1 keys are buffered
+    assert len(set(sizes)) == 1  # decoding slots are allocated once, at the first step
     if method == "macchiato":
-        assert sizes[0] < sizes[W]  # the key window filled up first
-        assert all(l.buffered == W - 1 for l in cache.layers)
+        assert all(l.in_slots and l.buffered == W - 1 for l in cache.layers)
+        assert sizes[0] >= 2 * W * 8 * 4  # keys and values of w ring slots (8 dims, fp32) at least
 
 
 def test_plain_dynamic_cache_is_adopted():
@@ -82,8 +82,63 @@ def test_reorder_and_select_follow_the_batch():
         want = model(nxt.flip(0), past_key_values=b, use_cache=True).logits
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         a.batch_select_indices(torch.tensor([1]))
-        assert a.layers[1].state.m.shape[0] == 1 and a.layers[1].keys.shape[0] == 1
+        assert a.layers[1].state.m.shape[0] == 1 and a.layers[1].slot_keys.shape[0] == 1
     layer = a.layers[1]
     layer.crop(0)
     with pytest.raises(NotImplementedError, match="rolled back"):
         layer.crop(2)
+
+
+# ---- in-place decoding slots ([sinks | ring of w]) against the general (concatenating) path
+def _steps(model, ids, mask, prefill, slots: bool, chunk_after: int | None = None):
+    """Logits of a prefill, then one token at a time (a multi-token chunk at ``chunk_after``)."""
+    for m in model.modules():
+        if hasattr(m, "slot_decoding"):
+            m.slot_decoding = slots
+    cache = RetrofitCache(model)
+    outs = []
+    with torch.no_grad():
+        outs.append(model(ids[:, :prefill], attention_mask=mask[:, :prefill], past_key_values=cache, use_cache=True).logits)
+        t = prefill
+        while t < ids.shape[1]:
+            n = 5 if t == chunk_after else 1
+            outs.append(model(ids[:, t : t + n], attention_mask=mask[:, : t + n], past_key_values=cache, use_cache=True).logits)
+            t += n
+    return torch.cat(outs, dim=1), cache
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2: GQA + attention softcap
+@pytest.mark.parametrize("sinks", [0, 2])
+@pytest.mark.parametrize("prefill", [3, 20])  # window not yet full / full at the first step
+def test_slot_decoding_equals_the_general_path(family, sinks, prefill):
+    """Left-padded rows, several wraps of the ring, a chunk after decoding (back to chronological)."""
+    model = convert(tiny_model(family), ConversionSpec(window=W, latents=8, conv_size=2, sinks=sinks))
+    ids = torch.randint(3, 256, (2, 60))
+    mask = torch.ones(2, 60, dtype=torch.long)
+    mask[1, :4] = 0  # row 1 starts with 4 padding tokens: they never become sinks or window keys
+    want, _ = _steps(model, ids, mask, prefill, slots=False, chunk_after=41)
+    got, cache = _steps(model, ids, mask, prefill, slots=True, chunk_after=41)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # back in slots after the chunk, and the window is the last w tokens
+    layer = next(l for l in cache.layers if isinstance(l, RetrofitLayerCache))
+    assert layer.in_slots and layer.buffered == W - 1 and layer.cumulative_length == 60
+    k, _, ok = layer.past_kv()  # leaves the slots: chronological again
+    assert not layer.in_slots and k.shape[2] == W - 1 and bool(ok.all())
+
+
+def test_slots_follow_beam_reordering():
+    model = convert(tiny_model("llama"), ConversionSpec(window=W, latents=8, sinks=1))
+    ids = torch.randint(3, 256, (2, 25))
+    with torch.no_grad():
+        a = RetrofitCache(model)
+        model(ids[:, :20], past_key_values=a, use_cache=True)
+        for t in range(20, 25):
+            model(ids[:, t : t + 1], past_key_values=a, use_cache=True)
+        assert a.layers[0].in_slots
+        a.reorder_cache(torch.tensor([1, 0]))
+        nxt = torch.randint(3, 256, (2, 1))
+        got = model(nxt, past_key_values=a, use_cache=True).logits
+        b = RetrofitCache(model)
+        model(ids.flip(0), past_key_values=b, use_cache=True)
+        want = model(nxt, past_key_values=b, use_cache=True).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -6,7 +6,9 @@ forward steps that extend the cache (greedy: each step feeds the previous argmax
 converted model's cache is retrofit's constant-memory one (the converted layers adopt the
 ``DynamicCache`` transformers builds: a w-token key/value ring buffer + the latent state),
 the base model's the usual growing key/value cache. Reported per point: median and p90 step
-latency, tokens/s, and the bytes the cache holds after the context.
+latency, tokens/s, and the bytes the cache holds after the context. The two models' steps
+are interleaved at each length (both caches prefilled first), so load drift on a shared machine
+moves both alike and the speed-up is a same-moment ratio.
 """
 from __future__ import annotations
 
@@ -29,48 +31,78 @@ from retrofit.bench.common import (
 )
 from retrofit.bench.models import build_pair, cache_bytes, forward_kwargs
 
-__all__ = ["run_decode_benchmark", "decode_point"]
+__all__ = ["run_decode_benchmark", "decode_points"]
 
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 QUICK_LENGTHS = (256, 512, 1024)
 
 
-@torch.no_grad()
-def decode_point(model, T: int, *, batch: int, new_tokens: int, prefill_chunk: int, device, seed: int = 0) -> dict[str, Any]:
-    """Prefill ``T`` tokens, then time ``new_tokens`` decoding steps. Returns latencies and cache size."""
-    from transformers import DynamicCache
+class _Decoder:
+    """One model's decoding run at one context: prefill, then timed single-token steps."""
 
-    g = torch.Generator().manual_seed(seed)
-    vocab = int(model.config.vocab_size)
-    ids = torch.randint(3, vocab, (batch, T), generator=g).to(device)
-    cache = DynamicCache(config=model.config)
-    kw = forward_kwargs(model)
-    sync(device)
-    t0 = time.perf_counter()
-    out = None
-    for i in range(0, T, prefill_chunk):
-        out = model(input_ids=ids[:, i : i + prefill_chunk], past_key_values=cache, use_cache=True, **kw)
-        cache = out.past_key_values
-    sync(device)
-    prefill_s = time.perf_counter() - t0
-    context_bytes = cache_bytes(cache)
-    nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-    steps = []
-    for _ in range(new_tokens):
+    @torch.no_grad()
+    def __init__(self, model, T: int, *, batch: int, prefill_chunk: int, device, seed: int = 0):
+        from transformers import DynamicCache
+
+        self.model, self.device = model, device
+        g = torch.Generator().manual_seed(seed)
+        ids = torch.randint(3, int(model.config.vocab_size), (batch, T), generator=g).to(device)
+        self.cache = DynamicCache(config=model.config)
+        kw = forward_kwargs(model)
         sync(device)
         t0 = time.perf_counter()
-        out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        out = None
+        for i in range(0, T, prefill_chunk):
+            out = model(input_ids=ids[:, i : i + prefill_chunk], past_key_values=self.cache, use_cache=True, **kw)
+            self.cache = out.past_key_values
         sync(device)
-        steps.append(time.perf_counter() - t0)
-        cache = out.past_key_values
-    warm = steps[1:] if len(steps) > 2 else steps  # the first step may pay one-time costs
-    p90 = sorted(warm)[min(len(warm) - 1, int(0.9 * len(warm)))]
-    med = statistics.median(warm)
-    return {
-        "T": T, "prefill_s": prefill_s, "step_s": med, "step_p90_s": p90, "tokens_per_s": batch / med,
-        "steps_s": steps, "cache_bytes": context_bytes, "cache_bytes_end": cache_bytes(cache),
-    }
+        self.prefill_s = time.perf_counter() - t0
+        self.context_bytes = cache_bytes(self.cache)
+        self.nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        self.T, self.batch, self.steps = T, batch, []
+
+    @torch.no_grad()
+    def step(self) -> None:
+        sync(self.device)
+        t0 = time.perf_counter()
+        out = self.model(input_ids=self.nxt, past_key_values=self.cache, use_cache=True)
+        self.nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        sync(self.device)
+        self.steps.append(time.perf_counter() - t0)
+        self.cache = out.past_key_values
+
+    def result(self) -> dict[str, Any]:
+        steps = self.steps
+        warm = steps[1:] if len(steps) > 2 else steps  # the first step may pay one-time costs
+        p90 = sorted(warm)[min(len(warm) - 1, int(0.9 * len(warm)))]
+        med = statistics.median(warm)
+        return {
+            "T": self.T, "prefill_s": self.prefill_s, "step_s": med, "step_p90_s": p90, "tokens_per_s": self.batch / med,
+            "steps_s": steps, "cache_bytes": self.context_bytes, "cache_bytes_end": cache_bytes(self.cache),
+        }
+
+
+def decode_points(models: dict[str, Any], T: int, *, batch: int, new_tokens: int, prefill_chunk: int, device,
+                  seed: int = 0) -> dict[str, dict[str, Any]]:
+    """Prefill ``T`` tokens into each model's cache, then time ``new_tokens`` steps of each,
+    the models' steps interleaved (base, converted, base, ...) so that machine-load drift hits
+    both alike. Returns per model: latencies (median, p90, all steps) and cache bytes; a model that
+    runs out of memory gets ``{"T", "error"}``."""
+    runs, rows = {}, {}
+    for name, model in models.items():
+        try:
+            runs[name] = _Decoder(model, T, batch=batch, prefill_chunk=prefill_chunk, device=device, seed=seed)
+        except RuntimeError as exc:  # out of memory at long contexts: record and go on
+            rows[name] = {"T": T, "error": str(exc).splitlines()[0][:200]}
+    for _ in range(new_tokens):
+        for name, run in list(runs.items()):
+            try:
+                run.step()
+            except RuntimeError as exc:
+                rows[name] = {"T": T, "error": str(exc).splitlines()[0][:200]}
+                del runs[name]
+    rows.update({name: run.result() for name, run in runs.items()})
+    return {name: rows[name] for name in models}
 
 
 def run_decode_benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -82,19 +114,14 @@ def run_decode_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     base, converted, info = build_pair(args, max(lengths) + new_tokens + 1)
     hw = hardware_info(device)
     rows = []
-    bar = tqdm([(n, T) for T in lengths for n in ("base", "converted")], desc="bench decode", unit="point",
-               disable=args.quiet)
-    for name, T in bar:
-        bar.set_postfix_str(f"{name} T={T}")
-        model = base if name == "base" else converted
-        try:
-            r = decode_point(model, T, batch=args.batch, new_tokens=new_tokens, prefill_chunk=args.prefill_chunk,
-                             device=device, seed=args.seed)
-        except RuntimeError as exc:  # out of memory at long contexts: record and go on
-            r = {"T": T, "error": str(exc).splitlines()[0][:200]}
-        rows.append({"model": name, **r})
+    bar = tqdm(lengths, desc="bench decode", unit="length", disable=args.quiet)
+    for T in bar:
+        bar.set_postfix_str(f"T={T}")
+        points = decode_points({"base": base, "converted": converted}, T, batch=args.batch, new_tokens=new_tokens,
+                               prefill_chunk=args.prefill_chunk, device=device, seed=args.seed)
+        rows += [{"model": name, **r} for name, r in points.items()]
     config = {"lengths": lengths, "new_tokens": new_tokens, "batch": args.batch, "prefill_chunk": args.prefill_chunk,
-              "device": args.device, "dtype": args.dtype, "backend": args.backend}
+              "device": args.device, "dtype": args.dtype, "backend": args.backend, "steps": "interleaved"}
     return finish_pair_bench("decode", args, hw, info, config, rows, render_table, _plot)
 
 

@@ -11,6 +11,14 @@ Per converted layer a :class:`RetrofitLayerCache` holds
   stream indices and flags, when the layer has sinks,
 * the count of tokens seen (positions, ``get_seq_length``).
 
+The window buffer has two layouts. After a prefill it is chronological (``keys``/``values``/
+``valid``: the last ``window - 1`` tokens, oldest first), as multi-token calls need it. The first
+one-token call moves it into preallocated *slots* ``[n sinks | w ring slots]``
+(:meth:`RetrofitLayerCache.enter_slots`): each decoding step then writes its key/value into the ring
+slot of the token leaving the window (:meth:`write_slot`) and attends over the slots in place
+(:func:`retrofit.ops.slots.slot_attention_step`), with no per-step copy of the window. A later
+multi-token call reads the window back in chronological order (:meth:`past_kv`).
+
 Layers left as softmax attention keep the usual transformers layer (growing
 ``DynamicLayer``, or ``DynamicSlidingWindowLayer`` for natively windowed layers).
 
@@ -55,15 +63,103 @@ class RetrofitLayerCache(CacheLayerMixin):
         self.sinks: tuple[torch.Tensor, ...] | None = None  # (idx (B, n), valid (B, n), k, v (B, Hkv, n, d))
         self.sinks_full = False  # every row has its n sinks: later tokens never become sinks
         self.cumulative_length = 0
+        # decoding layout (None while chronological): keys/values (B, Hkv, n + w, d), allowed (B, n + w)
+        self.slot_keys: torch.Tensor | None = None
+        self.slot_values: torch.Tensor | None = None
+        self.slot_allowed: torch.Tensor | None = None
+        self.slot_filled = 0  # ring slots written so far (<= window), filled in order before wrapping
+        self.slot_next = 0  # the ring slot the next token goes to
+        self.sinks_settled = False  # every sink lies before the window: their slot flags are final
 
     # ------------------------------------------------------------------ converted layers' API
     @property
     def buffered(self) -> int:
+        if self.in_slots:
+            return min(self.slot_filled, max(self.window - 1, 0))
         return 0 if self.keys is None else self.keys.shape[-2]
 
+    @property
+    def has_past(self) -> bool:
+        """Whether a window buffer exists (a previous call stored keys), in either layout."""
+        return self.in_slots or self.keys is not None
+
+    @property
+    def in_slots(self) -> bool:
+        return self.slot_keys is not None
+
     def past_kv(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        """``(keys, values, valid)`` of the buffered tokens (None before the first call)."""
+        """``(keys, values, valid)`` of the buffered tokens, oldest first (None before the first call)."""
+        if self.in_slots:
+            self.leave_slots()
         return self.keys, self.values, self.valid
+
+    # ------------------------------------------------------------------ decoding slots
+    def enter_slots(self) -> None:
+        """Move the chronological window (and the sinks) into ``[n sinks | w ring slots]``."""
+        if self.in_slots:
+            return
+        if self.keys is None or self.window < 1:
+            raise RuntimeError("enter_slots needs a filled window buffer (a prefill first) and window >= 1")
+        B, Hkv, P, d = self.keys.shape
+        n = 0 if self.sinks is None else self.sinks[2].shape[2]
+        w = self.window
+        self.slot_keys = self.keys.new_zeros(B, Hkv, n + w, d)
+        self.slot_values = self.values.new_zeros(B, Hkv, n + w, self.values.shape[-1])
+        self.slot_allowed = torch.zeros(B, n + w, dtype=torch.bool, device=self.keys.device)
+        if n:
+            self.slot_keys[:, :, :n] = self.sinks[2]
+            self.slot_values[:, :, :n] = self.sinks[3]
+        self.slot_keys[:, :, n : n + P] = self.keys
+        self.slot_values[:, :, n : n + P] = self.values
+        self.slot_allowed[:, n : n + P] = self.valid
+        self.slot_filled, self.slot_next = P, P % w
+        self.keys = self.values = self.valid = None
+
+    def write_slot(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store the next real token's ``key``/``value`` ``(B, Hkv, 1, d)`` over the oldest ring slot.
+
+        Also flags the sinks this token sees: those before its window (stream index
+        ``<= t - window``); one inside the window is its ring slot already.
+        """
+        n = self.slot_keys.shape[2] - self.window
+        i = n + self.slot_next
+        self.slot_keys[:, :, i : i + 1] = key
+        self.slot_values[:, :, i : i + 1] = value
+        self.slot_allowed[:, i] = True
+        if n and not self.sinks_settled:
+            first_seen = self.cumulative_length - self.window  # sinks at or before this index are seen
+            idx, ok = self.sinks[0], self.sinks[1]
+            self.slot_allowed[:, :n] = ok & (idx <= first_seen)
+            self.sinks_settled = first_seen >= int(idx.max())
+        self.slot_next = (self.slot_next + 1) % self.window
+        self.slot_filled = min(self.slot_filled + 1, self.window)
+
+    def slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keys, values, allowed)`` over the sinks and the filled ring slots (views, no copy)."""
+        end = self.slot_keys.shape[2] - self.window + self.slot_filled
+        return self.slot_keys[:, :, :end], self.slot_values[:, :, :end], self.slot_allowed[:, :end]
+
+    def advance(self, state: LatteState | None, conv_tail: torch.Tensor | None) -> None:
+        """After a slot step: the new latent state and conv tail, one more token seen."""
+        self.state = state
+        self.conv_tail = conv_tail
+        self.cumulative_length += 1
+
+    def leave_slots(self) -> None:
+        """Back to the chronological buffer of the last ``window - 1`` tokens."""
+        n = self.slot_keys.shape[2] - self.window
+        ring = slice(n, n + self.slot_filled)
+        k, v, ok = self.slot_keys[:, :, ring], self.slot_values[:, :, ring], self.slot_allowed[:, ring]
+        if self.slot_filled == self.window and self.slot_next:  # wrapped: the oldest token is at slot_next
+            order = torch.cat([torch.arange(self.slot_next, self.window), torch.arange(0, self.slot_next)]).to(k.device)
+            k, v, ok = k.index_select(2, order), v.index_select(2, order), ok.index_select(1, order)
+        keep = max(self.window - 1, 0)
+        self.keys = k[:, :, k.shape[2] - keep :].contiguous()
+        self.values = v[:, :, v.shape[2] - keep :].contiguous()
+        self.valid = ok[:, ok.shape[1] - keep :].contiguous()
+        self.slot_keys = self.slot_values = self.slot_allowed = None
+        self.slot_filled = self.slot_next = 0
+        self.sinks_settled = False
 
     def store(
         self,
@@ -95,6 +191,7 @@ class RetrofitLayerCache(CacheLayerMixin):
     def memory_bytes(self) -> int:
         """Bytes held by this layer's tensors (constant once ``window - 1`` tokens were seen)."""
         tensors = [self.keys, self.values, self.valid, self.conv_tail, *(self.sinks or ())]
+        tensors += [self.slot_keys, self.slot_values, self.slot_allowed]
         if self.state is not None:
             tensors += [self.state.m, self.state.z]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
@@ -124,6 +221,9 @@ class RetrofitLayerCache(CacheLayerMixin):
         self.state = self.sinks = None
         self.sinks_full = False
         self.cumulative_length = 0
+        self.slot_keys = self.slot_values = self.slot_allowed = None
+        self.slot_filled = self.slot_next = 0
+        self.sinks_settled = False
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -137,6 +237,8 @@ class RetrofitLayerCache(CacheLayerMixin):
             self.state = LatteState(fn(self.state.m), fn(self.state.z))
         if self.sinks is not None:
             self.sinks = tuple(fn(t) for t in self.sinks)
+        self.slot_keys, self.slot_values = _index(self.slot_keys, fn), _index(self.slot_values, fn)
+        self.slot_allowed = _index(self.slot_allowed, fn)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._apply(lambda x: x.index_select(0, beam_idx.to(x.device)))

@@ -34,7 +34,7 @@ from retrofit.layers.base import RetrofitAttention
 from retrofit.layers.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.conv import CausalDepthwiseConv
 from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, register_method, resolve_window
-from retrofit.ops import first_valid, macchiato_attention
+from retrofit.ops import first_valid, macchiato_attention, macchiato_slot_step
 
 __all__ = ["DEFAULT_INIT_SWA_SHARE", "MacchiatoAttention", "MacchiatoConfig", "build_macchiato", "swa_bias"]
 
@@ -142,6 +142,7 @@ class MacchiatoAttention(RetrofitAttention):
         H, Lh = self.num_heads, self.latents_per_head
         self.conv = CausalDepthwiseConv(self.hidden_size, self.conv_size, **kw) if self.conv_size > 1 else None
         self.latent_path_closed = False  # True: p(0|t) = 1 (pure w-token SWA), for anchors / probes
+        self.slot_decoding = True  # False: decode through the general path (tests compare the two)
         self.latent_q = nn.Linear(self.hidden_size, H * (Lh + 1), bias=True, **kw)
         self.latent_k = nn.Linear(self.hidden_size, H * Lh, bias=False, **kw) if Lh else None
         self.reset_new_parameters(generator)
@@ -194,10 +195,12 @@ class MacchiatoAttention(RetrofitAttention):
         cache = layer_cache(past_key_values, self.layer_idx, self.new_cache_layer)
         mix, lat, tail = self._mixing(hidden_states, valid, cache.conv_tail if cache is not None else None)
 
+        if self._takes_slot_step(T, cache, valid):
+            return self._slot_step(q, k, v, mix, lat, tail, cache), None
         if valid is None and cache is not None:
             valid = torch.ones(B, T, dtype=torch.bool, device=q.device)
         k_all, v_all, valid_all, num_past = k, v, valid, 0
-        if cache is not None and cache.keys is not None:
+        if cache is not None and cache.has_past:
             pk, pv, pvalid = cache.past_kv()
             num_past = pk.shape[-2]
             k_all, v_all = torch.cat([pk, k], dim=-2), torch.cat([pv, v], dim=-2)
@@ -220,6 +223,25 @@ class MacchiatoAttention(RetrofitAttention):
         if cache is not None:
             cache.store(k_all, v_all, valid_all, state, T, tail, sinks=sinks)
         return self.patch.project_out(self, out), None
+
+    def _takes_slot_step(self, T: int, cache: RetrofitLayerCache | None, valid: torch.Tensor | None) -> bool:
+        """Decoding one real token after a prefill, with the sinks (if any) all known: the slot path."""
+        if T != 1 or cache is None or not cache.has_past or not self.slot_decoding:
+            return False
+        if self.sinks and not cache.sinks_full:
+            return False
+        return valid is None or bool(valid.all())
+
+    def _slot_step(self, q, k, v, mix, lat, tail, cache: RetrofitLayerCache) -> torch.Tensor:
+        """One token through the cache's in-place window slots (no per-step window copies)."""
+        cache.enter_slots()
+        cache.write_slot(k, v)
+        slot_k, slot_v, allowed = cache.slots()
+        out, state = macchiato_slot_step(
+            q, slot_k, slot_v, allowed, v, mix, lat, cache.state, scaling=self.scaling, softcap=self.softcap
+        )
+        cache.advance(state, tail)
+        return self.patch.project_out(self, out)
 
     def extra_repr(self) -> str:
         return (

@@ -36,7 +36,13 @@ from retrofit.ops.dispatched import (
     sliding_window_lse,
 )
 from retrofit.ops.sinks import first_valid, sink_window_attention, sink_window_attention_reference
-from retrofit.ops.macchiato import macchiato_attention, macchiato_attention_reference, repeat_kv_heads
+from retrofit.ops.slots import slot_attention_step
+from retrofit.ops.macchiato import (
+    macchiato_attention,
+    macchiato_attention_reference,
+    macchiato_slot_step,
+    repeat_kv_heads,
+)
 
 __all__ = [
     "LLPState",
@@ -65,7 +71,9 @@ __all__ = [
     "exp_linear_attention_step",
     "macchiato_attention",
     "macchiato_attention_reference",
+    "macchiato_slot_step",
     "repeat_kv_heads",
+    "slot_attention_step",
     "first_valid",
     "sink_window_attention",
     "sink_window_attention_reference",

@@ -18,9 +18,10 @@ import torch
 from retrofit.ops.dispatched import causal_latte_chunked, causal_latte_step, sliding_window_attention
 from retrofit.ops.latte import LatteState, causal_latte_reference
 from retrofit.ops.sinks import sink_window_attention
+from retrofit.ops.slots import slot_attention_step
 from retrofit.ops.sliding_window import sliding_window_attention_reference
 
-__all__ = ["macchiato_attention", "macchiato_attention_reference", "repeat_kv_heads"]
+__all__ = ["macchiato_attention", "macchiato_attention_reference", "macchiato_slot_step", "repeat_kv_heads"]
 
 
 def repeat_kv_heads(x: torch.Tensor, num_query_heads: int) -> torch.Tensor:
@@ -57,7 +58,7 @@ def macchiato_attention(
     ``output_final_state`` (decoding) takes the Latte step, from an empty state if none is given.
     ``chunk_size=None`` keeps the Latte kernel's own default; ``backend`` goes to both branches.
     """
-    p = torch.softmax(mix_logits.float() if mix_logits.dtype in (torch.float16, torch.bfloat16) else mix_logits, dim=-1)
+    p = _mix_weights(mix_logits)
     window_kw = dict(scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask, num_past=num_past, backend=backend)
     if sinks is not None:
         idx, valid, sink_k, sink_v = sinks
@@ -83,9 +84,54 @@ def macchiato_attention(
             output_final_state=output_final_state, backend=backend,
             **({} if chunk_size is None else {"chunk_size": chunk_size}),
         )
+    return _mix(p, swa, latent, v.dtype), state
+
+
+def _mix_weights(mix_logits: torch.Tensor) -> torch.Tensor:
+    """``p(l|t)`` over the L + 1 states, in fp32 for half-precision logits."""
+    return torch.softmax(mix_logits.float() if mix_logits.dtype in (torch.float16, torch.bfloat16) else mix_logits, dim=-1)
+
+
+def _mix(p: torch.Tensor, swa: torch.Tensor, latent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``p(0|t) swa + latent`` (the latent output is already weighted by ``p(l|t)``)."""
     if latent.dtype == p.dtype:  # add the window branch into the latent output in place (no T x D temporary)
-        return latent.addcmul_(p[..., :1], swa).to(v.dtype), state
-    return (p[..., :1] * swa + latent).to(v.dtype), state
+        return latent.addcmul_(p[..., :1], swa).to(dtype)
+    return (p[..., :1] * swa + latent).to(dtype)
+
+
+def macchiato_slot_step(
+    q: torch.Tensor,
+    slot_k: torch.Tensor,
+    slot_v: torch.Tensor,
+    allowed: torch.Tensor,
+    v_new: torch.Tensor,
+    mix_logits: torch.Tensor,
+    latent_logits: torch.Tensor | None,
+    state: LatteState | None,
+    *,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    backend: str | None = "auto",
+) -> tuple[torch.Tensor, LatteState | None]:
+    """One decoding token (every row real) with the window and sinks held in key slots.
+
+    ``slot_k``/``slot_v`` ``(B, Hkv, S, d|D)`` and ``allowed`` ``(B, S)`` as in
+    :func:`retrofit.ops.slots.slot_attention_step` (the new token already written to its slot);
+    ``v_new`` ``(B, Hkv, 1, D)`` the new token's value for the latent step; ``mix_logits``
+    ``(B, Hq, 1, L + 1)``, ``latent_logits`` ``(B, Hq, 1, L)`` or None. The same function as
+    :func:`macchiato_attention` on one token with the cache's window. Returns
+    ``(out (B, Hq, 1, D), new latent state or None)``.
+    """
+    p = _mix_weights(mix_logits)
+    swa = slot_attention_step(q, slot_k, slot_v, allowed, scaling=scaling, softcap=softcap)
+    if latent_logits is None:
+        return (p[..., :1] * swa).to(slot_v.dtype), None
+    B, H, D = q.shape[0], q.shape[1], slot_v.shape[-1]
+    state = state or LatteState.empty(B, H, latent_logits.shape[-1], D, device=slot_v.device)
+    latent, state = causal_latte_step(
+        p[:, :, 0, 1:], latent_logits[:, :, 0], repeat_kv_heads(v_new, H)[:, :, 0], state, backend=backend
+    )
+    return _mix(p, swa, latent.unsqueeze(2), slot_v.dtype), state
 
 
 def macchiato_attention_reference(

@@ -144,3 +144,18 @@ def test_decode_and_model_compare_converted_with_base(tmp_path):
     # by default the converted model trains only its new weights
     assert kinds[("converted", "train")]["trainable_parameters"] < kinds[("base", "train")]["trainable_parameters"]
     _png(tmp_path / "mod" / "model.png")
+
+
+def test_decode_steps_of_the_two_models_are_interleaved():
+    """Both caches are prefilled first, then the timed steps alternate, so load drift hits both."""
+    from retrofit.bench.decode import decode_points
+    from tests.surgery.tiny import tiny_model
+
+    models = {"base": tiny_model("llama"), "converted": tiny_model("llama", seed=1)}
+    calls = []
+    for name, m in models.items():
+        m.register_forward_pre_hook(lambda mod, args, kwargs, name=name: calls.append((name, kwargs["input_ids"].shape[1])),
+                                    with_kwargs=True)
+    rows = decode_points(models, 12, batch=1, new_tokens=3, prefill_chunk=8, device=torch.device("cpu"))
+    assert calls == [("base", 8), ("base", 4), ("converted", 8), ("converted", 4)] + [("base", 1), ("converted", 1)] * 3
+    assert all(len(r["steps_s"]) == 3 and r["T"] == 12 for r in rows.values())
