@@ -4,7 +4,9 @@ Every op here is dispatched: it runs on the backend the registry in :mod:`retrof
 picks for the call (``backend=`` argument, ``--backend``, ``RETROFIT_BACKEND``, or auto). The
 ``*_reference`` functions are the dense references the kernels are tested against; the torch
 kernels themselves live in the math modules (:mod:`.latte`, :mod:`.sliding_window`, ...) and
-are the ``torch`` backend's implementations.
+are the ``torch`` backend's implementations. The compositions (:mod:`.macchiato`, :mod:`.sinks`)
+call dispatched ops; :func:`slot_attention_step` (one decoding query over preallocated key
+slots) is a few device-generic torch calls with nothing to dispatch.
 """
 # the kernels' modules first: the backends register their kernels from them
 from retrofit.ops.exp_linear import exp_linear_attention_reference
