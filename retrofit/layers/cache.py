@@ -115,8 +115,9 @@ class RetrofitLayerCache(CacheLayerMixin):
         self.slot_filled, self.slot_next = P, P % w
         self.keys = self.values = self.valid = None
 
-    def write_slot(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store the next real token's ``key``/``value`` ``(B, Hkv, 1, d)`` over the oldest ring slot.
+    def write_slot(self, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Store the next token's ``key``/``value`` ``(B, Hkv, 1, d)`` and flag ``valid`` ``(B, 1)``
+        (None: real) over the oldest ring slot.
 
         Also flags the sinks this token sees: those before its window (stream index
         ``<= t - window``); one inside the window is its ring slot already.
@@ -125,7 +126,7 @@ class RetrofitLayerCache(CacheLayerMixin):
         i = n + self.slot_next
         self.slot_keys[:, :, i : i + 1] = key
         self.slot_values[:, :, i : i + 1] = value
-        self.slot_allowed[:, i] = True
+        self.slot_allowed[:, i : i + 1] = True if valid is None else valid
         if n and not self.sinks_settled:
             first_seen = self.cumulative_length - self.window  # sinks at or before this index are seen
             idx, ok = self.sinks[0], self.sinks[1]
@@ -150,9 +151,8 @@ class RetrofitLayerCache(CacheLayerMixin):
         n = self.slot_keys.shape[2] - self.window
         ring = slice(n, n + self.slot_filled)
         k, v, ok = self.slot_keys[:, :, ring], self.slot_values[:, :, ring], self.slot_allowed[:, ring]
-        if self.slot_filled == self.window and self.slot_next:  # wrapped: the oldest token is at slot_next
-            order = torch.cat([torch.arange(self.slot_next, self.window), torch.arange(0, self.slot_next)]).to(k.device)
-            k, v, ok = k.index_select(2, order), v.index_select(2, order), ok.index_select(1, order)
+        if self.slot_filled == self.window:  # wrapped: the oldest token is at slot_next
+            k, v, ok = k.roll(-self.slot_next, 2), v.roll(-self.slot_next, 2), ok.roll(-self.slot_next, 1)
         keep = max(self.window - 1, 0)
         self.keys = k[:, :, k.shape[2] - keep :].contiguous()
         self.values = v[:, :, v.shape[2] - keep :].contiguous()

@@ -195,8 +195,8 @@ class MacchiatoAttention(RetrofitAttention):
         cache = layer_cache(past_key_values, self.layer_idx, self.new_cache_layer)
         mix, lat, tail = self._mixing(hidden_states, valid, cache.conv_tail if cache is not None else None)
 
-        if self._takes_slot_step(T, cache, valid):
-            return self._slot_step(q, k, v, mix, lat, tail, cache), None
+        if self._takes_slot_step(T, cache):
+            return self._slot_step(q, k, v, mix, lat, tail, valid, cache), None
         if valid is None and cache is not None:
             valid = torch.ones(B, T, dtype=torch.bool, device=q.device)
         k_all, v_all, valid_all, num_past = k, v, valid, 0
@@ -224,21 +224,19 @@ class MacchiatoAttention(RetrofitAttention):
             cache.store(k_all, v_all, valid_all, state, T, tail, sinks=sinks)
         return self.patch.project_out(self, out), None
 
-    def _takes_slot_step(self, T: int, cache: RetrofitLayerCache | None, valid: torch.Tensor | None) -> bool:
-        """Decoding one real token after a prefill, with the sinks (if any) all known: the slot path."""
+    def _takes_slot_step(self, T: int, cache: RetrofitLayerCache | None) -> bool:
+        """Decoding one token after a prefill, with the sinks (if any) all known: the slot path."""
         if T != 1 or cache is None or not cache.has_past or not self.slot_decoding:
             return False
-        if self.sinks and not cache.sinks_full:
-            return False
-        return valid is None or bool(valid.all())
+        return not self.sinks or cache.sinks_full
 
-    def _slot_step(self, q, k, v, mix, lat, tail, cache: RetrofitLayerCache) -> torch.Tensor:
+    def _slot_step(self, q, k, v, mix, lat, tail, valid, cache: RetrofitLayerCache) -> torch.Tensor:
         """One token through the cache's in-place window slots (no per-step window copies)."""
         cache.enter_slots()
-        cache.write_slot(k, v)
+        cache.write_slot(k, v, valid)
         slot_k, slot_v, allowed = cache.slots()
         out, state = macchiato_slot_step(
-            q, slot_k, slot_v, allowed, v, mix, lat, cache.state, scaling=self.scaling, softcap=self.softcap
+            q, slot_k, slot_v, allowed, v, mix, lat, cache.state, valid=valid, scaling=self.scaling, softcap=self.softcap
         )
         cache.advance(state, tail)
         return self.patch.project_out(self, out)

@@ -71,13 +71,7 @@ def macchiato_attention(
     v_new = repeat_kv_heads(v[:, :, num_past:], q.shape[1])
     mask_new = None if key_padding_mask is None else key_padding_mask[:, num_past:]
     if T == 1 and output_final_state:
-        B, H, D = q.shape[0], q.shape[1], v.shape[-1]
-        state = initial_state or LatteState.empty(B, H, latent_logits.shape[-1], D, device=v.device)
-        latent, state = causal_latte_step(
-            p[:, :, 0, 1:], latent_logits[:, :, 0], v_new[:, :, 0], state,
-            valid=None if mask_new is None else mask_new[:, 0], backend=backend,
-        )
-        latent = latent.unsqueeze(2)
+        latent, state = _latent_step(p, latent_logits, v_new, initial_state, mask_new, backend)
     else:
         latent, state = causal_latte_chunked(
             p[..., 1:], latent_logits, v_new, key_padding_mask=mask_new, initial_state=initial_state,
@@ -85,6 +79,19 @@ def macchiato_attention(
             **({} if chunk_size is None else {"chunk_size": chunk_size}),
         )
     return _mix(p, swa, latent, v.dtype), state
+
+
+def _latent_step(p, latent_logits, v_new, state, valid, backend):
+    """One token's latent branch: ``(latent (B, Hq, 1, D), new state)``, from an empty state if None.
+
+    ``v_new`` ``(B, Hq, 1, D)`` (KV heads already repeated), ``valid`` ``(B, 1)`` or None."""
+    B, H, D = v_new.shape[0], v_new.shape[1], v_new.shape[-1]
+    state = state or LatteState.empty(B, H, latent_logits.shape[-1], D, device=v_new.device)
+    latent, state = causal_latte_step(
+        p[:, :, 0, 1:], latent_logits[:, :, 0], v_new[:, :, 0], state,
+        valid=None if valid is None else valid[:, 0], backend=backend,
+    )
+    return latent.unsqueeze(2), state
 
 
 def _mix_weights(mix_logits: torch.Tensor) -> torch.Tensor:
@@ -109,29 +116,31 @@ def macchiato_slot_step(
     latent_logits: torch.Tensor | None,
     state: LatteState | None,
     *,
+    valid: torch.Tensor | None = None,
     scaling: float | None = None,
     softcap: float | None = None,
     backend: str | None = "auto",
 ) -> tuple[torch.Tensor, LatteState | None]:
-    """One decoding token (every row real) with the window and sinks held in key slots.
+    """One decoding token with the window and sinks held in key slots.
 
     ``slot_k``/``slot_v`` ``(B, Hkv, S, d|D)`` and ``allowed`` ``(B, S)`` as in
     :func:`retrofit.ops.slots.slot_attention_step` (the new token already written to its slot);
     ``v_new`` ``(B, Hkv, 1, D)`` the new token's value for the latent step; ``mix_logits``
-    ``(B, Hq, 1, L + 1)``, ``latent_logits`` ``(B, Hq, 1, L)`` or None. The same function as
+    ``(B, Hq, 1, L + 1)``, ``latent_logits`` ``(B, Hq, 1, L)`` or None; ``valid`` ``(B, 1)``: a
+    padded token outputs zeros and leaves the latent state alone. The same function as
     :func:`macchiato_attention` on one token with the cache's window. Returns
     ``(out (B, Hq, 1, D), new latent state or None)``.
     """
     p = _mix_weights(mix_logits)
     swa = slot_attention_step(q, slot_k, slot_v, allowed, scaling=scaling, softcap=softcap)
     if latent_logits is None:
-        return (p[..., :1] * swa).to(slot_v.dtype), None
-    B, H, D = q.shape[0], q.shape[1], slot_v.shape[-1]
-    state = state or LatteState.empty(B, H, latent_logits.shape[-1], D, device=slot_v.device)
-    latent, state = causal_latte_step(
-        p[:, :, 0, 1:], latent_logits[:, :, 0], repeat_kv_heads(v_new, H)[:, :, 0], state, backend=backend
-    )
-    return _mix(p, swa, latent.unsqueeze(2), slot_v.dtype), state
+        out = (p[..., :1] * swa).to(slot_v.dtype)
+    else:
+        latent, state = _latent_step(p, latent_logits, repeat_kv_heads(v_new, q.shape[1]), state, valid, backend)
+        out = _mix(p, swa, latent, slot_v.dtype)
+    if valid is not None:  # where, not a product: a padded row may have no allowed slot (NaN)
+        out = torch.where(valid[:, None, :, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return out, state
 
 
 def macchiato_attention_reference(

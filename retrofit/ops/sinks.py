@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from retrofit.ops.dispatched import sliding_window_attention, sliding_window_lse
+from retrofit.ops.slots import masked_dense_attention
 
 __all__ = ["first_valid", "sink_window_attention", "sink_window_attention_reference"]
 
@@ -118,13 +119,8 @@ def _one_dense_softmax(q, k, v, window, sink_k, sink_v, sink_idx, sink_valid, *,
         k, v = k[:, :, drop:], v[:, :, drop:]
         key_padding_mask = None if key_padding_mask is None else key_padding_mask[:, drop:]
         num_past = window
-    Hkv, Tk, n = k.shape[1], k.shape[2], sink_k.shape[2]
-    group = Hq // Hkv
+    Tk = k.shape[2]
     kk, vv = torch.cat([sink_k.to(k.dtype), k], dim=2), torch.cat([sink_v.to(v.dtype), v], dim=2)
-    s = torch.matmul(q.reshape(B, Hkv, group * Tq, d), kk.transpose(-1, -2))
-    s = s.to(torch.promote_types(s.dtype, torch.float32)) * scaling
-    if softcap:
-        s = torch.tanh(s / softcap) * softcap
     q_pos = torch.arange(Tq, device=q.device)[:, None] + num_past
     k_pos = torch.arange(Tk, device=q.device)[None, :]
     band = ((k_pos <= q_pos) & (k_pos > q_pos - window)).expand(B, Tq, Tk)
@@ -136,10 +132,7 @@ def _one_dense_softmax(q, k, v, window, sink_k, sink_v, sink_idx, sink_valid, *,
         q_valid = kpm[:, num_past:]
         band = (band & kpm[:, None, :]) | ((k_pos == q_pos) & ~q_valid[:, :, None])
         seen = seen & q_valid[:, :, None]
-    allowed = torch.cat([seen, band], dim=-1)[:, None, None]  # (B, 1, 1, Tq, n + Tk)
-    s = s.view(B, Hkv, group, Tq, n + Tk).masked_fill(~allowed, float("-inf"))
-    p = torch.softmax(s, dim=-1).to(vv.dtype)
-    out = torch.matmul(p.view(B, Hkv, group * Tq, n + Tk), vv).view(B, Hq, Tq, -1)
+    out = masked_dense_attention(q, kk, vv, torch.cat([seen, band], dim=-1), scaling=scaling, softcap=softcap)
     if q_valid is not None:
         out = out * q_valid[:, None, :, None].to(out.dtype)
     return out

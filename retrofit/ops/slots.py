@@ -1,21 +1,45 @@
-"""One decoding step of softmax attention over a fixed set of key slots.
+"""Dense softmax attention of a few queries over a given key set with an explicit mask.
 
-A converted layer's decoding cache keeps its attention sinks and its ``w``-token window in one
-preallocated buffer, ``[n sink slots | w ring slots]`` (:class:`retrofit.layers.cache.RetrofitLayerCache`):
-the new token overwrites the ring slot of the token that just left the window, so a step
-copies one key instead of concatenating and re-slicing the whole window three times. Slot
-order carries no meaning (keys are post-RoPE); ``allowed`` says which slots the query sees:
-filled, real (not padding) and, for a sink, before the query's window (a sink still inside the
-window is already one of the ring slots).
+Two callers: a few-query call with attention sinks (:func:`retrofit.ops.sinks.sink_window_attention`
+concatenates ``[sinks; window keys]`` and builds the band mask), and one decoding step over a
+converted layer's preallocated key slots. The decoding cache keeps its attention sinks and its
+``w``-token window in one buffer, ``[n sink slots | w ring slots]``
+(:class:`retrofit.layers.cache.RetrofitLayerCache`): the new token overwrites the ring slot of the
+token that just left the window, so a step copies one key instead of concatenating and
+re-slicing the whole window. Slot order carries no meaning (keys are post-RoPE); ``allowed``
+says which slots the query sees: filled, real (not padding) and, for a sink, before the query's
+window (a sink still inside the window is already one of the ring slots).
 
-Shapes: q ``(B, Hq, 1, d)``, k ``(B, Hkv, S, d)``, v ``(B, Hkv, S, D)``, allowed ``(B, S)``
-bool with at least one True per row (the new token's own slot).
+Shapes: q ``(B, Hq, Tq, d)``, k ``(B, Hkv, S, d)``, v ``(B, Hkv, S, D)``; GQA groups share k/v.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["slot_attention_step"]
+__all__ = ["masked_dense_attention", "slot_attention_step"]
+
+
+def masked_dense_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    allowed: torch.Tensor,
+    *,
+    scaling: float,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """``(B, Hq, Tq, D)``: one softmax per query over the keys ``allowed`` ``(B, Tq, S)`` marks
+    (fp32 scores at least). A query with no allowed key gets NaN; callers zero such rows."""
+    B, Hq, Tq, d = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    group = Hq // Hkv
+    s = torch.matmul(q.reshape(B, Hkv, group * Tq, d), k.transpose(-1, -2))
+    s = s.to(torch.promote_types(s.dtype, torch.float32)) * scaling
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.view(B, Hkv, group, Tq, S).masked_fill(~allowed[:, None, None], float("-inf"))
+    p = torch.softmax(s, dim=-1).to(v.dtype)
+    return torch.matmul(p.view(B, Hkv, group * Tq, S), v).view(B, Hq, Tq, v.shape[-1])
 
 
 def slot_attention_step(
@@ -27,17 +51,8 @@ def slot_attention_step(
     scaling: float | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """``(B, Hq, 1, D)``: one softmax over the allowed slots, per query head (GQA groups share k/v)."""
-    B, Hq, Tq, d = q.shape
-    if Tq != 1:
-        raise ValueError(f"slot_attention_step takes one query per row, got {Tq}")
-    Hkv, S = k.shape[1], k.shape[2]
-    group = Hq // Hkv
-    scaling = d**-0.5 if scaling is None else scaling
-    s = torch.matmul(q.reshape(B, Hkv, group, d), k.transpose(-1, -2))  # (B, Hkv, group, S)
-    s = s.to(torch.promote_types(s.dtype, torch.float32)) * scaling
-    if softcap:
-        s = torch.tanh(s / softcap) * softcap
-    s = s.masked_fill(~allowed[:, None, None, :], float("-inf"))
-    p = torch.softmax(s, dim=-1).to(v.dtype)
-    return torch.matmul(p, v).view(B, Hq, 1, v.shape[-1])
+    """``(B, Hq, 1, D)``: one decoding query per row over the slots ``allowed`` ``(B, S)`` marks."""
+    if q.shape[2] != 1:
+        raise ValueError(f"slot_attention_step takes one query per row, got {q.shape[2]}")
+    scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
+    return masked_dense_attention(q, k, v, allowed[:, None, :], scaling=scaling, softcap=softcap)
