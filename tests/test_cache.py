@@ -144,3 +144,37 @@ def test_slots_follow_beam_reordering():
         model(ids.flip(0), past_key_values=b, use_cache=True)
         want = model(nxt, past_key_values=b, use_cache=True).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ---- sinks re-positioned past the cap (sink_distance): every path scores them the same way
+@pytest.mark.parametrize("family", ["llama", "gemma3", "phi3"])  # phi3: partial rotary
+def test_capped_sinks_agree_across_paths(family):
+    """One whole forward, the general cached path and the slot path give the same logits when the
+    cap is active on most tokens; the cap changes nothing before it and something after it."""
+    T, cap = 60, 14
+    model = convert(tiny_model(family), ConversionSpec(window=W, latents=8, sinks=2, sink_distance=cap))
+    ids = torch.randint(3, 256, (2, T))
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[1, :4] = 0
+    mask[0, 50] = 0
+    with torch.no_grad():
+        whole = model(ids, attention_mask=mask).logits
+    general, _ = _steps(model, ids, mask, 20, slots=False, chunk_after=41)
+    slots, _ = _steps(model, ids, mask, 20, slots=True, chunk_after=41)
+    real = mask.bool()
+    torch.testing.assert_close(general[real], whole[real], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(slots[real], whole[real], rtol=1e-4, atol=1e-4)
+
+    uncapped = convert(tiny_model(family), ConversionSpec(window=W, latents=8, sinks=2, sink_distance=0))
+    with torch.no_grad():
+        plain = uncapped(ids, attention_mask=mask).logits
+    near = torch.arange(T) <= cap  # no query is farther than the cap from any token yet
+    torch.testing.assert_close(whole[:, near], plain[:, near], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(whole[:, ~near], plain[:, ~near], atol=1e-3)
+
+
+def test_default_cap_is_the_pretraining_context():
+    model = convert(tiny_model("gemma3"), ConversionSpec(window=W, latents=8, sinks=2))
+    assert model.config.retrofit["sink_distance"] == model.config.max_position_embeddings - 1
+    layer = next(m for m in model.modules() if hasattr(m, "sink_distance"))
+    assert layer.sink_distance == model.config.max_position_embeddings - 1 and layer.rope_inv_freq is not None

@@ -23,6 +23,7 @@ symmetry between latents; the conv starts as the identity.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,7 +35,7 @@ from retrofit.layers.base import RetrofitAttention
 from retrofit.layers.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.conv import CausalDepthwiseConv
 from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, register_method, resolve_window
-from retrofit.ops import first_valid, macchiato_attention, macchiato_slot_step
+from retrofit.ops import capped_sink_keys, capped_sinks, first_valid, macchiato_attention, macchiato_slot_step
 
 __all__ = ["DEFAULT_INIT_SWA_SHARE", "MacchiatoAttention", "MacchiatoConfig", "build_macchiato", "swa_bias"]
 
@@ -58,6 +59,9 @@ class MacchiatoConfig(MethodConfig):
                                                         "(1 = latent path closed)")
     conv_size: int = opt(0, "causal depthwise conv size before the latent projections (0 or 1 = none)")
     sinks: int = opt(0, "attention sinks: the window branch also sees the first n tokens")
+    sink_distance: int | None = opt(None, "cap on the RoPE distance a query sees to a sink (StreamingLLM-style "
+                                          "re-positioning; default the base's max_position_embeddings - 1, so "
+                                          "nothing changes inside its context; 0 = no cap)")
     chunk_size: int = opt(64, "chunk length of the chunkwise-parallel latent scan")
 
     def check(self) -> None:
@@ -73,6 +77,8 @@ class MacchiatoConfig(MethodConfig):
             raise SpecError(f"sinks must be >= 0 (0 = a plain sliding window), got {self.sinks}")
         if self.chunk_size < 1:
             raise SpecError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.sink_distance is not None and self.sink_distance < 0:
+            raise SpecError(f"sink_distance must be >= 0 (0 = no cap), got {self.sink_distance}")
 
     def check_model(self, model_config: Any) -> None:
         """The latents must split evenly over the model's query heads."""
@@ -87,12 +93,16 @@ class MacchiatoConfig(MethodConfig):
     def resolved(self, model_config: Any, layers: Any) -> "MacchiatoConfig":
         import dataclasses
 
-        return dataclasses.replace(self, window=resolve_window(self.window, model_config, layers))
+        distance = self.sink_distance
+        if distance is None and self.sinks:  # the pretraining context: the farthest RoPE distance the base saw
+            distance = max(0, int(getattr(model_config, "max_position_embeddings", 0) or 0) - 1)
+        return dataclasses.replace(self, window=resolve_window(self.window, model_config, layers), sink_distance=distance)
 
     def describe(self) -> str:
         parts = [f"window={self.window}", f"latents={self.latents}", f"init_swa_share={self.init_swa_share}",
                  f"conv_size={self.conv_size}"]
-        return ", ".join(parts + ([f"sinks={self.sinks}"] if self.sinks else []))
+        sinks = [f"sinks={self.sinks}"] + ([f"sink_distance={self.sink_distance}"] if self.sink_distance else [])
+        return ", ".join(parts + (sinks if self.sinks else []))
 
 SATURATED_LOGIT = 1.0e4  # exp(-1e4) underflows to 0 in every float dtype: p(0|t) = 1 exactly
 
@@ -123,6 +133,7 @@ class MacchiatoAttention(RetrofitAttention):
         conv_size: int = MacchiatoConfig.conv_size,
         chunk_size: int = MacchiatoConfig.chunk_size,
         sinks: int = MacchiatoConfig.sinks,
+        sink_distance: int | None = MacchiatoConfig.sink_distance,
         generator: torch.Generator | None = None,
     ):
         super().__init__(original, patch)
@@ -137,6 +148,14 @@ class MacchiatoAttention(RetrofitAttention):
         self.conv_size = int(conv_size)
         self.chunk_size = int(chunk_size)
         self.sinks = int(sinks)
+        if sink_distance is None:  # as MacchiatoConfig.resolved: the base's pretraining context
+            sink_distance = max(0, int(getattr(self.config, "max_position_embeddings", 0) or 0) - 1)
+        self.sink_distance = int(sink_distance)
+        # fp32 frequencies kept off the module's buffers, so model.to(bf16) cannot round them
+        self.rope_inv_freq = patch.rope_inv_freq(original) if self.sinks and self.sink_distance else None
+        if self.sinks and self.sink_distance and self.rope_inv_freq is None:
+            warnings.warn(f"layer {self.layer_idx}: this model's RoPE type has no fixed frequencies; "
+                          f"the sinks' distance is not capped", stacklevel=2)
         ref = self._weight_ref
         kw = dict(device=ref.device, dtype=ref.dtype)
         H, Lh = self.num_heads, self.latents_per_head
@@ -215,9 +234,13 @@ class MacchiatoAttention(RetrofitAttention):
             if cache is not None and cache.sinks is not None:
                 cand = [torch.cat([a, b], dim=1 if a.dim() == 2 else 2) for a, b in zip(cache.sinks, cand)]
             sinks = first_valid(self.sinks, *cand)
+        far = None
+        if sinks is not None and self.rope_inv_freq is not None:
+            far = capped_sinks(q, sinks[2], sinks[0], seen, self.sink_distance, self.rope_inv_freq)
         out, state = macchiato_attention(
             q, k_all, v_all, mix, lat, window=self.window, scaling=self.scaling, softcap=self.softcap,
             key_padding_mask=valid_all, chunk_size=self.chunk_size, num_past=num_past, sinks=sinks, q_start=seen,
+            far_sinks=far,
             initial_state=cache.state if cache is not None else None, output_final_state=cache is not None,
         )
         if cache is not None:
@@ -235,6 +258,10 @@ class MacchiatoAttention(RetrofitAttention):
         cache.enter_slots()
         cache.write_slot(k, v, valid)
         slot_k, slot_v, allowed = cache.slots()
+        t = cache.cumulative_length  # this token's stream index
+        if self.rope_inv_freq is not None and cache.sinks is not None and t > self.sink_distance:
+            idx, _, sink_k, _ = cache.sinks  # re-positioned per step from the originals, in the sink slots
+            slot_k[:, :, : sink_k.shape[2]] = capped_sink_keys(sink_k, idx, t, self.sink_distance, self.rope_inv_freq)
         out, state = macchiato_slot_step(
             q, slot_k, slot_v, allowed, v, mix, lat, cache.state, valid=valid, scaling=self.scaling, softcap=self.softcap
         )
@@ -246,6 +273,7 @@ class MacchiatoAttention(RetrofitAttention):
             f"{super().extra_repr()}, window={self.window}, latents={self.latents} "
             f"({self.latents_per_head}/head), init_swa_share={self.init_swa_share}, conv_size={self.conv_size}"
             + (f", sinks={self.sinks}" if self.sinks else "")
+            + (f", sink_distance={self.sink_distance}" if self.sinks and self.sink_distance else "")
         )
 
 
@@ -257,7 +285,7 @@ def build_macchiato(original: nn.Module, patch: Any, spec: Any, layer_idx: int,
     return MacchiatoAttention(
         original, patch, window=c.window if c.window is not None else DEFAULT_WINDOW, latents=c.latents,
         init_swa_share=c.init_swa_share, conv_size=c.conv_size, chunk_size=c.chunk_size, sinks=c.sinks,
-        generator=generator,
+        sink_distance=c.sink_distance, generator=generator,
     )
 
 

@@ -37,7 +37,15 @@ from retrofit.ops.dispatched import (
     sliding_window_attention,
     sliding_window_lse,
 )
-from retrofit.ops.sinks import first_valid, sink_window_attention, sink_window_attention_reference
+from retrofit.ops.rope import rope_rotate
+from retrofit.ops.sinks import (
+    FarSinks,
+    capped_sink_keys,
+    capped_sinks,
+    first_valid,
+    sink_window_attention,
+    sink_window_attention_reference,
+)
 from retrofit.ops.slots import slot_attention_step
 from retrofit.ops.macchiato import (
     macchiato_attention,
@@ -76,7 +84,11 @@ __all__ = [
     "macchiato_slot_step",
     "repeat_kv_heads",
     "slot_attention_step",
+    "FarSinks",
+    "capped_sink_keys",
+    "capped_sinks",
     "first_valid",
+    "rope_rotate",
     "sink_window_attention",
     "sink_window_attention_reference",
     "sliding_window_attention",

@@ -17,7 +17,7 @@ import torch
 
 from retrofit.ops.dispatched import causal_latte_chunked, causal_latte_step, sliding_window_attention
 from retrofit.ops.latte import LatteState, causal_latte_reference
-from retrofit.ops.sinks import sink_window_attention
+from retrofit.ops.sinks import FarSinks, sink_window_attention
 from retrofit.ops.slots import slot_attention_step
 from retrofit.ops.sliding_window import sliding_window_attention_reference
 
@@ -47,6 +47,7 @@ def macchiato_attention(
     num_past: int = 0,
     sinks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     q_start: int = 0,
+    far_sinks: FarSinks | None = None,
     backend: str | None = "auto",
 ) -> tuple[torch.Tensor, LatteState | None]:
     """O(T (w d + C L + L D)) Macchiato. Returns ``(out (B, Hq, T, D), latent state or None)``.
@@ -54,7 +55,8 @@ def macchiato_attention(
     ``key_padding_mask`` ``(B, P + T)``. ``latent_logits=None``: no latent states (L = 0, the
     window alone). ``sinks``: ``(idx, valid, k, v)`` of the attention sinks as
     :func:`retrofit.ops.sinks.first_valid` returns them, with the new tokens' first stream index
-    ``q_start`` (see :func:`retrofit.ops.sinks.sink_window_attention`). One new token with
+    ``q_start`` (see :func:`retrofit.ops.sinks.sink_window_attention`); ``far_sinks``: their capped
+    distance (:func:`retrofit.ops.sinks.capped_sinks`). One new token with
     ``output_final_state`` (decoding) takes the Latte step, from an empty state if none is given.
     ``chunk_size=None`` keeps the Latte kernel's own default; ``backend`` goes to both branches.
     """
@@ -62,7 +64,8 @@ def macchiato_attention(
     window_kw = dict(scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask, num_past=num_past, backend=backend)
     if sinks is not None:
         idx, valid, sink_k, sink_v = sinks
-        swa = sink_window_attention(q, k, v, window, sink_k, sink_v, idx, valid, q_start=q_start, **window_kw)
+        swa = sink_window_attention(q, k, v, window, sink_k, sink_v, idx, valid, q_start=q_start, far=far_sinks,
+                                    **window_kw)
     else:
         swa = sliding_window_attention(q, k, v, window, **window_kw)
     if latent_logits is None:

@@ -13,7 +13,15 @@ scores). A sink inside the query's window is only counted by the window part.
 
 Positions are stream indices: query ``i`` of this call sits at ``q_start + i`` (tokens seen
 before the call, padding included), sink ``j`` at ``sink_idx[b, j]``; the window is index-based
-as in the kernel. Shapes: q ``(B, Hq, Tq, d)``, k/v ``(B, Hkv, num_past + Tq, d)``,
+as in the kernel.
+
+Capped sink distance (``far``, :func:`capped_sinks`): past the pretraining context a query would
+see its sinks at RoPE distances the model never saw (the Gemma 3 270M hybrid, pretrained at 32K:
+perplexity 31.5 over tokens 32K-64K of a held-out book uncapped, 22.2 capped; BENCHMARKS.md,
+"Sinks re-positioned"). Like StreamingLLM, which gives the
+cached sinks positions just before the window, a pair farther apart than ``distance`` is scored
+as if exactly ``distance`` apart: ``R(distance - t) q_t . R(-j) k_j`` (:mod:`retrofit.ops.rope`).
+Within ``distance`` nothing changes. Shapes: q ``(B, Hq, Tq, d)``, k/v ``(B, Hkv, num_past + Tq, d)``,
 ``sink_k``/``sink_v`` ``(B, Hkv, n, d)``, ``sink_idx``/``sink_valid`` ``(B, n)``.
 """
 from __future__ import annotations
@@ -21,10 +29,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from typing import NamedTuple
+
 from retrofit.ops.dispatched import sliding_window_attention, sliding_window_lse
+from retrofit.ops.rope import rope_rotate
 from retrofit.ops.slots import masked_dense_attention
 
-__all__ = ["first_valid", "sink_window_attention", "sink_window_attention_reference"]
+__all__ = [
+    "FarSinks",
+    "capped_sinks",
+    "capped_sink_keys",
+    "first_valid",
+    "sink_window_attention",
+    "sink_window_attention_reference",
+]
 
 # calls with at most this many queries run as one dense softmax over [sinks; window keys]
 FUSED_MAX_QUERIES = 16
@@ -51,6 +69,34 @@ def first_valid(n: int, idx: torch.Tensor, valid: torch.Tensor, *tensors: torch.
     return tuple(out)
 
 
+class FarSinks(NamedTuple):
+    """Scores for sink pairs farther apart than ``distance``: ``q`` ``(B, Hq, Tq, d)`` the queries
+    rotated to ``distance``, ``k`` ``(B, Hkv, n, d)`` the sink keys rotated back to position 0."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    distance: int
+
+
+def capped_sinks(q: torch.Tensor, sink_k: torch.Tensor, sink_idx: torch.Tensor, q_start: int, distance: int,
+                 inv_freq: torch.Tensor) -> FarSinks | None:
+    """The :class:`FarSinks` of a call whose queries (post-RoPE, at ``q_start + i``) see the sinks
+    ``sink_k`` (post-RoPE, at ``sink_idx`` ``(B, n)``); None when no pair can be that far apart."""
+    Tq = q.shape[2]
+    if q_start + Tq - 1 <= distance:  # sink indices are >= 0: no query is far from any sink
+        return None
+    t = torch.arange(q_start, q_start + Tq, device=q.device)
+    return FarSinks(rope_rotate(q, distance - t, inv_freq), rope_rotate(sink_k, -sink_idx[:, None, :], inv_freq), distance)
+
+
+def capped_sink_keys(sink_k: torch.Tensor, sink_idx: torch.Tensor, t: int, distance: int,
+                     inv_freq: torch.Tensor) -> torch.Tensor:
+    """Sink keys ``(B, Hkv, n, d)`` as one query at ``t`` must see them: each sink farther than
+    ``distance`` moved to ``t - distance`` (a decoding step's in-place form of :class:`FarSinks`)."""
+    shift = (t - distance - sink_idx).clamp(min=0)  # (B, n); 0 = within the cap, unchanged
+    return rope_rotate(sink_k, shift[:, None, :], inv_freq)
+
+
 def sink_window_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -66,18 +112,20 @@ def sink_window_attention(
     softcap: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
     num_past: int = 0,
+    far: FarSinks | None = None,
     backend: str | None = "auto",
 ) -> torch.Tensor:
     """``(B, Hq, Tq, Dv)``: softmax attention over each query's window keys and its sinks.
 
     The window attention and its log-sum-exp are the dispatched ops (``backend=`` is passed to
-    both). Differentiable in q, k, v, sink_k, sink_v.
+    both). ``far``: the capped scores of sink pairs more than ``far.distance`` apart
+    (:func:`capped_sinks`). Differentiable in q, k, v, sink_k, sink_v.
     """
     B, Hq, Tq, d = q.shape
     Hkv = k.shape[1]
     group = Hq // Hkv
     scaling = d**-0.5 if scaling is None else scaling
-    if Tq <= FUSED_MAX_QUERIES:
+    if Tq <= FUSED_MAX_QUERIES and far is None:
         return _one_dense_softmax(q, k, v, window, sink_k, sink_v, sink_idx, sink_valid, q_start=q_start,
                                   scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask, num_past=num_past)
     o_w = sliding_window_attention(q, k, v, window, scaling=scaling, softcap=softcap,
@@ -87,10 +135,14 @@ def sink_window_attention(
     n = sink_k.shape[2]
     qg = q.reshape(B, Hkv, group * Tq, d)
     s = torch.matmul(qg, sink_k.transpose(-1, -2)).view(B, Hkv, group, Tq, n)
+    t = torch.arange(Tq, device=q.device) + q_start
+    if far is not None:
+        s_far = torch.matmul(far.q.reshape(B, Hkv, group * Tq, d), far.k.transpose(-1, -2)).view(B, Hkv, group, Tq, n)
+        is_far = (t[None, :, None] - sink_idx[:, None, :]) > far.distance  # (B, Tq, n)
+        s = torch.where(is_far[:, None, None], s_far, s)
     s = s.to(torch.promote_types(s.dtype, torch.float32)) * scaling
     if softcap:
         s = torch.tanh(s / softcap) * softcap
-    t = torch.arange(Tq, device=q.device) + q_start
     # a sink is counted here only when it lies before the query's window (else the window has it)
     seen = sink_valid[:, None, :] & (sink_idx[:, None, :] <= (t - window)[None, :, None])  # (B, Tq, n)
     s = s.masked_fill(~seen[:, None, None], float("-inf"))
@@ -148,21 +200,36 @@ def sink_window_attention_reference(
     scaling: float | None = None,
     softcap: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
+    rope: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
-    """Dense O(T^2) form over one whole sequence (no cache): the mask is band OR first-``sinks``-valid."""
+    """Dense O(T^2) form over one whole sequence (no cache): the mask is band OR first-``sinks``-valid.
+
+    ``rope = (inv_freq, distance)``: q and k are given before RoPE; they are rotated to their
+    stream positions here, and a sink more than ``distance`` before a query (and outside its
+    window, else it is one of the window's keys) is scored at ``distance``.
+    """
     B, Hq, T, d = q.shape
     Hkv = k.shape[1]
     group = Hq // Hkv
     scaling = d**-0.5 if scaling is None else scaling
     kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    scores = torch.matmul(q, kk.transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32)) * scaling
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
     valid = torch.ones(B, T, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask.bool()
     rank = valid.long().cumsum(-1)  # 1-based rank of each real token
     is_sink = valid & (rank <= sinks)
     ti = torch.arange(T, device=q.device)[:, None]
     si = torch.arange(T, device=q.device)[None, :]
+    if rope is None:
+        scores = torch.matmul(q, kk.transpose(-1, -2))
+    else:  # q, k are pre-RoPE: rotate here, and score far sink pairs at exactly the cap
+        inv_freq, distance = rope
+        pos = torch.arange(T, device=q.device)
+        scores = torch.matmul(rope_rotate(q, pos, inv_freq), rope_rotate(kk, pos, inv_freq).transpose(-1, -2))
+        capped = torch.matmul(rope_rotate(q, torch.full((T,), distance), inv_freq), kk.transpose(-1, -2))
+        far = is_sink[:, None, :] & ((ti - si > distance) & (si <= ti - window))[None]  # (B, T, T): sinks, not window keys
+        scores = torch.where(far[:, None], capped, scores)
+    scores = scores.to(torch.promote_types(q.dtype, torch.float32)) * scaling
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     allowed = (si <= ti) & ((si > ti - window)[None] | is_sink[:, None, :]) & valid[:, None, :]
     allowed = allowed | ((si == ti)[None] & ~valid[:, :, None])  # padded queries see themselves
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))

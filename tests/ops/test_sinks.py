@@ -172,3 +172,94 @@ def test_decoding_steps_one_softmax_equals_the_merge_forward_and_backward(dtype,
     for a, b in zip(fused, merged):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, **tol)
+
+
+# ----------------------------------------------------------------- capped sink distance
+INV_FREQ = 1.0 / (100.0 ** (torch.arange(0, 8, 2).double() / 8))
+
+
+def _rotated_whole(q_raw, k_raw, v, window, sinks, distance, mask=None, softcap=None, q_start=0):
+    """The fast form on RoPE'd q / k with the far sink pairs capped at ``distance``."""
+    from retrofit.ops.rope import rope_rotate
+    from retrofit.ops.sinks import capped_sinks
+
+    B, _, T, _ = q_raw.shape
+    pos = torch.arange(T)
+    q, k = rope_rotate(q_raw, pos, INV_FREQ), rope_rotate(k_raw, pos, INV_FREQ)
+    valid = torch.ones(B, T, dtype=torch.bool) if mask is None else mask
+    sidx, svalid, sk, sv = first_valid(sinks, pos.expand(B, T), valid, k, v)
+    far = capped_sinks(q, sk, sidx, 0, distance, INV_FREQ)
+    return sink_window_attention(q, k, v, window, sk, sv, sidx, svalid, softcap=softcap, key_padding_mask=mask, far=far)
+
+
+@pytest.mark.parametrize("distance", [0, 3, 11, 36])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_capped_distance_matches_dense_reference(distance, padded, softcap, path):
+    """Sink pairs farther apart than the cap are scored exactly at the cap; the dense reference
+    rotates the raw q to the cap itself (no re-rotation), so the two forms share no code path."""
+    q, k, v = _inputs(T=37)
+    mask = _padding(2, 37) if padded else None
+    ref = sink_window_attention_reference(q, k, v, 4, 3, softcap=softcap, key_padding_mask=mask, rope=(INV_FREQ, distance))
+    got = _rotated_whole(q, k, v, 4, 3, distance, mask, softcap)
+    torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
+
+
+def test_cap_beyond_the_sequence_changes_nothing_and_a_small_cap_does():
+    from retrofit.ops.rope import rope_rotate
+
+    q, k, v = _inputs(T=37)
+    pos = torch.arange(37)
+    plain = sink_window_attention_reference(rope_rotate(q, pos, INV_FREQ), rope_rotate(k, pos, INV_FREQ), v, 4, 3)
+    torch.testing.assert_close(_rotated_whole(q, k, v, 4, 3, 36), plain, atol=1e-12, rtol=1e-12)
+    assert not torch.allclose(_rotated_whole(q, k, v, 4, 3, 5), plain, atol=1e-6)
+
+
+def test_capped_gradcheck_float64():
+    q, k, v = _inputs(B=1, Hq=2, Hkv=1, T=13, d=8)
+    mask = torch.ones(1, 13, dtype=torch.bool)
+    mask[0, :2] = False
+    tensors = [t.clone().requires_grad_() for t in (q, k, v)]
+    assert torch.autograd.gradcheck(lambda q, k, v: _rotated_whole(q, k, v, 3, 2, 4, mask, softcap=2.0), tensors, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_capped_large_logits_forward_and_backward(dtype):
+    """Logit spreads of 100+ with the cap active on most pairs: finite, and as close to the float64
+    truth as the dense reference in the same dtype."""
+    q, k, v = _inputs(B=1, Hq=4, Hkv=1, T=300, d=8, dtype=torch.float32, scale=6.0)
+
+    def run(fn, dt):
+        ts = [t.to(dt).clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*ts)
+        out.double().pow(2).sum().backward()
+        return [out.detach().double()] + [t.grad.double() for t in ts]
+
+    fast = lambda q, k, v: _rotated_whole(q, k, v, 32, 4, 40)  # noqa: E731
+    dense = lambda q, k, v: sink_window_attention_reference(q, k, v, 32, 4, rope=(INV_FREQ, 40))  # noqa: E731
+    truth, got, ref = run(dense, torch.float64), run(fast, dtype), run(dense, dtype)
+    for t, a, b in zip(truth, got, ref):
+        assert torch.isfinite(a).all()
+        err, ref_err = (a - t).abs().max(), (b - t).abs().max()
+        assert err <= 2 * ref_err + 1e-4 * t.abs().max(), (err, ref_err)
+
+
+def test_capped_sink_keys_give_one_query_the_capped_scores():
+    """The decoding form (sink keys moved to t - distance) scores as the FarSinks form does."""
+    from retrofit.ops.rope import rope_rotate
+    from retrofit.ops.sinks import capped_sink_keys, capped_sinks
+
+    q, k, _ = _inputs(B=2, T=1, seed=4)
+    sk = _inputs(B=2, T=3, seed=5)[1]
+    sidx = torch.tensor([[0, 1, 2], [5, 6, 9]])
+    t, distance = 30, 22
+    q_t = rope_rotate(q, torch.tensor([t]), INV_FREQ)
+    sk_rot = rope_rotate(sk, sidx[:, None, :], INV_FREQ)
+    moved = capped_sink_keys(sk_rot, sidx, t, distance, INV_FREQ)
+    far = capped_sinks(q_t, sk_rot, sidx, t, distance, INV_FREQ)
+    grp = q_t.reshape(2, 2, 2, 8)  # (B, Hkv, group * Tq, d)
+    via_keys = torch.matmul(grp, moved.transpose(-1, -2))
+    via_far = torch.matmul(far.q.reshape(2, 2, 2, 8), far.k.transpose(-1, -2))
+    plain = torch.matmul(grp, sk_rot.transpose(-1, -2))
+    is_far = (t - sidx) > distance  # (B, n): row 1's sink at 9 is within the cap
+    torch.testing.assert_close(via_keys, torch.where(is_far[:, None, None], via_far, plain))

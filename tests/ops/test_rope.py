@@ -1,0 +1,42 @@
+"""RoPE re-rotation: the family layout, composition, and what a score then depends on."""
+from __future__ import annotations
+
+import torch
+from transformers.models.gemma3.modeling_gemma3 import apply_rotary_pos_emb
+
+from retrofit.ops.rope import rope_rotate
+
+INV_FREQ = 1.0 / (10000.0 ** (torch.arange(0, 16, 2).double() / 16))
+
+
+def _hf_rotate(x, pos):
+    """transformers' own rotation (cos / sin laid out as the rotary embedding makes them)."""
+    emb = torch.cat([pos.double()[:, None] * INV_FREQ] * 2, dim=-1)
+    return apply_rotary_pos_emb(x, x, emb.cos(), emb.sin(), unsqueeze_dim=0)[0]
+
+
+def test_matches_transformers_rotation():
+    x = torch.randn(2, 3, 7, 16, dtype=torch.float64)
+    pos = torch.tensor([0, 1, 5, 100, 4095, 32768, 131071])
+    torch.testing.assert_close(rope_rotate(x, pos, INV_FREQ), _hf_rotate(x, pos), atol=1e-9, rtol=1e-9)
+
+
+def test_rotations_compose_and_invert():
+    x = torch.randn(1, 2, 5, 16, dtype=torch.float64)
+    a, b = torch.tensor([3, 70000, 0, 9, 1]), torch.tensor([-3, 5, 123456, -9, 2])
+    torch.testing.assert_close(rope_rotate(rope_rotate(x, a, INV_FREQ), b, INV_FREQ), rope_rotate(x, a + b, INV_FREQ))
+    torch.testing.assert_close(rope_rotate(rope_rotate(x, a, INV_FREQ), -a, INV_FREQ), x)
+
+
+def test_score_depends_on_the_distance_only():
+    q, k = torch.randn(16, dtype=torch.float64), torch.randn(16, dtype=torch.float64)
+    score = lambda t, s: (rope_rotate(q[None], torch.tensor([t]), INV_FREQ) * rope_rotate(k[None], torch.tensor([s]), INV_FREQ)).sum()  # noqa: E731
+    torch.testing.assert_close(score(50000, 49000), score(1000, 0))
+    assert not torch.isclose(score(50000, 49000), score(50000, 0))
+
+
+def test_partial_rotary_leaves_the_tail_alone():
+    x = torch.randn(1, 1, 3, 20, dtype=torch.float64)
+    out = rope_rotate(x, torch.tensor([1, 2, 3]), INV_FREQ)  # 8 frequencies: dims 0..15 rotate
+    torch.testing.assert_close(out[..., 16:], x[..., 16:], atol=0, rtol=0)
+    assert not torch.allclose(out[..., :16], x[..., :16])
