@@ -194,7 +194,8 @@ class AttentionPatch:
     def rope_inv_freq(self, module: nn.Module) -> torch.Tensor | None:
         """The RoPE inverse frequencies ``(F,)`` (fp32) this layer's keys were rotated with, as the
         model's rotary embedding computes them from the config (per layer type where the config
-        has several, e.g. Gemma 3's global and local bases); None for a RoPE type whose
+        has several, e.g. Gemma 3's global and local bases), on the CPU even while transformers
+        builds the model on the meta device (loading); None for a RoPE type whose
         frequencies depend on the sequence (``dynamic``) or that transformers cannot compute here."""
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -211,10 +212,11 @@ class AttentionPatch:
         if rope_type == "default":
             head_dim = self.head_dim(module)
             dim = int(head_dim * params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
-            return 1.0 / (float(params["rope_theta"]) ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+            exponent = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+            return 1.0 / (float(params["rope_theta"]) ** exponent)
         if rope_type == "dynamic" or rope_type not in ROPE_INIT_FUNCTIONS:
             return None
-        inv_freq, _scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, layer_type=layer_type)
+        inv_freq, _scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), layer_type=layer_type)
         return inv_freq.float()
 
     def normalize_qk(self, module: nn.Module, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

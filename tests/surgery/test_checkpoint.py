@@ -150,3 +150,16 @@ def test_load_any_base_folder(base_dir):
     assert model.config._name_or_path == str(base_dir)
     with pytest.raises(CheckpointError, match="does not exist"):
         load_any(base_dir.parent / "nope")
+
+
+def test_capped_sinks_survive_save_and_load(tmp_path):
+    """transformers builds a loaded model on the meta device: the sinks' RoPE frequencies must
+    still be real numbers afterwards, and the capped model must score as before saving."""
+    spec = ConversionSpec(window=8, latents=8, sinks=2, sink_distance=12)
+    model, out = _saved(tmp_path, spec)
+    loaded = load(out)
+    layer = next(m for m in loaded.modules() if getattr(m, "sink_distance", 0))
+    assert layer.sink_distance == 12 and layer.rope_inv_freq.device.type == "cpu"
+    ids = torch.randint(3, 200, (1, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
