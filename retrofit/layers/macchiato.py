@@ -8,6 +8,10 @@
 * ``m_{t,l}``: causal Latte over the pretrained values (shared across a GQA group) with latent
   key logits ``latent_k(u_s)``.
 * ``u = x`` or a short causal depthwise conv of ``x`` (``conv_size > 1``, paper Sec. 2.4).
+* ``window_dropout`` (training only, set per step by :mod:`retrofit.train.window_dropout`): each
+  sequence, with that probability, has p(0|t) = 0 at every token of this layer, so the latent
+  states alone must produce the output ("scheduled sliding-window dropout": without it a hybrid
+  learns to lean on the window branch and leave the latent path unused).
 * ``sinks > 0``: the SWA state also attends (in the same softmax) to the first ``sinks`` real
   tokens, StreamingLLM's attention sinks (``retrofit.ops.sinks``): pretrained global layers put
   much of their attention on BOS, which a plain window drops.
@@ -162,6 +166,8 @@ class MacchiatoAttention(RetrofitAttention):
         self.conv = CausalDepthwiseConv(self.hidden_size, self.conv_size, **kw) if self.conv_size > 1 else None
         self.latent_path_closed = False  # True: p(0|t) = 1 (pure w-token SWA), for anchors / probes
         self.slot_decoding = True  # False: decode through the general path (tests compare the two)
+        self.window_dropout = 0.0  # training only: P(window branch dropped for a sequence); see _drop_window
+        self.window_dropout_generator: torch.Generator | None = None  # CPU generator for those draws
         self.latent_q = nn.Linear(self.hidden_size, H * (Lh + 1), bias=True, **kw)
         self.latent_k = nn.Linear(self.hidden_size, H * Lh, bias=False, **kw) if Lh else None
         self.reset_new_parameters(generator)
@@ -197,8 +203,22 @@ class MacchiatoAttention(RetrofitAttention):
         if self.latent_path_closed:
             mix = torch.zeros_like(mix)
             mix[..., 0] = SATURATED_LOGIT
+        elif self.training and self.window_dropout > 0.0 and Lh:
+            mix = self._drop_window(mix)
         lat = self.latent_k(u).view(B, T, H, Lh).transpose(1, 2) if self.latent_k is not None else None
         return mix, lat, new_tail
+
+    def _drop_window(self, mix: torch.Tensor) -> torch.Tensor:
+        """``mix (B, H, T, L_h+1)`` with state 0 at ``-SATURATED_LOGIT`` (p(0|t) = 0 exactly) for each
+        sequence drawn with probability ``window_dropout``; the latent weights renormalise among
+        themselves. Draws come from ``window_dropout_generator`` (CPU), so a run is reproducible."""
+        B = mix.shape[0]
+        drop = torch.rand(B, generator=self.window_dropout_generator) < self.window_dropout
+        if not bool(drop.any()):
+            return mix
+        drop = drop.to(mix.device).view(B, 1, 1)
+        state0 = torch.where(drop, torch.full_like(mix[..., 0], -SATURATED_LOGIT), mix[..., 0])
+        return torch.cat([state0.unsqueeze(-1), mix[..., 1:]], dim=-1)
 
     def forward(
         self,

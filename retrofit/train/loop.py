@@ -216,6 +216,13 @@ class _Run:
         # the frozen base weights, recorded in every checkpoint and checked on resume
         self.base_fingerprint = weights_fingerprint(model, [n for n, p in model.named_parameters() if not p.requires_grad])
         self.counts = count_parameters(model)
+        from retrofit.train.window_dropout import dropout_layers
+
+        self.dropout_layers = dropout_layers(model) if r.train.window_dropout > 0 else []
+        if r.train.window_dropout > 0 and not self.dropout_layers:
+            raise SpecError(f"train.window_dropout={r.train.window_dropout} drops the sliding-window branch of "
+                            f"Macchiato layers, but {r.model.name} has no Macchiato layer with latent states "
+                            "(set train.window_dropout=0, or convert with method macchiato and latents > 0)")
         if "attention" in self.objective.weights:
             from retrofit.surgery.distill import converted_modules
 
@@ -265,7 +272,9 @@ class _Run:
             f"(micro {t.micro_batch_size} x {self.world} ranks x {self.accum} accumulation); "
             f"{self.total_steps:,} steps = {self.total_steps * tok_step:,} tokens",
             f"[retrofit] objective {self.objective.name}; lr {t.lr:g}, warmup {t.warmup_steps}, {t.schedule} to "
-            f"{t.min_lr_ratio:g} x lr, clip {t.grad_clip:g}",
+            f"{t.min_lr_ratio:g} x lr, clip {t.grad_clip:g}"
+            + (f"; window dropout {t.window_dropout:g} -> 0 over {t.window_dropout_until:.0%} of the steps "
+               f"({len(self.dropout_layers)} layers)" if self.dropout_layers else ""),
             f"[retrofit] data: {self.data_desc}; eval: {len(self.eval_data)} sequences from {self.eval_desc}",
             f"[retrofit] output: {self.output_dir}" + (f" (resuming from {self.resume_from.name})" if self.resume_from else ""),
         ]
@@ -336,9 +345,20 @@ class _Run:
             f"lengthen train.warmup_steps{fp32}; resume with checkpoint.resume=auto"
         )
 
+    def _set_window_dropout(self) -> float | None:
+        from retrofit.train.window_dropout import set_window_dropout, window_dropout_at
+
+        t = self.recipe.train
+        if not self.dropout_layers:
+            return None
+        p = window_dropout_at(self.step, self.total_steps, t.window_dropout, t.window_dropout_until)
+        set_window_dropout(self.dropout_layers, p, seed=t.seed, step=self.step, rank=self.rank)
+        return p
+
     def train_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
         lr = self._set_lr()
+        drop = self._set_window_dropout()
         losses, parts = [], {}
         for micro in range(self.accum):
             batch = self._next_batch()
@@ -371,6 +391,8 @@ class _Run:
                "tokens": self.tokens, "tokens_per_s": step_tokens / dt, "step_time_s": dt}
         if len(parts) > 1 or (parts and "lm" not in parts):
             out.update({f"loss_{k}": v for k, v in parts.items()})
+        if drop is not None:
+            out["window_dropout"] = drop
         if self.cuda:  # peak since the start of training, this rank (activations, weights, optimizer shards)
             out["peak_memory_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
         return out
@@ -518,6 +540,10 @@ class _Run:
                 if self.step % r.checkpoint.save_every == 0 or self.step == self.total_steps:
                     self.save()
             bar.close()
+            if self.dropout_layers:  # the exported model and the final eval run without it
+                from retrofit.train.window_dropout import set_window_dropout
+
+                set_window_dropout(self.dropout_layers, 0.0)
             if self.history and (not self.evals or self.evals[-1]["step"] != self.step):
                 self._eval_and_log()
             final = self.export() if r.checkpoint.export else None

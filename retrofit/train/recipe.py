@@ -113,6 +113,8 @@ class TrainSection:
     objective: str = "lm"  # lm | attention | kl | mix (see retrofit.train.objectives)
     objective_weights: dict = field(default_factory=dict)  # mix only: {lm: w, attention: w, kl: w}
     head_positions: int | None = None  # kl / lm terms: the LM head runs on this many sampled positions per sequence
+    window_dropout: float = 0.0  # Macchiato: P(a layer's window branch is dropped for a sequence) at step 0 ...
+    window_dropout_until: float = 1.0  # ... decaying linearly to 0 at this fraction of the steps (train/window_dropout.py)
     gradient_checkpointing: bool = True
     precision: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | bf16 | fp32
     seed: int = 0
@@ -222,6 +224,18 @@ class Recipe:
         objective_weights(t.objective, t.objective_weights)  # SpecError naming the bad key
         if t.head_positions is not None and (not isinstance(t.head_positions, int) or t.head_positions < 1):
             raise SpecError(f"train.head_positions must be a positive integer or null (all positions), got {t.head_positions!r}")
+        if not (math.isfinite(t.window_dropout) and 0.0 <= t.window_dropout <= 1.0):
+            raise SpecError(f"train.window_dropout must be in [0, 1] (0 = off), got {t.window_dropout}")
+        if not (math.isfinite(t.window_dropout_until) and 0.0 < t.window_dropout_until <= 1.0):
+            raise SpecError(f"train.window_dropout_until must be in (0, 1] (the fraction of the steps over which "
+                            f"the drop probability decays to 0), got {t.window_dropout_until}")
+        method = self.conversion.get("method") if isinstance(self.conversion, dict) else None
+        if t.window_dropout > 0 and method not in (None, "macchiato"):
+            raise SpecError(f"train.window_dropout drops Macchiato's sliding-window branch; conversion.method is "
+                            f"{method!r}, which has none (set train.window_dropout=0)")
+        if t.window_dropout > 0 and method == "macchiato" and self.conversion.get("latents", 1) == 0:
+            raise SpecError("train.window_dropout needs latent states to carry the output when the window branch "
+                            "is dropped; conversion.latents is 0")
         if self.stages:
             stage_recipes(self)  # every stage validated now, before any weight is loaded
         if self.deepspeed.zero_stage is not None and self.deepspeed.zero_stage not in (0, 1, 2, 3):

@@ -1,0 +1,46 @@
+"""Scheduled sliding-window dropout (``train.window_dropout``) for Macchiato layers.
+
+A hybrid trained with its sliding-window branch always present learns to lean on it and leaves the
+linear (latent) branch nearly unused ("component collapse"; Benfeghoul et al. 2025, "Paying
+Attention to Hybrid Attention"). Their remedy: suppress the softmax branch at random during
+training. Here, at optimizer step ``s`` of ``S``, every converted Macchiato layer drops its window
+branch (p(0|t) = 0 at every token) for each sequence with probability
+
+    p_s = p0 * max(0, 1 - s / (until * S))
+
+linear from ``p0`` to 0 at fraction ``until`` of the run, so training ends in the regime the model
+is evaluated in. The draws are seeded by (seed, rank, step, layer): a resumed run repeats them.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["dropout_layers", "set_window_dropout", "window_dropout_at"]
+
+
+def window_dropout_at(step: int, total_steps: int, p0: float, until: float = 1.0) -> float:
+    """Drop probability for the optimizer update number ``step`` (0-based): linear decay, then 0."""
+    if p0 <= 0.0:
+        return 0.0
+    span = until * max(1, total_steps)
+    return float(p0 * max(0.0, 1.0 - step / span))
+
+
+def dropout_layers(model: nn.Module) -> list[nn.Module]:
+    """The converted layers with a window branch to drop: Macchiato with latent states (L_h > 0)."""
+    found = [m for m in model.modules() if getattr(m, "method", None) == "macchiato"
+             and getattr(m, "is_retrofit_attention", False) and getattr(m, "latents_per_head", 0) > 0]
+    return sorted(found, key=lambda m: int(m.layer_idx))
+
+
+def set_window_dropout(layers: Iterable[nn.Module], p: float, *, seed: int = 0, step: int = 0, rank: int = 0) -> None:
+    """Set each layer's drop probability ``p`` and a CPU generator seeded by (seed, rank, step, layer)."""
+    for m in layers:
+        m.window_dropout = float(p)
+        m.window_dropout_generator = None
+        if p > 0.0:
+            key = ((int(seed) * 1_000_003 + int(rank)) * 1_000_033 + int(step)) * 1_009 + int(m.layer_idx)
+            m.window_dropout_generator = torch.Generator().manual_seed(key % (2**63))
