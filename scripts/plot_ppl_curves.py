@@ -2,12 +2,8 @@
 
 One curve per ``--series LABEL=WHO@FILE[,FILE...]``: WHO is ``model`` or ``baseline``; the files'
 lengths are merged (a later file wins at a length both hold). ``FILE#KEY`` reads dataset KEY of that
-file, else ``--dataset``, else the file's first dataset. Example (BENCHMARKS.md, "Sinks re-positioned")::
-
-    python scripts/plot_ppl_curves.py --out docs/hybrid_sink_cap_1k_128k.png \\
-        --series "base=baseline@demo.json#jack-sheppard.txt,r128.json" \\
-                 "hybrid=model@demo.json#jack-sheppard.txt,r128.json" \\
-                 "hybrid, sinks capped=model@demo.json#jack-sheppard.txt,capped.json"
+file, else ``--dataset``, else the file's first dataset. The command behind
+docs/hybrid_sink_cap_1k_128k.png is in BENCHMARKS.md ("Sinks re-positioned").
 """
 from __future__ import annotations
 
@@ -26,7 +22,11 @@ def curve(spec: str, dataset: str | None) -> tuple[str, dict[int, float]]:
     points: dict[int, float] = {}
     for item in files.split(","):
         file, _, key = item.partition("#")
-        results = json.loads(Path(file).read_text())["results"]
+        try:
+            results = json.loads(Path(file).read_text())["results"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"error: {file}: not a readable `retrofit eval ppl` results.json ({exc}); "
+                             "give the results.json an eval run wrote") from None
         key = key or dataset or next(iter(results))
         if key not in results:
             raise SystemExit(f"error: {file} has no dataset {key!r} (it has {', '.join(results)})")
@@ -50,14 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    curves = [curve(spec, args.dataset) for spec in args.series]
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for spec in args.series:
-        label, points = curve(spec, args.dataset)
+    for label, points in curves:
         ax.plot(list(points), list(points.values()), marker="o", label=label)
         for x, y in points.items():
             ax.annotate(f"{y:.1f}", (x, y), textcoords="offset points", xytext=(0, 5), ha="center", fontsize=7)
     ax.set_xscale("log", base=2)
-    ticks = sorted({x for spec in args.series for x in curve(spec, args.dataset)[1]})
+    ticks = sorted({x for _, points in curves for x in points})
     ax.set_xticks(ticks, [f"{t // 1024}K" if t >= 1024 else str(t) for t in ticks])
     ax.set_xlabel("window length (tokens)")
     ax.set_ylabel("perplexity")

@@ -33,6 +33,7 @@ from retrofit.train.metrics import MetricsLogger
 from retrofit.train.recipe import Recipe
 from retrofit.train.schedule import lr_at
 from retrofit.train.trainable import ParameterCounts, apply_trainable, count_parameters
+from retrofit.train.window_dropout import dropout_layers, set_window_dropout, window_dropout_at
 
 __all__ = ["run_recipe", "TrainCallback", "TrainResult", "total_steps"]
 
@@ -216,8 +217,6 @@ class _Run:
         # the frozen base weights, recorded in every checkpoint and checked on resume
         self.base_fingerprint = weights_fingerprint(model, [n for n, p in model.named_parameters() if not p.requires_grad])
         self.counts = count_parameters(model)
-        from retrofit.train.window_dropout import dropout_layers
-
         self.dropout_layers = dropout_layers(model) if r.train.window_dropout > 0 else []
         if r.train.window_dropout > 0 and not self.dropout_layers:
             raise SpecError(f"train.window_dropout={r.train.window_dropout} drops the sliding-window branch of "
@@ -346,8 +345,6 @@ class _Run:
         )
 
     def _set_window_dropout(self) -> float | None:
-        from retrofit.train.window_dropout import set_window_dropout, window_dropout_at
-
         t = self.recipe.train
         if not self.dropout_layers:
             return None
@@ -540,10 +537,8 @@ class _Run:
                 if self.step % r.checkpoint.save_every == 0 or self.step == self.total_steps:
                     self.save()
             bar.close()
-            if self.dropout_layers:  # the exported model and the final eval run without it
-                from retrofit.train.window_dropout import set_window_dropout
-
-                set_window_dropout(self.dropout_layers, 0.0)
+            # eval never drops; this leaves the layers as converted for callbacks that keep the model
+            set_window_dropout(self.dropout_layers, 0.0)
             if self.history and (not self.evals or self.evals[-1]["step"] != self.step):
                 self._eval_and_log()
             final = self.export() if r.checkpoint.export else None

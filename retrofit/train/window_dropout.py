@@ -18,6 +18,8 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from retrofit.surgery.distill import converted_modules
+
 __all__ = ["dropout_layers", "set_window_dropout", "window_dropout_at"]
 
 
@@ -31,9 +33,7 @@ def window_dropout_at(step: int, total_steps: int, p0: float, until: float = 1.0
 
 def dropout_layers(model: nn.Module) -> list[nn.Module]:
     """The converted layers with a window branch to drop: Macchiato with latent states (L_h > 0)."""
-    found = [m for m in model.modules() if getattr(m, "method", None) == "macchiato"
-             and getattr(m, "is_retrofit_attention", False) and getattr(m, "latents_per_head", 0) > 0]
-    return sorted(found, key=lambda m: int(m.layer_idx))
+    return [m for m in converted_modules(model) if m.method == "macchiato" and m.latents_per_head > 0]
 
 
 def set_window_dropout(layers: Iterable[nn.Module], p: float, *, seed: int = 0, step: int = 0, rank: int = 0) -> None:
