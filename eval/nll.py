@@ -2,7 +2,8 @@
 
 The logits of a 32K-token window over a 262k vocabulary would take 34 GB in fp32, so the model
 is run up to its final hidden states (after the final norm) and ``lm_head`` + cross-entropy are
-applied in slices of ``slice_tokens`` positions. Optionally the forward itself is chunked:
+applied in blocks of ``slice_tokens`` positions x a slice of the vocabulary
+(:func:`retrofit.ops.linear_ce.linear_cross_entropy`), never as whole logits. Optionally the forward itself is chunked:
 ``chunk_size`` tokens at a time, carrying the model's cache (for a converted model, its
 constant-memory recurrent state + sliding-window ring buffer; for a plain transformers model,
 its KV cache), which gives the same result as one forward.
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-DEFAULT_LOGIT_BUDGET = 1 << 26  # elements of fp32 logits per slice (256 MiB)
+DEFAULT_LOGIT_BUDGET = 1 << 26  # elements of fp32 logits alive at once (256 MiB)
 
 
 def _decoder(model: Any):
@@ -45,19 +46,34 @@ def head_logits(model: Any, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def slice_tokens_for(vocab_size: int, budget_elements: int = DEFAULT_LOGIT_BUDGET) -> int:
-    """Positions per logits slice so one slice holds about ``budget_elements`` logits."""
-    return max(1, budget_elements // max(1, vocab_size))
+    """Positions per head block so one block of logits (``positions x min(V, VOCAB_BLOCK)``) holds
+    about ``budget_elements`` values, capped at :data:`retrofit.ops.linear_ce.TOKEN_BLOCK` (larger
+    blocks only leave the cache)."""
+    from retrofit.ops.linear_ce import TOKEN_BLOCK, VOCAB_BLOCK
+
+    return max(1, min(TOKEN_BLOCK, budget_elements // max(1, min(vocab_size, VOCAB_BLOCK))))
 
 
 @torch.no_grad()
 def sliced_token_nll(model: Any, hidden: torch.Tensor, targets: torch.Tensor, *, slice_tokens: int) -> torch.Tensor:
     """Per-token NLL [B, T] (float64, on CPU) of ``targets`` [B, T] given ``hidden`` [B, T, D].
 
-    The logits live one slice of ``slice_tokens`` positions at a time.
+    A linear head goes through :func:`retrofit.ops.linear_ce.linear_cross_entropy` (blocks of
+    ``slice_tokens`` positions x ``VOCAB_BLOCK`` vocabulary rows, no full logits); any other head
+    through :func:`head_logits`, ``slice_tokens`` positions at a time.
     """
+    from retrofit.ops.linear_ce import linear_cross_entropy
+
+    head = model.get_output_embeddings()
+    if isinstance(head, torch.nn.Linear):
+        B, T, D = hidden.shape
+        per_token = linear_cross_entropy(
+            hidden.reshape(B * T, D), head.weight, targets.reshape(B * T), bias=head.bias,
+            softcap=_softcap(model), token_block=slice_tokens,
+        )
+        return per_token.view(B, T).double().cpu()
     out = []
-    T = hidden.shape[1]
-    for s in range(0, T, slice_tokens):
+    for s in range(0, hidden.shape[1], slice_tokens):
         logits = head_logits(model, hidden[:, s : s + slice_tokens])
         tgt = targets[:, s : s + slice_tokens]
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), reduction="none")

@@ -60,7 +60,44 @@ def test_guard_detects_unreproduced_logit_postprocessing(tokenizer, ids):
 
 
 def test_slice_size_and_perplexity():
-    assert nll.slice_tokens_for(262_144) == 256
-    assert nll.slice_tokens_for(10**9) == 1
+    from retrofit.ops.linear_ce import TOKEN_BLOCK, VOCAB_BLOCK
+
+    assert nll.slice_tokens_for(262_144) == min(TOKEN_BLOCK, nll.DEFAULT_LOGIT_BUDGET // VOCAB_BLOCK)
+    assert nll.slice_tokens_for(262_144, 10 * VOCAB_BLOCK) == 10  # a small budget: smaller blocks
+    assert nll.slice_tokens_for(100, 1000) == 10  # a small vocabulary is one block wide
+    assert nll.slice_tokens_for(10**9, 1) == 1
     assert nll.perplexity(2.0 * 10, 10) == pytest.approx(math.exp(2.0))
     assert nll.perplexity(1e6, 1) == float("inf")
+
+
+def test_scoring_attention_keeps_the_numbers_and_restores_the_model(tokenizer, ids):
+    """A base Gemma 3 scored under the "retrofit" attention (its sliding layers through the blocked
+    O(T w) kernel, keys far outrunning the 16-token window in a chunked forward) gives the stock
+    SDPA numbers, and the model's implementation is put back afterwards."""
+    from retrofit.eval import loading
+
+    model = tiny_gemma3(len(tokenizer), attn_implementation="sdpa")
+    stock = nll.window_token_nll(model, ids, chunk_size=48, slice_tokens=13)
+    calls = []
+    from retrofit import ops
+
+    real = ops.sliding_window_attention
+    with pytest.MonkeyPatch.context() as mp:  # count, do not replace: the kernel must really run
+        mp.setattr(ops, "sliding_window_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+        with loading.scoring_attention(model) as impl:
+            assert impl == "retrofit" and model.config._attn_implementation == "retrofit"
+            fast = nll.window_token_nll(model, ids, chunk_size=48, slice_tokens=13)
+    assert calls, "the sliding-window layer did not take the blocked kernel"
+    assert model.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(fast, stock, rtol=1e-5, atol=1e-5)
+
+
+def test_scoring_attention_leaves_other_models_alone(tokenizer):
+    from retrofit.eval import loading
+
+    llama = tiny_llama(len(tokenizer))  # no native window: nothing to gain
+    with loading.scoring_attention(llama) as impl:
+        assert impl == llama.config._attn_implementation != "retrofit"
+    converted = _converted(tokenizer)
+    with loading.scoring_attention(converted) as impl:
+        assert impl == "retrofit"  # already converted: untouched
