@@ -5,6 +5,8 @@ converted folder, a base HF folder or hub id, a GGUF file, or the alias ``gemma3
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +78,41 @@ def retrofit_section(model: Any) -> dict | None:
 
 def is_converted(model: Any) -> bool:
     return retrofit_section(model) is not None
+
+
+def _has_native_window(config: Any) -> bool:
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    types = getattr(config, "layer_types", None) or ()
+    return any(t == "sliding_attention" for t in types) or bool(getattr(config, "sliding_window", None))
+
+
+@contextlib.contextmanager
+def scoring_attention(model: Any) -> Iterator[str | None]:
+    """Run an unconverted model of a supported family under the ``"retrofit"`` attention while scoring.
+
+    Its native sliding-window layers then take the O(T w) blocked kernel in a chunked forward
+    instead of SDPA over every cached key (Gemma 3: 4096 queries x 4607 keys for a 512 window,
+    9x the work); the other layers run SDPA as before, so the numbers agree to float rounding.
+    Models already converted, without a native window, of an unknown family, or under another
+    implementation (flash-attention on GPU) are left alone. The implementation is restored on
+    exit. Yields the implementation in use (for results files).
+    """
+    from retrofit.patches import find_family
+    from retrofit.patches.attention import register
+
+    config = getattr(model, "config", None)
+    current = getattr(config, "_attn_implementation", None)
+    if (
+        config is None or is_converted(model) or current not in ("sdpa", "eager")
+        or find_family(model) is None or not _has_native_window(config)
+    ):
+        yield current
+        return
+    model.set_attn_implementation(register())
+    try:
+        yield "retrofit"
+    finally:
+        model.set_attn_implementation(current)
 
 
 def model_info(model: Any, label: str) -> dict:

@@ -163,6 +163,7 @@ def run_passkey(
                 prompts.append({"length": L, "depth": d, "trial": t, "key": key, "needle_at": pos, "ids": ids})
 
     results: dict[str, dict] = {}
+    attention: dict[str, str | None] = {}
     bar = tqdm(total=len(prompts) * len(roles), desc="passkey", unit="prompt", disable=not progress)
     for role, (mdl, mtok, label) in roles.items():
         trials_out = []
@@ -178,7 +179,8 @@ def run_passkey(
                 max_new = len(encode(mtok, " " + p["key"])) + 2
                 t0 = time.perf_counter()
                 try:
-                    text = generate_answer(mdl, mtok, p["ids"], max_new)
+                    with loading.scoring_attention(mdl) as attention[role]:
+                        text = generate_answer(mdl, mtok, p["ids"], max_new)
                 except Exception as exc:
                     msg = str(exc).lower()
                     if not (isinstance(exc, torch.OutOfMemoryError) or "out of memory" in msg
@@ -214,7 +216,7 @@ def run_passkey(
         "settings": {
             "lengths": lengths, "depths": depths, "trials": trials, "haystack": haystack,
             "key_digits": key_digits, "seed": seed, "bos_used": use_bos, "device": device, "dtype": dtype,
-            "decoding": "greedy, model.generate",
+            "decoding": "greedy, model.generate", "attention": attention,
         },
         "results": results,
     }

@@ -219,32 +219,13 @@ def run_perplexity(
     results: dict[str, dict[str, dict]] = {ds: {str(L): {} for L in lengths} for ds in datasets}
     n_total = sum(len(w) for per in all_windows.values() for w in per.values()) * len(roles)
     bar = tqdm(total=n_total, desc="perplexity", unit="window", disable=not progress)
+    attention: dict[str, str | None] = {}
     for role, (mdl, label, chunk) in roles.items():
-        slice_tokens = nll.slice_tokens_for(mdl.get_output_embeddings().weight.shape[0], logit_budget)
-        probe = next((w.input_ids for per in all_windows.values() for ws in per.values() for w in ws), None)
-        sliced = nll.check_sliced_head(mdl, probe) if probe is not None else True
-        for ds in datasets:
-            oom = False
-            prefixes = PrefixCache() if reuse_prefixes else None
-            # longest first when reusing prefixes; else shortest first, and an OOM ends the sweep
-            for L in sorted(lengths, reverse=reuse_prefixes):
-                wins = all_windows[ds][L]
-                bar.set_postfix_str(f"{label} {ds} {report.fmt_length(L)}")
-                if not wins:
-                    results[ds][str(L)][role] = {"ppl": None, "windows": 0, "error": "no windows"}
-                    continue
-                if oom:  # a longer window will not fit either
-                    results[ds][str(L)][role] = {"ppl": None, "windows": len(wins), "error": "OOM"}
-                    bar.update(len(wins))
-                    continue
-                entry = score_windows(
-                    mdl, wins, chunk_size=chunk, slice_tokens=slice_tokens, sliced=sliced, progress=bar,
-                    prefixes=prefixes,
-                )
-                if entry.get("error") == "OOM":
-                    oom = not reuse_prefixes
-                    bar.update(len(wins) - entry["scored"])
-                results[ds][str(L)][role] = entry
+        with loading.scoring_attention(mdl) as attention[role]:
+            _score_role(
+                role, mdl, label, chunk, datasets, lengths, all_windows, results,
+                logit_budget=logit_budget, reuse_prefixes=reuse_prefixes, bar=bar,
+            )
     bar.close()
 
     res = {
@@ -261,6 +242,7 @@ def run_perplexity(
             "baseline_chunk_size": baseline_chunk_size,
             "logit_budget": logit_budget,
             "reuse_prefixes": reuse_prefixes,
+            "attention": attention,
             "device": device,
             "dtype": dtype,
         },
@@ -272,6 +254,49 @@ def run_perplexity(
     res["description"] = describe(res)
     res["table"] = table_markdown(res)
     return report.finish_results(res, out, plot_perplexity, "perplexity.png")
+
+
+
+def _score_role(
+    role: str,
+    mdl: Any,
+    label: str,
+    chunk: int | None,
+    datasets: list[str],
+    lengths: list[int],
+    all_windows: dict[str, dict[int, list[Window]]],
+    results: dict[str, dict[str, dict]],
+    *,
+    logit_budget: int,
+    reuse_prefixes: bool,
+    bar: Any,
+) -> None:
+    """Score every window of every dataset for one model; fills ``results[ds][L][role]``."""
+    slice_tokens = nll.slice_tokens_for(mdl.get_output_embeddings().weight.shape[0], logit_budget)
+    probe = next((w.input_ids for per in all_windows.values() for ws in per.values() for w in ws), None)
+    sliced = nll.check_sliced_head(mdl, probe) if probe is not None else True
+    for ds in datasets:
+        oom = False
+        prefixes = PrefixCache() if reuse_prefixes else None
+        # longest first when reusing prefixes; else shortest first, and an OOM ends the sweep
+        for L in sorted(lengths, reverse=reuse_prefixes):
+            wins = all_windows[ds][L]
+            bar.set_postfix_str(f"{label} {ds} {report.fmt_length(L)}")
+            if not wins:
+                results[ds][str(L)][role] = {"ppl": None, "windows": 0, "error": "no windows"}
+                continue
+            if oom:  # a longer window will not fit either
+                results[ds][str(L)][role] = {"ppl": None, "windows": len(wins), "error": "OOM"}
+                bar.update(len(wins))
+                continue
+            entry = score_windows(
+                mdl, wins, chunk_size=chunk, slice_tokens=slice_tokens, sliced=sliced, progress=bar,
+                prefixes=prefixes,
+            )
+            if entry.get("error") == "OOM":
+                oom = not reuse_prefixes
+                bar.update(len(wins) - entry["scored"])
+            results[ds][str(L)][role] = entry
 
 
 def describe(res: dict) -> str:
