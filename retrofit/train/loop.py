@@ -30,6 +30,7 @@ from retrofit.train import checkpointing as ckpt
 from retrofit.train.distributed import deepspeed_config, grad_accum_steps, resolve_precision, single_process_env, world_from_env
 from retrofit.train.memory import check_step_fits, is_out_of_memory, memory_advice
 from retrofit.train.metrics import MetricsLogger
+from retrofit.train.objectives import heldout_nll
 from retrofit.train.recipe import Recipe
 from retrofit.train.schedule import lr_at
 from retrofit.train.trainable import ParameterCounts, apply_trainable, count_parameters
@@ -395,6 +396,7 @@ class _Run:
         return out
 
     @torch.no_grad()
+    @torch.no_grad()
     def evaluate(self) -> dict[str, float] | None:
         """Mean next-token loss over the held-out sequences (every rank runs the same number of batches)."""
         if not self.eval_data:
@@ -408,9 +410,8 @@ class _Run:
             rows = mine[b * m:(b + 1) * m]
             weight = 1.0 if rows else 0.0  # ZeRO-3 needs every rank in every forward: pad with a dummy
             batch = torch.stack(rows or [self.eval_data[0]]).to(self.device)
-            loss = self.model(input_ids=batch, labels=batch).loss
-            targets = batch.shape[0] * (batch.shape[1] - 1)
-            total += torch.tensor([float(loss) * targets * weight, targets * weight], dtype=torch.float64, device=self.device)
+            nll, targets = heldout_nll(self.model, batch, gather=self._gathered if self.zero_stage == 3 else None)
+            total += torch.tensor([nll * weight, targets * weight], dtype=torch.float64, device=self.device)
         if self.world > 1:
             torch.distributed.all_reduce(total)
         self.model.train()

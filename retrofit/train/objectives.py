@@ -30,9 +30,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from retrofit.errors import SpecError
+from retrofit.ops import linear_cross_entropy
 from retrofit.surgery.distill import distill_mode, transfer_losses
 
-__all__ = ["OBJECTIVES", "TERMS", "Objective", "objective_weights"]
+__all__ = ["OBJECTIVES", "TERMS", "Objective", "heldout_nll", "objective_weights"]
 
 TERMS = ("lm", "attention", "kl")
 OBJECTIVES = TERMS + ("mix",)
@@ -198,3 +199,35 @@ class Objective:
         if want_lm:
             out["lm"] = sums[i] / (B * N)
         return out
+
+
+@torch.no_grad()
+def heldout_nll(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    gather: Callable[[list[torch.Tensor]], contextlib.AbstractContextManager] | None = None,
+) -> tuple[float, int]:
+    """Summed next-token NLL of ``input_ids`` ``(B, T)`` and the number of targets ``B (T - 1)``.
+
+    The held-out loss of a training run: the same number as ``model(input_ids, labels=input_ids)
+    .loss`` times the count, but the decoder runs with one head position and a linear head is
+    applied blockwise (:func:`retrofit.ops.linear_cross_entropy`), so no ``(B, T, V)`` logits
+    (4 GiB for one 4096-token Gemma sequence) and no graph. ``gather``: a context manager factory
+    that materialises partitioned parameters (ZeRO-3) around the head's weight.
+    """
+    causal_lm = _inner(model)
+    head = causal_lm.get_output_embeddings()
+    n = input_ids.shape[0] * (input_ids.shape[1] - 1)
+    if not isinstance(head, nn.Linear):  # e.g. a PEFT-wrapped head: the model's own loss
+        return float(model(input_ids=input_ids, labels=input_ids).loss) * n, n
+    with _capture_final_hidden(causal_lm) as box:
+        model(input_ids=input_ids, logits_to_keep=1)
+    hidden = box[0][:, :-1]
+    cap = getattr(causal_lm.config, "final_logit_softcapping", None)
+    with gather([head.weight]) if gather is not None else contextlib.nullcontext():
+        nll = linear_cross_entropy(
+            hidden.reshape(n, hidden.shape[-1]), head.weight, input_ids[:, 1:].reshape(n),
+            bias=head.bias, softcap=cap,
+        )
+    return float(nll.double().sum()), n

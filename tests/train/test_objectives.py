@@ -149,3 +149,44 @@ def test_head_positions_validation(tmp_path):
     for bad in ("0", "-3", "2.5", "many"):
         with pytest.raises(SpecError, match="head_positions"):
             load_recipe("configs/gemma3-270m-hybrid-cpu.yaml", [f"train.head_positions={bad}"])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("converted", [False, True])
+def test_heldout_nll_is_the_models_own_loss(family, converted):
+    """The training run's held-out loss without whole logits equals ``model(labels=...).loss``
+    (Gemma 2's final soft-capping included), for base and converted models, and builds no graph."""
+    from retrofit.train.objectives import heldout_nll
+
+    model = tiny_model(family)
+    if converted:
+        model = convert(model, ConversionSpec(window=6, latents=8, init_swa_share=0.5))
+    ids = _ids(seed=5)
+    with torch.no_grad():
+        want = float(model(input_ids=ids, labels=ids).loss)
+    gathered = []
+
+    def gather(params):
+        gathered.append(params)
+        return torch.no_grad()
+
+    total, n = heldout_nll(model, ids, gather=gather)
+    assert n == ids.shape[0] * (T - 1)
+    assert total / n == pytest.approx(want, rel=1e-5)
+    assert gathered and gathered[0][0] is model.get_output_embeddings().weight
+
+
+def test_heldout_nll_applies_a_final_softcap():
+    """A soft-cap small enough to change the loss: the blockwise head must apply it as the model does."""
+    from retrofit.train.objectives import heldout_nll
+
+    model = tiny_model("gemma2", final_logit_softcapping=0.5)
+    ids = _ids(seed=6)
+    with torch.no_grad():
+        want = float(model(input_ids=ids, labels=ids).loss)
+        uncapped = torch.nn.functional.cross_entropy(
+            model.lm_head(model.model(input_ids=ids).last_hidden_state)[:, :-1].reshape(-1, 256), ids[:, 1:].reshape(-1)
+        )
+    total, n = heldout_nll(model, ids)
+    assert abs(float(uncapped) - want) > 1e-2  # the cap matters at this size
+    assert total / n == pytest.approx(want, rel=1e-5)
