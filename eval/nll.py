@@ -3,10 +3,10 @@
 The logits of a 32K-token window over a 262k vocabulary would take 34 GB in fp32, so the model
 is run up to its final hidden states (after the final norm) and ``lm_head`` + cross-entropy are
 applied in blocks of ``slice_tokens`` positions x a slice of the vocabulary
-(:func:`retrofit.ops.linear_ce.linear_cross_entropy`), never as whole logits. Optionally the forward itself is chunked:
-``chunk_size`` tokens at a time, carrying the model's cache (for a converted model, its
-constant-memory recurrent state + sliding-window ring buffer; for a plain transformers model,
-its KV cache), which gives the same result as one forward.
+(:func:`retrofit.ops.linear_ce.linear_cross_entropy`), never as whole logits. Optionally the
+forward itself is chunked: ``chunk_size`` tokens at a time, carrying the model's cache (for a
+converted model, its constant-memory recurrent state + sliding-window ring buffer; for a plain
+transformers model, its KV cache), which gives the same result as one forward.
 """
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def sliced_token_nll(model: Any, hidden: torch.Tensor, targets: torch.Tensor, *,
     ``slice_tokens`` positions x ``VOCAB_BLOCK`` vocabulary rows, no full logits); any other head
     through :func:`head_logits`, ``slice_tokens`` positions at a time.
     """
-    from retrofit.ops.linear_ce import linear_cross_entropy
+    from retrofit.ops import linear_cross_entropy
 
     head = model.get_output_embeddings()
     if isinstance(head, torch.nn.Linear):

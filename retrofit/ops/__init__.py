@@ -6,7 +6,8 @@ picks for the call (``backend=`` argument, ``--backend``, ``RETROFIT_BACKEND``, 
 kernels themselves live in the math modules (:mod:`.latte`, :mod:`.sliding_window`, ...) and
 are the ``torch`` backend's implementations. The compositions (:mod:`.macchiato`, :mod:`.sinks`)
 call dispatched ops; :func:`slot_attention_step` (one decoding query over preallocated key
-slots) is a few device-generic torch calls with nothing to dispatch.
+slots) and :func:`linear_cross_entropy` (an LM head's per-token NLL without whole logits, for
+evaluation) are a few device-generic torch calls with nothing to dispatch.
 """
 # the kernels' modules first: the backends register their kernels from them
 from retrofit.ops.exp_linear import exp_linear_attention_reference
@@ -37,6 +38,7 @@ from retrofit.ops.dispatched import (
     sliding_window_attention,
     sliding_window_lse,
 )
+from retrofit.ops.linear_ce import linear_cross_entropy, linear_cross_entropy_reference
 from retrofit.ops.rope import rope_rotate
 from retrofit.ops.sinks import (
     FarSinks,
@@ -88,6 +90,8 @@ __all__ = [
     "capped_sink_keys",
     "capped_sinks",
     "first_valid",
+    "linear_cross_entropy",
+    "linear_cross_entropy_reference",
     "rope_rotate",
     "sink_window_attention",
     "sink_window_attention_reference",
