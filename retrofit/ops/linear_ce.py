@@ -71,6 +71,8 @@ def linear_cross_entropy(
     if token_block < 1 or vocab_block < 1:
         raise ValueError("token_block and vocab_block must be positive")
     N, V = hidden.shape[0], weight.shape[0]
+    if N and (int(targets.min()) < 0 or int(targets.max()) >= V):  # no ignore_index: every target is scored
+        raise ValueError(f"targets must lie in [0, {V}); got {int(targets.min())} .. {int(targets.max())}")
     hidden = hidden.to(weight.dtype)
     out = torch.empty(N, dtype=torch.float32, device=hidden.device)
     for s in range(0, N, token_block):

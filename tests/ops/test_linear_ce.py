@@ -105,3 +105,10 @@ def test_bad_shapes_are_refused(shapes):
 def test_bad_block_sizes_are_refused():
     with pytest.raises(ValueError, match="positive"):
         linear_cross_entropy(torch.randn(2, 3), torch.randn(4, 3), torch.zeros(2, dtype=torch.long), vocab_block=0)
+
+
+@pytest.mark.parametrize("bad", [-100, 4])
+def test_targets_outside_the_vocabulary_are_refused(bad):
+    """No ignore_index: a -100 label would otherwise be scored against a logit of 0."""
+    with pytest.raises(ValueError, match=r"targets must lie in \[0, 4\)"):
+        linear_cross_entropy(torch.randn(2, 3), torch.randn(4, 3), torch.tensor([1, bad]))
