@@ -24,7 +24,8 @@ from typing import Iterator
 from retrofit.errors import SpecError
 from retrofit.train.recipe import Recipe, bundled_recipe_dir
 
-__all__ = ["single_process_env", "world_from_env", "deepspeed_config", "resolve_precision", "grad_accum_steps"]
+__all__ = ["single_process_env", "world_from_env", "deepspeed_config", "resolve_precision", "grad_accum_steps",
+           "no_shared_memory_comm"]
 
 _LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -57,6 +58,36 @@ def single_process_env() -> Iterator[bool]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def no_shared_memory_comm(world_size: int) -> Iterator[None]:
+    """Inside, with one rank: DeepSpeed's CPU shared-memory collective is reported incompatible.
+
+    DeepSpeed's torch backend JIT-compiles that C++ op when its process group starts (~35 s in every
+    fresh environment: the extension cache is keyed by the venv). It only speeds up all-reduces
+    across the ranks of one node, so a one-rank run has no use for it. Several ranks keep it.
+    """
+    compatible = None
+    if world_size == 1:
+        try:
+            import deepspeed.ops
+
+            compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+        except ImportError:
+            pass
+    if not isinstance(compatible, dict):
+        yield
+        return
+    name, saved = "deepspeed_shm_comm", compatible.get("deepspeed_shm_comm")
+    compatible[name] = False
+    try:
+        yield
+    finally:
+        if saved is None:
+            compatible.pop(name, None)
+        else:
+            compatible[name] = saved
 
 
 def world_from_env() -> tuple[int, int]:

@@ -27,7 +27,14 @@ import torch
 
 from retrofit.errors import CheckpointError, RetrofitError, SpecError, TrainingError
 from retrofit.train import checkpointing as ckpt
-from retrofit.train.distributed import deepspeed_config, grad_accum_steps, resolve_precision, single_process_env, world_from_env
+from retrofit.train.distributed import (
+    deepspeed_config,
+    grad_accum_steps,
+    no_shared_memory_comm,
+    resolve_precision,
+    single_process_env,
+    world_from_env,
+)
 from retrofit.train.memory import check_step_fits, is_out_of_memory, memory_advice
 from retrofit.train.metrics import MetricsLogger
 from retrofit.train.objectives import heldout_nll
@@ -153,8 +160,9 @@ class _Run:
         ds_cfg = deepspeed_config(r, world_size=self.world, precision=self.precision, cuda=self.cuda)
         self.zero_stage = int(ds_cfg["zero_optimization"].get("stage", 0))
         handlers = [] if self.cuda else [InitProcessGroupKwargs(backend="gloo")]
-        self.acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_cfg), kwargs_handlers=handlers,
-                               gradient_accumulation_steps=self.accum)
+        with no_shared_memory_comm(self.world):  # one rank: no C++ build of a collective it never uses
+            self.acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_cfg), kwargs_handlers=handlers,
+                                   gradient_accumulation_steps=self.accum)
         if self.acc.num_processes != self.world:
             raise TrainingError(f"accelerate sees {self.acc.num_processes} processes but the launcher started {self.world}")
         self.device = self.acc.device

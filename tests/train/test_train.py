@@ -186,3 +186,26 @@ def test_zero3_held_out_loss_gathers_the_partitioned_head(pretrained_base, moby,
         evals[name] = train(recipe).evals
     assert evals["zero3"][0]["loss"] == pytest.approx(evals["zero2"][0]["loss"], rel=1e-5)
     assert all(torch.isfinite(torch.tensor(e["loss"])) for e in evals["zero3"])
+
+
+def test_one_rank_skips_the_shared_memory_collective_build(pretrained_base, moby, tmp_path):
+    """A one-rank run never JIT-compiles DeepSpeed's CPU shared-memory all-reduce (a ~35 s C++ build
+    per fresh environment); DeepSpeed's own table is restored afterwards, and several ranks keep it."""
+    import deepspeed.comm.comm as ds_comm
+    import deepspeed.ops
+
+    from retrofit.train.distributed import no_shared_memory_comm
+
+    table = deepspeed.ops.__compatible_ops__
+    before = dict(table)
+    with no_shared_memory_comm(2):
+        assert table == before
+    with no_shared_memory_comm(1):
+        assert table["deepspeed_shm_comm"] is False
+    assert table == before
+    recipe = recipe_from_dict(tiny.recipe_dict(
+        pretrained_base, moby, tmp_path / "run", train={"max_steps": 1}, checkpoint={"save_every": 1},
+    ))
+    train(recipe)
+    assert ds_comm.cdb is not None and ds_comm.cdb.shm_comm_op is None
+    assert table == before
