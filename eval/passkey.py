@@ -169,31 +169,31 @@ def run_passkey(
         trials_out = []
         oom_from: int | None = None
         seconds: dict[str, float] = {}
-        for p in prompts:
-            L = p["length"]
-            bar.set_postfix_str(f"{label} {report.fmt_length(L)} depth {p['depth']:g}")
-            rec = {k: p[k] for k in ("length", "depth", "trial", "key", "needle_at")}
-            if oom_from is not None and L >= oom_from:
-                rec.update(answer=None, output=None, correct=None, error="OOM")
-            else:
-                max_new = len(encode(mtok, " " + p["key"])) + 2
-                t0 = time.perf_counter()
-                try:
-                    with loading.scoring_attention(mdl) as attention[role]:
-                        text = generate_answer(mdl, mtok, p["ids"], max_new)
-                except Exception as exc:
-                    msg = str(exc).lower()
-                    if not (isinstance(exc, torch.OutOfMemoryError) or "out of memory" in msg
-                            or "not enough memory" in msg):
-                        raise
-                    oom_from = L
+        with loading.scoring_attention(mdl) as attention[role]:  # once per model, restored after
+            for p in prompts:
+                L = p["length"]
+                bar.set_postfix_str(f"{label} {report.fmt_length(L)} depth {p['depth']:g}")
+                rec = {k: p[k] for k in ("length", "depth", "trial", "key", "needle_at")}
+                if oom_from is not None and L >= oom_from:
                     rec.update(answer=None, output=None, correct=None, error="OOM")
                 else:
-                    seconds[str(L)] = seconds.get(str(L), 0.0) + time.perf_counter() - t0
-                    ans = parse_answer(text)
-                    rec.update(answer=ans, output=text[:80], correct=ans == p["key"])
-            trials_out.append(rec)
-            bar.update(1)
+                    max_new = len(encode(mtok, " " + p["key"])) + 2
+                    t0 = time.perf_counter()
+                    try:
+                        text = generate_answer(mdl, mtok, p["ids"], max_new)
+                    except Exception as exc:
+                        msg = str(exc).lower()
+                        if not (isinstance(exc, torch.OutOfMemoryError) or "out of memory" in msg
+                                or "not enough memory" in msg):
+                            raise
+                        oom_from = L
+                        rec.update(answer=None, output=None, correct=None, error="OOM")
+                    else:
+                        seconds[str(L)] = seconds.get(str(L), 0.0) + time.perf_counter() - t0
+                        ans = parse_answer(text)
+                        rec.update(answer=ans, output=text[:80], correct=ans == p["key"])
+                trials_out.append(rec)
+                bar.update(1)
         grid: dict[str, dict[str, float | None]] = {}
         for L in lengths:
             grid[str(L)] = {}

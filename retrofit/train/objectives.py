@@ -74,10 +74,14 @@ def _inner(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def _final_softcap(causal_lm: nn.Module) -> float | None:
+    """Gemma 2's final logit soft-cap (None where the family has none)."""
+    return getattr(causal_lm.config, "final_logit_softcapping", None)
+
+
 def _head_fn(causal_lm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     head = causal_lm.get_output_embeddings()
-    cfg = causal_lm.config
-    cap = getattr(cfg, "final_logit_softcapping", None)
+    cap = _final_softcap(causal_lm)
 
     def logits(hidden: torch.Tensor) -> torch.Tensor:
         out = head(hidden).float()
@@ -224,7 +228,7 @@ def heldout_nll(
     with _capture_final_hidden(causal_lm) as box:
         model(input_ids=input_ids, logits_to_keep=1)
     hidden = box[0][:, :-1]
-    cap = getattr(causal_lm.config, "final_logit_softcapping", None)
+    cap = _final_softcap(causal_lm)
     with gather([head.weight]) if gather is not None else contextlib.nullcontext():
         nll = linear_cross_entropy(
             hidden.reshape(n, hidden.shape[-1]), head.weight, input_ids[:, 1:].reshape(n),
