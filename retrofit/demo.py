@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from retrofit import __version__
 from retrofit.errors import RetrofitError
+from retrofit.precision import auto_dtype_name
 from retrofit.results import markdown_table
 
 __all__ = ["DemoSettings", "run_demo"]
@@ -40,6 +41,9 @@ class DemoSettings:
     passkey_lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048])
     passkey_depths: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])
     passkey_trials: int = 5  # prompts per (length, depth) cell: a cell is not one coin flip
+    # both models are scored in this dtype; auto: bf16 where the device has native bf16 matmuls
+    # (1.6-1.7x faster on the Zen 4 CPU, perplexities within 0.03% of fp32: BENCHMARKS.md), else fp32
+    eval_dtype: str = "auto"
     eval_sequences: int | None = None
     prompt_tokens: int = 256
     new_tokens: int = 48
@@ -190,9 +194,11 @@ def run_demo(out: str | Path = "runs/demo", settings: DemoSettings | None = None
         raise RetrofitError("training wrote no final export; check checkpoint.export in the recipe")
     curve = _loss_curve(result.history, result.evals, out / "train_loss.png")
 
+    eval_dtype = auto_dtype_name("cpu") if s.eval_dtype == "auto" else s.eval_dtype
+
     def stage_eval():
-        model = load(trained_dir)
-        baseline, btok = load_any(s.model)
+        model = load(trained_dir, dtype=eval_dtype)
+        baseline, btok = load_any(s.model, dtype=eval_dtype)
         ppl = run_perplexity(model, tokenizer=tok, baseline=baseline, baseline_tokenizer=btok,
                              datasets=[str(p) for p in held_out], lengths=s.ppl_lengths,
                              max_windows=s.ppl_windows, chunk_size=s.ppl_chunk_size,
@@ -202,7 +208,8 @@ def run_demo(out: str | Path = "runs/demo", settings: DemoSettings | None = None
                            out=out / "eval" / "passkey")
         return model, ppl, keys
 
-    model, ppl, keys = stages.run("evaluate beside the base model (perplexity vs length, passkey)", stage_eval)
+    model, ppl, keys = stages.run(f"evaluate beside the base model (perplexity vs length, passkey; {eval_dtype})",
+                                  stage_eval)
 
     def stage_generate():
         text = held_out[-1].read_text(encoding="utf-8", errors="replace")

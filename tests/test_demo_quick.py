@@ -40,6 +40,10 @@ def test_quick_demo_end_to_end(tmp_path):
     evals = [e for e in results["training"]["evals"] if "loss" in e]
     assert len(evals) >= 2 and all(e["loss"] == e["loss"] for e in evals)  # finite, before and after
     assert results["conversion"]["new_parameters"] > 0
+    from retrofit.precision import auto_dtype_name  # both models scored in the auto eval dtype
+
+    for kind in ("perplexity", "passkey"):
+        assert {m["dtype"] for m in results[kind]["models"].values()} == {auto_dtype_name("cpu")}, kind
     assert results["generation"]["continuation"].strip()
     # every image the report links exists
     for line in report.splitlines():

@@ -15,6 +15,9 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides the preset)")
     p.add_argument("--seq-len", type=int, default=None, help="training sequence length (overrides the preset)")
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="perplexity lengths (overrides the preset)")
+    p.add_argument("--eval-dtype", choices=["auto", "float32", "bfloat16"], default=None,
+                   help="dtype both models are scored in (default: auto = bfloat16 where the CPU/GPU has native "
+                        "bf16 matmuls, else float32)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. train.lr=1e-3")
     p.set_defaults(handler=_run)
 
@@ -33,6 +36,8 @@ def _run(args: argparse.Namespace) -> int:
         s.seq_len = args.seq_len
     if args.lengths:
         s.ppl_lengths = args.lengths
+    if args.eval_dtype:
+        s.eval_dtype = args.eval_dtype
     s.overrides = list(args.overrides)
     run_demo(args.out, s)
     return 0

@@ -1,0 +1,34 @@
+"""Which floating-point dtype runs fast where: one place for the ``auto`` choices.
+
+On a CPU, bf16 matmuls are only fast where the cores have bf16 dot-product instructions
+(AVX512-BF16 on Zen 4 / Cooper Lake and later, AMX on Sapphire Rapids); elsewhere oneDNN emulates
+them and bf16 is slower than fp32. Measured on the 2-core Zen 4 machine of BENCHMARKS.md: a
+640 x 262144 head matmul runs at 344 GFLOP/s in bf16 and 129 GFLOP/s in fp32.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["fast_bf16", "auto_dtype_name"]
+
+
+def fast_bf16(device: str | torch.device = "cpu") -> bool:
+    """True if bf16 matmuls on ``device`` run on native bf16 units (so bf16 is the faster dtype)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    if dev.type == "cpu":
+        cpu = torch.cpu
+        checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+        return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
+    return False
+
+
+def auto_dtype_name(device: str | torch.device = "cpu") -> str:
+    """``"bfloat16"`` where :func:`fast_bf16`, else ``"float32"``."""
+    return "bfloat16" if fast_bf16(device) else "float32"
