@@ -13,20 +13,24 @@ from typing import Any
 from retrofit.data import bos
 from retrofit.errors import CheckpointError, RetrofitError
 
-_DTYPES = ("float32", "bfloat16", "float16")
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def load_model(name_or_path: str, *, device: str = "cpu", dtype: str | None = None) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` for evaluation, in eval mode on ``device``.
 
-    ``dtype`` is None (keep what the checkpoint loads as) or one of float32/bfloat16/float16.
+    ``dtype`` is None (keep what the checkpoint loads as), one of float32/bfloat16/float16, or
+    ``auto`` (:func:`retrofit.precision.auto_dtype_name` for ``device``).
     """
     import torch
 
+    from retrofit.precision import auto_dtype_name
     from retrofit.surgery import load_any
 
     if dtype is not None and dtype not in _DTYPES:
         raise RetrofitError(f"dtype {dtype!r} is not one of {', '.join(_DTYPES)}")
+    if dtype == "auto":
+        dtype = auto_dtype_name(device)
     model, tokenizer = load_any(name_or_path, dtype=getattr(torch, dtype) if dtype is not None else None)
     if tokenizer is None:
         raise CheckpointError(

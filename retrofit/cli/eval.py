@@ -26,8 +26,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--baseline", metavar="BASE", help="a model to evaluate beside MODEL (e.g. its base model)")
     p.add_argument("--out", type=Path, help="output folder (default: runs/eval/<model>/<command>)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
-                   help="cast the models (default: as loaded)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="cast the models (default: as loaded; auto: bfloat16 where the device has native bf16 "
+                        "matmuls, e.g. AVX512-BF16/AMX CPUs, else float32)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--text-errors", choices=("strict", "replace"), default="strict",
                    help="local text that is not UTF-8: strict = error naming file and byte offset (default), "

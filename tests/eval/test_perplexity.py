@@ -135,3 +135,13 @@ def test_prefix_reuse_checks_the_tokens():
     assert cache.lookup(Window("doc", 0, torch.tensor([0, 1, 5, 3]))) is None  # other tokens
     assert cache.lookup(Window("doc", 0, torch.arange(12))) is None  # longer than the cached one
     assert cache.lookup(Window("other", 0, torch.arange(4))) is None
+
+
+def test_dtype_auto_follows_the_device(base_dir):
+    from retrofit.errors import RetrofitError
+    from retrofit.precision import auto_dtype_name
+
+    model, _ = loading.load_model(str(base_dir), dtype="auto")
+    assert str(next(model.parameters()).dtype) == f"torch.{auto_dtype_name('cpu')}"
+    with pytest.raises(RetrofitError, match="not one of auto, float32"):
+        loading.load_model(str(base_dir), dtype="float8")
