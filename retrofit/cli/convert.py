@@ -42,6 +42,10 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
                         "write OUT/layer_ranking.json and stop (no conversion saved)")
     p.add_argument("--keep-full", type=int, default=0, metavar="K",
                    help="rank the candidate layers (as --rank-layers) and keep the K most costly as full attention")
+    p.add_argument("--rank-probe", choices=("text", "copy"), default="text",
+                   help="what the ranking scores: text = the probe text (local modelling, default); copy = a "
+                        "random stretch of tokens repeated once, farther back than the window (long-range "
+                        "retrieval: the layers a passkey needs)")
     p.add_argument("--json", action="store_true",
                    help="print a JSON summary on stdout (the progress lines go to stderr)")
     p.set_defaults(handler=_run)
@@ -304,19 +308,28 @@ def _ranked_spec(args: argparse.Namespace, spec, model, tokenizer, out):
     if args.keep_full < 0:
         raise SpecError(f"--keep-full must be >= 0, got {args.keep_full}")
     t0 = time.perf_counter()
-    ids = P.probe_ids(tokenizer, max(args.probe_tokens, 64), model.config.vocab_size, seed=spec.seed)
     candidates = spec.layer_indices(model.config)
     if args.keep_full >= len(candidates):
         raise SpecError(f"--keep-full {args.keep_full} keeps every one of the {len(candidates)} candidate layers")
-    ranking = P.rank_layers(model, spec, ids)
-    print(f"layer ranking on {ids.shape[1]} probe tokens, KL(base || only that layer converted), most costly first "
+    last = None
+    if args.rank_probe == "copy":
+        window = spec.resolved(model.config).options.get("window") or 0
+        span = max(args.probe_tokens, window + 64)  # the first copy lies beyond the window
+        ids, last = P.copy_probe_ids(tokenizer, span, model.config.vocab_size, seed=spec.seed or 0)
+        what = f"the second copy of {span} random tokens ({span - 1} positions back; window {window or 'none'})"
+    else:
+        ids = P.probe_ids(tokenizer, max(args.probe_tokens, 64), model.config.vocab_size, seed=spec.seed)
+        what = f"{ids.shape[1]} probe tokens"
+    ranking = P.rank_layers(model, spec, ids, last)
+    print(f"layer ranking on {what}, KL(base || only that layer converted), most costly first "
           f"[{time.perf_counter() - t0:.1f}s]:")
     for r in ranking:
         print(f"  layer {r['layer']:>3}  KL {r['kl']:.4f}")
     if args.rank_layers and not args.keep_full:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "layer_ranking.json").write_text(json.dumps({"spec": spec.to_dict(), "probe_tokens": int(ids.shape[1]),
-                                                            "ranking": ranking}, indent=1) + "\n")
+        (out / "layer_ranking.json").write_text(json.dumps({
+            "spec": spec.to_dict(), "probe": args.rank_probe, "probe_tokens": int(ids.shape[1]),
+            "scored_positions": int(last or ids.shape[1]), "ranking": ranking}, indent=1) + "\n")
         print(f"wrote {out / 'layer_ranking.json'}")
         return None
     keep = {r["layer"] for r in ranking[: args.keep_full]}

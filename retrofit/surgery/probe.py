@@ -6,6 +6,9 @@
   isolates what the untrained latent states add at the initial SWA share.
 * :func:`rank_layers`: ``KL(base || model with only layer i converted)`` for each candidate
   layer, so the most costly layers can stay full attention (``retrofit convert --keep-full K``).
+  On the probe text this measures local modelling; on :func:`copy_probe_ids` (a random stretch
+  of tokens, then the same stretch again, farther back than the window) it measures what each
+  layer contributes to long-range retrieval, which a short text cannot show.
 """
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-__all__ = ["PROBE_TEXT", "closed_latent_path", "kl_divergence", "log_probs", "probe_ids", "rank_layers"]
+__all__ = ["PROBE_TEXT", "closed_latent_path", "copy_probe_ids", "kl_divergence", "log_probs", "probe_ids",
+           "rank_layers"]
 
 # Public domain (Jane Austen, Pride and Prejudice, 1813), used only to get natural token statistics.
 PROBE_TEXT = (
@@ -64,11 +68,32 @@ def probe_ids(tokenizer: Any, num_tokens: int, vocab_size: int, *, seed: int = 0
     return torch.randint(0, vocab_size, (1, num_tokens), generator=g)
 
 
+def copy_probe_ids(tokenizer: Any, span: int, vocab_size: int, *, seed: int = 0) -> tuple[torch.Tensor, int]:
+    """A retrieval probe: ``(1, b + 2 * span)`` ids (``b`` = 1 for a BOS, else 0), a stretch of
+    ``span`` random tokens and then the same stretch again, and how many final positions to score.
+
+    The scored positions predict the second copy's tokens; each is predictable only by retrieving
+    the token ``span - 1`` positions back (an induction copy), so with ``span > window`` a
+    converted layer's window branch cannot see it. Random ids exclude the special tokens.
+    """
+    if span < 2:
+        raise ValueError(f"span must be at least 2, got {span}")
+    g = torch.Generator().manual_seed(seed)
+    special = set(getattr(tokenizer, "all_special_ids", None) or [])
+    pool = torch.tensor([i for i in range(vocab_size) if i not in special])
+    stretch = pool[torch.randint(0, len(pool), (span,), generator=g)]
+    bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
+    head = torch.tensor([bos]) if bos is not None else torch.tensor([], dtype=torch.long)
+    return torch.cat([head, stretch, stretch])[None].long(), span
+
+
 @torch.no_grad()
-def log_probs(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """fp32 log-softmax of the model's logits, ``(B, T, V)``."""
+def log_probs(model: nn.Module, ids: torch.Tensor, last: int | None = None) -> torch.Tensor:
+    """fp32 log-softmax of the model's logits, ``(B, T, V)``, or of the ``last`` positions only
+    (``(B, last, V)``: the head runs on those alone)."""
     device = next(model.parameters()).device
-    logits = model(input_ids=ids.to(device), use_cache=False).logits
+    extra = {} if last is None else {"logits_to_keep": int(last)}
+    logits = model(input_ids=ids.to(device), use_cache=False, **extra).logits
     return torch.log_softmax(logits.float(), dim=-1).cpu()
 
 
@@ -77,27 +102,28 @@ def kl_divergence(ref_log_probs: torch.Tensor, log_probs_: torch.Tensor) -> floa
     return float((ref_log_probs.exp() * (ref_log_probs - log_probs_)).sum(-1).mean())
 
 
-def rank_layers(model: nn.Module, spec: Any, ids: torch.Tensor) -> list[dict]:
+def rank_layers(model: nn.Module, spec: Any, ids: torch.Tensor, last: int | None = None) -> list[dict]:
     """Zero-shot cost of converting each layer alone: ``[{layer, kl}]``, most costly first.
 
     Converts ``model`` in place with ``spec`` (its ``layers`` are the candidates), then for each
     converted layer runs the model with every *other* converted layer switched back to its
     original attention (``retrofit.surgery.distill``) and measures ``KL(base || model)`` on
     ``ids``. Keeping the top entries as full attention is the cheap version of the layer
-    selection of the hybrid-distillation literature (which ranks after training).
+    selection of the hybrid-distillation literature (which ranks after training). ``last``: score
+    only the final ``last`` positions (the second copy of :func:`copy_probe_ids`).
     """
     from retrofit.surgery.convert import convert, is_converted
     from retrofit.surgery.distill import converted_modules, distill_mode
 
     if is_converted(model):
         raise ValueError("rank_layers needs the base model (it converts the candidate layers itself)")
-    base = log_probs(model, ids)
+    base = log_probs(model, ids, last)
     convert(model, spec)
     ranking = []
     with distill_mode(model, "teacher") as modules:
         for module in modules:
             module.distill_mode = None
-            ranking.append({"layer": int(module.layer_idx), "kl": kl_divergence(base, log_probs(model, ids))})
+            ranking.append({"layer": int(module.layer_idx), "kl": kl_divergence(base, log_probs(model, ids, last))})
             module.distill_mode = "teacher"
     assert len(ranking) == len(converted_modules(model))
     return sorted(ranking, key=lambda r: -r["kl"])
