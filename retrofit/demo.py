@@ -42,7 +42,7 @@ class DemoSettings:
     passkey_depths: list[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])
     passkey_trials: int = 5  # prompts per (length, depth) cell: a cell is not one coin flip
     # both models are scored in this dtype; auto: bf16 where the device has native bf16 matmuls
-    # (1.6-1.7x faster on the Zen 4 CPU, perplexities within 0.03% of fp32: BENCHMARKS.md), else fp32
+    # (1.6-1.7x faster on the Zen 4 CPU, perplexities within 0.25% of fp32 to 64K: BENCHMARKS.md), else fp32
     eval_dtype: str = "auto"
     eval_sequences: int | None = None
     prompt_tokens: int = 256
