@@ -1,9 +1,10 @@
-"""Which floating-point dtype runs fast where: one place for the ``auto`` choices.
+"""Which floating-point dtype runs fast where: the ``auto`` evaluation dtype (``retrofit eval
+--dtype auto``, ``retrofit demo --eval-dtype auto``). Training keeps its own ``auto`` (fp32 on a CPU).
 
 On a CPU, bf16 matmuls are only fast where the cores have bf16 dot-product instructions
 (AVX512-BF16 on Zen 4 / Cooper Lake and later, AMX on Sapphire Rapids); elsewhere oneDNN emulates
-them and bf16 is slower than fp32. Measured on the 2-core Zen 4 machine of BENCHMARKS.md: a
-640 x 262144 head matmul runs at 344 GFLOP/s in bf16 and 129 GFLOP/s in fp32.
+them and bf16 is slower than fp32. Measured on the 2-core Zen 4 machine of BENCHMARKS.md: an
+LM-head block (2048 x 640 @ 640 x 8192) runs at 344 GFLOP/s in bf16 and 129 GFLOP/s in fp32.
 """
 from __future__ import annotations
 

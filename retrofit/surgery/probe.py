@@ -79,8 +79,10 @@ def copy_probe_ids(tokenizer: Any, span: int, vocab_size: int, *, seed: int = 0)
     if span < 2:
         raise ValueError(f"span must be at least 2, got {span}")
     g = torch.Generator().manual_seed(seed)
-    special = set(getattr(tokenizer, "all_special_ids", None) or [])
-    pool = torch.tensor([i for i in range(vocab_size) if i not in special])
+    allowed = torch.ones(vocab_size, dtype=torch.bool)
+    special = [i for i in (getattr(tokenizer, "all_special_ids", None) or []) if 0 <= i < vocab_size]
+    allowed[special] = False
+    pool = allowed.nonzero()[:, 0]
     stretch = pool[torch.randint(0, len(pool), (span,), generator=g)]
     bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
     head = torch.tensor([bos]) if bos is not None else torch.tensor([], dtype=torch.long)
