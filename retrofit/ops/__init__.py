@@ -6,8 +6,10 @@ picks for the call (``backend=`` argument, ``--backend``, ``RETROFIT_BACKEND``, 
 kernels themselves live in the math modules (:mod:`.latte`, :mod:`.sliding_window`, ...) and
 are the ``torch`` backend's implementations. The compositions (:mod:`.macchiato`, :mod:`.sinks`)
 call dispatched ops; :func:`slot_attention_step` (one decoding query over preallocated key
-slots) and :func:`linear_cross_entropy` (an LM head's per-token NLL without whole logits, for
-evaluation) are a few device-generic torch calls with nothing to dispatch.
+slots), :func:`capped_rope_attention` (full causal attention with RoPE distances capped, for
+layers kept as full attention past their context; SDPA blocks) and :func:`linear_cross_entropy`
+(an LM head's per-token NLL without whole logits, for evaluation) are a few device-generic torch
+calls with nothing to dispatch.
 """
 # the kernels' modules first: the backends register their kernels from them
 from retrofit.ops.exp_linear import exp_linear_attention_reference
@@ -40,6 +42,7 @@ from retrofit.ops.dispatched import (
 )
 from retrofit.ops.linear_ce import linear_cross_entropy, linear_cross_entropy_reference
 from retrofit.ops.rope import rope_rotate
+from retrofit.ops.capped_rope import capped_rope_attention, capped_rope_attention_reference
 from retrofit.ops.sinks import (
     FarSinks,
     capped_sink_keys,
@@ -72,6 +75,8 @@ __all__ = [
     "orthogonal_memory_recurrent",
     "orthogonal_memory_step",
     "bidirectional_latte",
+    "capped_rope_attention",
+    "capped_rope_attention_reference",
     "bidirectional_latte_reference",
     "causal_latte",
     "causal_latte_chunked",
