@@ -14,20 +14,34 @@ We register both under the name ``"retrofit"``:
   (``retrofit.ops.sliding_window_attention``: no T x T mask, so a hybrid model scores 128K
   tokens in bounded memory); otherwise SDPA with a causal + padding mask built here for that
   layer alone, or an eager softmax when Gemma 2 soft-capping is on (SDPA cannot express it).
+  A full-attention layer holding a :class:`RopeCap` (``retrofit.surgery.cap_rope``) whose keys
+  reach farther back than the cap scores those pairs at the capped RoPE distance
+  (``retrofit.ops.capped_rope_attention``, ReRoPE-style): nothing changes inside the cap.
 
 Padded query rows attend to themselves only (their outputs are discarded), so no row of
 scores is all ``-inf`` and nothing turns NaN.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 IMPLEMENTATION = "retrofit"
 
-__all__ = ["IMPLEMENTATION", "register", "retrofit_mask", "retrofit_attention_forward", "dense_mask"]
+__all__ = ["IMPLEMENTATION", "ROPE_CAP_ATTR", "RopeCap", "register", "retrofit_mask", "retrofit_attention_forward",
+           "dense_mask"]
+
+ROPE_CAP_ATTR = "retrofit_rope_cap"  # the attribute of an attention module that holds its RopeCap
+
+
+class RopeCap(NamedTuple):
+    """A full-attention layer's RoPE distance cap: pairs farther apart than ``distance`` are scored
+    at ``distance``; ``inv_freq`` ``(F,)`` fp32, the layer's rotary frequencies."""
+
+    distance: int
+    inv_freq: torch.Tensor
 
 
 def retrofit_mask(
@@ -98,6 +112,16 @@ def retrofit_attention_forward(
     Hkv, K = key.shape[1], key.shape[2]
     scaling = d**-0.5 if scaling is None else scaling
     dropout = dropout if module.training else 0.0
+    cap = getattr(module, ROPE_CAP_ATTR, None)
+    if (cap is not None and sliding_window is None and K - 1 > cap.distance and not (dropout and module.training)
+            and (attention_mask is None or attention_mask.ndim == 2)):
+        from retrofit.ops import capped_rope_attention
+
+        out = capped_rope_attention(
+            query, key, value, cap.distance, cap.inv_freq, scaling=scaling, softcap=softcap or None,
+            key_padding_mask=None if attention_mask is None else attention_mask[:, -K:].bool(),
+        )
+        return out.transpose(1, 2).contiguous(), None
     if attention_mask is not None and attention_mask.ndim == 4:
         mask = attention_mask  # prepared by the caller: use as-is
     elif sliding_window is not None and K > sliding_window and T > 1 and not (dropout and module.training):

@@ -18,7 +18,7 @@ EPILOG = (
 )
 
 # flags of the common spec keys; the method keys' flags are derived from the registered configs
-COMMON_FLAGS = {"method": "--method", "layers": "--layers", "dtype": "--dtype", "seed": "--seed"}
+COMMON_FLAGS = {"method": "--method", "layers": "--layers", "dtype": "--dtype", "seed": "--seed", "rope_cap": "--rope-cap"}
 
 
 def register(sub: argparse._SubParsersAction, help_text: str) -> None:
@@ -32,6 +32,10 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--layers", default=None, help="'all' (default), 'global' or layer indices like '0-5,8'")
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: as stored)")
     p.add_argument("--seed", type=int, default=None, help="seed for the new weights' initialisation")
+    p.add_argument("--rope-cap", type=int, default=None, metavar="TOKENS",
+                   help="cap on the RoPE distance in the layers left as full attention: farther pairs are scored "
+                        "at this distance (ReRoPE-style; default the base's max_position_embeddings - 1, so nothing "
+                        "changes inside its context; 0 = no cap)")
     p.add_argument("--delta", action="store_true", help="save only the new weights + spec + base id")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing checkpoint folder (never the input, the current directory or a folder "
@@ -132,7 +136,7 @@ def build_spec(args: argparse.Namespace):
     from retrofit.surgery import ConversionSpec
 
     keys = _given_method_keys(args)
-    common = dict(method=args.method, layers=args.layers, dtype=args.dtype, seed=args.seed)
+    common = dict(method=args.method, layers=args.layers, dtype=args.dtype, seed=args.seed, rope_cap=args.rope_cap)
     if args.config:
         method = args.method or _recipe_method(args.config)
         _check_flags_apply(method, keys)

@@ -168,7 +168,7 @@ def register_method(
 
 
 # keys of ConversionSpec itself, which no method config may reuse
-COMMON_KEYS = ("method", "layers", "dtype", "seed")
+COMMON_KEYS = ("method", "layers", "dtype", "seed", "rope_cap")
 
 
 def _config_from_options(name: str, options: dict[str, Any]) -> type[MethodConfig]:

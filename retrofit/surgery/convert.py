@@ -7,7 +7,8 @@
   unchanged) plus the method's new weights,
 * freezes everything pretrained and marks only the new weights ``requires_grad=True``,
 * switches the model to the ``"retrofit"`` attention implementation (2D padding masks only;
-  see ``retrofit/patches/attention.py``),
+  see ``retrofit/patches/attention.py``) and caps the RoPE distance of the layers it leaves as
+  full attention at ``spec.rope_cap`` (``retrofit/surgery/rope_cap.py``),
 * records ``model.config.retrofit = {method, hyper-parameters, converted_layers,
   toolkit_version, base_model}`` (saved into config.json by ``save_pretrained``),
 * gives the model its own identity (``retrofit/hf.py``): config ``model_type``
@@ -27,6 +28,7 @@ from retrofit.surgery.converted import (  # re-exported: retrofit.surgery.conver
 )
 from retrofit.surgery.methods import get_method
 from retrofit.surgery.records import spec_from_record
+from retrofit.surgery.rope_cap import cap_rope
 from retrofit.surgery.spec import ConversionSpec
 
 __all__ = [
@@ -91,6 +93,7 @@ def convert(model: nn.Module, spec: ConversionSpec | None = None, *, base_model:
     mark_new_trainable(model)
 
     model.set_attn_implementation(register_attention())
+    cap_rope(model, spec.rope_cap)  # the layers left as full attention: no RoPE distance past the base's context
     record = spec.to_dict()
     record.update(
         converted_layers=sorted(wanted),

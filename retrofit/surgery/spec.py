@@ -17,6 +17,8 @@ holding it (so training recipes can embed the conversion)::
     conv_size: 0          # >1 adds a causal depthwise conv before the latent projections
     sinks: 0              # attention sinks: the window branch also sees the first n tokens
     layers: all           # "global" (a hybrid model's full-attention layers), indices, or "0-5,8"
+    rope_cap: 32767       # RoPE distance cap of the layers left as full attention (ReRoPE-style;
+                          # default the base's max_position_embeddings - 1; 0 = none)
 
 Method keys may also sit under ``options:`` (the form earlier versions wrote for LAVO / LLP);
 checkpoint records written by earlier versions (flat Macchiato keys for every method plus
@@ -123,7 +125,7 @@ def global_layers(config: Any) -> list[int]:
     return [i for i, t in enumerate(types) if t != "sliding_attention"]
 
 
-COMMON_KEYS = ("method", "layers", "dtype", "seed")
+COMMON_KEYS = ("method", "layers", "dtype", "seed", "rope_cap")
 
 
 def _method(name: Any):
@@ -162,6 +164,7 @@ class ConversionSpec:
     layers: str | list[int]
     dtype: str | None
     seed: int
+    rope_cap: int | None  # RoPE distance cap of the layers left as full attention (None: the base's context)
     config: Any  # the method's MethodConfig
 
     def __init__(
@@ -171,6 +174,7 @@ class ConversionSpec:
         dtype: str | None = None,
         seed: int = 0,
         config: Any = None,
+        rope_cap: int | None = None,
         *,
         options: Mapping[str, Any] | None = None,
         **method_keys: Any,
@@ -196,6 +200,7 @@ class ConversionSpec:
         object.__setattr__(self, "layers", layers)
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "seed", seed)
+        object.__setattr__(self, "rope_cap", rope_cap)
         object.__setattr__(self, "config", cls(**{**base, **dict(options or {}), **method_keys}))
         self.validate()
 
@@ -230,6 +235,9 @@ class ConversionSpec:
         self.config = info.config(**self.config.to_dict())  # re-checked (fields may have been assigned)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise SpecError(f"seed must be an integer, got {self.seed!r}")
+        if self.rope_cap is not None and (isinstance(self.rope_cap, bool) or not isinstance(self.rope_cap, int)
+                                          or self.rope_cap < 0):
+            raise SpecError(f"rope_cap must be a non-negative number of tokens (0 = no cap), got {self.rope_cap!r}")
         self.layers = parse_layers(self.layers)
         if self.dtype is not None:
             d = _DTYPE_ALIASES.get(str(self.dtype).lower(), str(self.dtype).lower().replace("torch.", ""))
@@ -261,8 +269,11 @@ class ConversionSpec:
 
     def resolved(self, config: Any) -> "ConversionSpec":
         """A copy with model-dependent defaults made concrete (the window: DEFAULT_WINDOW, or the
-        native window under ``layers: global``): what a checkpoint records."""
-        return dataclasses.replace(self, config=self.config.resolved(config, self.layers))
+        native window under ``layers: global``; ``rope_cap``: the base's context): what a checkpoint records."""
+        from retrofit.surgery.rope_cap import default_rope_cap
+
+        cap = default_rope_cap(config) if self.rope_cap is None else self.rope_cap
+        return dataclasses.replace(self, config=self.config.resolved(config, self.layers), rope_cap=cap)
 
     @property
     def torch_dtype(self):
@@ -272,9 +283,10 @@ class ConversionSpec:
 
     # ------------------------------------------------------------------ (de)serialisation
     def to_dict(self) -> dict[str, Any]:
-        """Flat: ``method``, the method's keys, ``layers``, ``dtype``, ``seed`` (a recipe / record)."""
+        """Flat: ``method``, the method's keys, ``layers``, ``dtype``, ``seed``, ``rope_cap`` (a recipe / record)."""
         layers = list(self.layers) if isinstance(self.layers, list) else self.layers
-        return {"method": self.method, **self.config.to_dict(), "layers": layers, "dtype": self.dtype, "seed": self.seed}
+        return {"method": self.method, **self.config.to_dict(), "layers": layers, "dtype": self.dtype, "seed": self.seed,
+                "rope_cap": self.rope_cap}
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

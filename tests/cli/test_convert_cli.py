@@ -38,6 +38,18 @@ def test_convert_macchiato(base, tmp_path, capsys):
     assert load_any(out)[1] is not None  # tokenizer saved next to the weights
 
 
+def test_rope_cap_flag(base, tmp_path, capsys):
+    """--rope-cap reaches the record and the kept full-attention layer (layer 1 here; layer 0 slides)."""
+    from retrofit.surgery.rope_cap import capped_layers
+
+    out = tmp_path / "capped"
+    assert main(["convert", str(base), "--out", str(out), "--window", "8", "--latents", "8", "--layers", "0",
+                 "--rope-cap", "12", "--probe-tokens", "0"]) == 0
+    model = load(out)
+    assert model.config.retrofit["rope_cap"] == 12 and capped_layers(model) == {1: 12}
+    _fails(["convert", str(base), "--out", str(tmp_path / "bad"), "--rope-cap", "-3"], capsys, "rope_cap must be")
+
+
 def test_convert_exp_linear_delta_and_yaml(base, tmp_path, capsys):
     cfg = tmp_path / "recipe.yaml"
     cfg.write_text("method: exp-linear\nchunk_size: 16\n")

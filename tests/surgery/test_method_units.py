@@ -91,7 +91,8 @@ def test_recipe_keys_are_the_method_config_fields():
     flat = ConversionSpec.from_dict({"method": "lavo", "window": 16, "bases": 8, "dissect": False})
     nested = ConversionSpec.from_dict({"method": "lavo", "window": 16, "options": {"bases": 8, "dissect": False}})
     assert flat == nested and flat.config == LavoConfig(window=16, bases=8, dissect=False)
-    assert flat.to_dict() == {"method": "lavo", **flat.config.to_dict(), "layers": "all", "dtype": None, "seed": 0}
+    assert flat.to_dict() == {"method": "lavo", **flat.config.to_dict(), "layers": "all", "dtype": None, "seed": 0,
+                              "rope_cap": None}
     assert ConversionSpec.from_dict(flat.to_dict()) == flat  # a record / recipe round trip
     with pytest.raises(SpecError, match=r"window \(a key of .*\) does not apply to method 'exp-linear'"):
         ConversionSpec.from_dict({"method": "exp-linear", "window": 8})
