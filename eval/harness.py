@@ -189,6 +189,7 @@ def run_harness(
     seed: int = 1234,
     device: str = "cpu",
     dtype: str | None = None,
+    rope_cap: int | None = None,
     out: str | Path | None = None,
     command: str | None = None,
 ) -> dict:
@@ -207,9 +208,9 @@ def run_harness(
     if not tasks:
         raise RetrofitError("no tasks given")
     fewshot = parse_fewshot(num_fewshot)
-    resolved = {"model": loading.resolve(model, tokenizer, device=device, dtype=dtype)}
+    resolved = {"model": loading.resolve(model, tokenizer, device=device, dtype=dtype, rope_cap=rope_cap)}
     if baseline is not None:
-        b = loading.resolve(baseline, baseline_tokenizer, device=device, dtype=dtype)
+        b = loading.resolve(baseline, baseline_tokenizer, device=device, dtype=dtype, rope_cap=rope_cap)
         if b[2] == resolved["model"][2]:
             b = (b[0], b[1], f"{b[2]} (baseline)")
         resolved = {"baseline": b, **resolved}

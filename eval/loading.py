@@ -45,25 +45,45 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype: str | None = No
 
 
 def resolve(
-    model: Any, tokenizer: Any = None, *, device: str = "cpu", dtype: str | None = None
+    model: Any, tokenizer: Any = None, *, device: str = "cpu", dtype: str | None = None, rope_cap: int | None = None
 ) -> tuple[Any, Any, str]:
     """``model`` is a name/path (loaded here) or a loaded model (then ``tokenizer`` is required).
 
+    ``rope_cap``: cap the RoPE distance of the model's full-attention layers at this many tokens
+    (:func:`retrofit.surgery.rope_cap.cap_rope`; 0 removes a cap; None leaves the model as it is).
     Returns ``(model, tokenizer, label)``; the label names the model in tables.
     """
     if isinstance(model, (str, Path)):
         m, tok = load_model(str(model), device=device, dtype=dtype)
+        _apply_rope_cap(m, rope_cap)
         label = model_label(str(model))
         m._retrofit_eval_label = label  # later resolve() calls on this object keep the name
         return m, (tokenizer if tokenizer is not None else tok), label
     if tokenizer is None:
         raise RetrofitError("pass the tokenizer together with an already-loaded model")
+    _apply_rope_cap(model, rope_cap)
     model.eval()
     label = getattr(model, "_retrofit_eval_label", None)
     if label is None:
         name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
         label = model_label(name)
     return model, tokenizer, label
+
+
+def _rope_caps(model: Any) -> dict[str, int] | None:
+    """``{layer: cap}`` of the model's capped full-attention layers (results files), or None."""
+    from retrofit.surgery.rope_cap import capped_layers
+
+    caps = capped_layers(model)
+    return {str(k): v for k, v in caps.items()} or None
+
+
+def _apply_rope_cap(model: Any, rope_cap: int | None) -> None:
+    if rope_cap is None:
+        return
+    from retrofit.surgery.rope_cap import cap_rope
+
+    cap_rope(model, int(rope_cap))
 
 
 def model_label(name: str) -> str:
@@ -128,6 +148,7 @@ def model_info(model: Any, label: str) -> dict:
         "name_or_path": getattr(cfg, "_name_or_path", None),
         "model_type": getattr(cfg, "model_type", None),
         "converted": is_converted(model),
+        "rope_cap": _rope_caps(model),
         "parameters": n_params,
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),

@@ -124,6 +124,7 @@ def run_passkey(
     bos: str = "auto",
     device: str = "cpu",
     dtype: str | None = None,
+    rope_cap: int | None = None,
     out: str | Path | None = None,
     progress: bool = True,
     command: str | None = None,
@@ -140,10 +141,10 @@ def run_passkey(
     depths = [float(d) for d in depths]
     if trials < 1:
         raise DataError("trials must be at least 1")
-    m, tok, m_label = loading.resolve(model, tokenizer, device=device, dtype=dtype)
+    m, tok, m_label = loading.resolve(model, tokenizer, device=device, dtype=dtype, rope_cap=rope_cap)
     roles: dict[str, tuple[Any, Any, str]] = {"model": (m, tok, m_label)}
     if baseline is not None:
-        b, btok, b_label = loading.resolve(baseline, baseline_tokenizer, device=device, dtype=dtype)
+        b, btok, b_label = loading.resolve(baseline, baseline_tokenizer, device=device, dtype=dtype, rope_cap=rope_cap)
         loading.check_same_tokenizer(tok, btok, m_label, b_label)
         roles = {"baseline": (b, btok, b_label if b_label != m_label else f"{b_label} (baseline)"), **roles}
     use_bos = loading.needs_bos(m, tok, bos)

@@ -157,6 +157,7 @@ def run_perplexity(
     text_field: str | None = None,
     device: str = "cpu",
     dtype: str | None = None,
+    rope_cap: int | None = None,
     out: str | Path | None = None,
     progress: bool = True,
     command: str | None = None,
@@ -170,6 +171,8 @@ def run_perplexity(
     protocol: ``windows`` or ``packed``; None takes each dataset's registry default.
     max_windows: cap on windows per (dataset, length); None = every window.
     bos: ``auto`` | ``always`` | ``never`` (auto: what the tokenizer does; always for Gemma).
+    rope_cap: cap the RoPE distance of both models' full-attention layers at this many tokens
+        (:func:`retrofit.surgery.rope_cap.cap_rope`; 0 removes a converted model's cap; None = as loaded).
     chunk_size: forward the model ``chunk_size`` tokens at a time through its cache
         (``baseline_chunk_size`` for the baseline; None = one forward per window).
     logit_budget: fp32 logits held at once (elements); sets the lm_head slice size.
@@ -183,10 +186,10 @@ def run_perplexity(
     from tqdm.auto import tqdm
 
     lengths = sorted(set(int(x) for x in lengths))
-    m, tok, m_label = loading.resolve(model, tokenizer, device=device, dtype=dtype)
+    m, tok, m_label = loading.resolve(model, tokenizer, device=device, dtype=dtype, rope_cap=rope_cap)
     roles: dict[str, tuple[Any, str, int | None]] = {"model": (m, m_label, chunk_size)}
     if baseline is not None:
-        b, btok, b_label = loading.resolve(baseline, baseline_tokenizer, device=device, dtype=dtype)
+        b, btok, b_label = loading.resolve(baseline, baseline_tokenizer, device=device, dtype=dtype, rope_cap=rope_cap)
         loading.check_same_tokenizer(tok, btok, m_label, b_label)
         if b_label == m_label:
             b_label = f"{b_label} (baseline)"

@@ -25,6 +25,7 @@ def run_all(
     skip: tuple[str, ...] | list[str] = (),
     device: str = "cpu",
     dtype: str | None = None,
+    rope_cap: int | None = None,
     title: str | None = None,
     command: str | None = None,
     **sections: dict | None,
@@ -47,10 +48,10 @@ def run_all(
         raise RetrofitError(f"run_all got options for {sorted(extra)}, which are not evaluators "
                             f"({', '.join(names)})")
     out = Path(out)
-    m, tok, m_label = loading.resolve(model, tokenizer, device=device, dtype=dtype)
+    m, tok, m_label = loading.resolve(model, tokenizer, device=device, dtype=dtype, rope_cap=rope_cap)
     common: dict[str, Any] = {"tokenizer": tok, "device": device}
     if baseline is not None:
-        b, btok, b_label = loading.resolve(baseline, baseline_tokenizer, device=device, dtype=dtype)
+        b, btok, b_label = loading.resolve(baseline, baseline_tokenizer, device=device, dtype=dtype, rope_cap=rope_cap)
         common.update(baseline=b, baseline_tokenizer=btok)
     results: dict[str, dict] = {}
     for ev in kinds:

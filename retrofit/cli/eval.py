@@ -29,6 +29,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                    help="cast the models (default: as loaded; auto: bfloat16 where the device has native bf16 "
                         "matmuls, e.g. AVX512-BF16/AMX CPUs, else float32)")
+    p.add_argument("--rope-cap", type=int, default=None, metavar="TOKENS",
+                   help="cap the RoPE distance of MODEL's and BASE's full-attention layers at TOKENS (ReRoPE-style: "
+                        "farther pairs scored at TOKENS; e.g. 32767 for a base pretrained at 32K; 0 removes a "
+                        "converted model's cap; default: as loaded)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--text-errors", choices=("strict", "replace"), default="strict",
                    help="local text that is not UTF-8: strict = error naming file and byte offset (default), "
@@ -113,7 +117,7 @@ def _run_one(args: argparse.Namespace) -> int:
     out = _out(args, ev.command)
     with _text_policy(args) if ev.reads_text else contextlib.nullcontext():
         res = ev.runner()(args.model, baseline=args.baseline, device=args.device, dtype=args.dtype, out=out,
-                          command=_command(), **ev.kwargs(args))
+                          rope_cap=args.rope_cap, command=_command(), **ev.kwargs(args))
     return _finish(res, out, args.json)
 
 
@@ -137,5 +141,5 @@ def _run_all_sections(args: argparse.Namespace, out: Path) -> dict:
 
     return run_all(
         args.model, baseline=args.baseline, out=out, skip=args.skip, device=args.device, dtype=args.dtype,
-        command=_command(), **{ev.name: ev.kwargs(args) for ev in evaluators() if ev.name not in args.skip},
+        rope_cap=args.rope_cap, command=_command(), **{ev.name: ev.kwargs(args) for ev in evaluators() if ev.name not in args.skip},
     )

@@ -145,3 +145,25 @@ def test_dtype_auto_follows_the_device(base_dir):
     assert str(next(model.parameters()).dtype) == f"torch.{auto_dtype_name('cpu')}"
     with pytest.raises(RetrofitError, match="not one of auto, float32"):
         loading.load_model(str(base_dir), dtype="float8")
+
+
+def test_rope_cap_flag_caps_both_models_and_is_recorded(base_dir, tmp_path, capsys):
+    """`retrofit eval ppl --rope-cap N`: both models' full-attention layers are capped (recorded in
+    results.json), which changes windows longer than the cap; a bad value is one error line."""
+    from retrofit.cli.main import main
+
+    common = ["eval", "ppl", str(base_dir), "--baseline", str(base_dir), "--lengths", "64", "--datasets", "pg-books",
+              "--max-windows", "1", "-q", "--json"]
+    assert main(common + ["--out", str(tmp_path / "plain")]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(common + ["--out", str(tmp_path / "capped"), "--rope-cap", "8"]) == 0
+    capped = json.loads(capsys.readouterr().out)
+    assert plain["models"]["model"]["rope_cap"] is None
+    layers = {str(i): 8 for i in range(loading.load_model(str(base_dir))[0].config.num_hidden_layers)}
+    assert capped["models"]["model"]["rope_cap"] == capped["models"]["baseline"]["rope_cap"] == layers
+    cell, plain_cell = capped["results"]["pg-books"]["64"], plain["results"]["pg-books"]["64"]
+    assert cell["model"]["ppl"] == pytest.approx(cell["baseline"]["ppl"])
+    assert abs(cell["model"]["ppl"] - plain_cell["model"]["ppl"]) > 1e-6 * plain_cell["model"]["ppl"]  # the cap acts
+    assert main(common + ["--out", str(tmp_path / "bad"), "--rope-cap", "-1"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "error: rope_cap must be a non-negative" in err[-1] and not (tmp_path / "bad").exists()
