@@ -18,3 +18,14 @@ def latte_inputs(B: int, H: int, T: int, L: int, D: int, *, dtype=torch.float64,
     k = torch.randn(B, H, T, L, dtype=dtype) * spread
     v = torch.randn(B, H, T, D, dtype=dtype)
     return q, k, v
+
+
+def attention_inputs(B=2, Hq=4, Hkv=2, Tq=37, Tk=None, d=8, *, dtype=torch.float64, seed=0, scale=1.0):
+    """Softmax-attention q ``(B, Hq, Tq, d)``, k / v ``(B, Hkv, Tk, d)`` (``Tk`` defaults to ``Tq``) from
+    a seeded generator; ``scale`` multiplies q and k (larger logits)."""
+    g = torch.Generator().manual_seed(seed)
+    Tk = Tq if Tk is None else Tk
+    q = (torch.randn(B, Hq, Tq, d, generator=g) * scale).to(dtype)
+    k = (torch.randn(B, Hkv, Tk, d, generator=g) * scale).to(dtype)
+    v = torch.randn(B, Hkv, Tk, d, generator=g).to(dtype)
+    return q, k, v

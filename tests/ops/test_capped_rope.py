@@ -8,23 +8,17 @@ import torch
 import torch.nn.functional as F
 
 from retrofit.ops import capped_rope_attention, capped_rope_attention_reference, rope_rotate
+from tests.ops._inputs import attention_inputs, padding_mask
 
 INV_FREQ = 1.0 / (100.0 ** (torch.arange(0, 6, 2, dtype=torch.float32) / 6))  # F = 3 of d = 8: partial rotary
 
 
 def _inputs(B=2, Hq=4, Hkv=2, Tq=37, Tk=37, d=8, dtype=torch.float64, seed=0, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    q = (torch.randn(B, Hq, Tq, d, generator=g) * scale).to(dtype)
-    k = (torch.randn(B, Hkv, Tk, d, generator=g) * scale).to(dtype)
-    v = torch.randn(B, Hkv, Tk, d, generator=g).to(dtype)
-    return q, k, v
+    return attention_inputs(B, Hq, Hkv, Tq, Tk, d, dtype=dtype, seed=seed, scale=scale)
 
 
-def _padding(B, T, left=(0, 5)):
-    mask = torch.ones(B, T, dtype=torch.bool)
-    for b, n in enumerate(left[:B]):
-        mask[b, :n] = False
-    return mask
+def _padding(B, T):
+    return padding_mask(B, T, [0, 5])
 
 
 def _causal(q, k, v, mask=None):

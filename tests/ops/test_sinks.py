@@ -7,21 +7,15 @@ import torch
 import retrofit.ops.sinks as sinks_mod
 from retrofit.ops.sinks import first_valid, sink_window_attention, sink_window_attention_reference
 from retrofit.ops.sliding_window import sliding_window_attention_reference, sliding_window_lse
+from tests.ops._inputs import attention_inputs, padding_mask
 
 
 def _inputs(B=2, Hq=4, Hkv=2, T=37, d=8, dtype=torch.float64, seed=0, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    q = (torch.randn(B, Hq, T, d, generator=g) * scale).to(dtype)
-    k = (torch.randn(B, Hkv, T, d, generator=g) * scale).to(dtype)
-    v = torch.randn(B, Hkv, T, d, generator=g).to(dtype)
-    return q, k, v
+    return attention_inputs(B, Hq, Hkv, T, T, d, dtype=dtype, seed=seed, scale=scale)
 
 
 def _padding(B, T, left=(0, 5)):
-    mask = torch.ones(B, T, dtype=torch.bool)
-    for b, n in enumerate(left[:B]):
-        mask[b, :n] = False
-    return mask
+    return padding_mask(B, T, list(left))
 
 
 def _whole(q, k, v, window, sinks, mask=None, softcap=None):
