@@ -230,6 +230,7 @@ def _convert(args: argparse.Namespace, spec, out) -> int:
         convert, converted_layers, load_any, new_parameter_names, save, save_delta,
     )
     from retrofit.surgery import probe as P
+    from retrofit.surgery.rope_cap import capped_layers
 
     t0 = time.perf_counter()
     model, tokenizer = load_any(args.model, dtype=spec.dtype)
@@ -265,6 +266,12 @@ def _convert(args: argparse.Namespace, spec, out) -> int:
                    convert_seconds=round(t_conv, 3))
     say(f"converted {len(layers)}/{model.config.num_hidden_layers} layers to {spec.describe()} [{t_conv:.1f}s]")
     say(f"new weights: {len(new)} tensors, {n_new / 1e6:.3f}M params (trainable); pretrained weights frozen")
+    caps = capped_layers(model)
+    summary.update(rope_capped_layers=sorted(caps))
+    if caps:
+        kept = ", ".join(map(str, caps))
+        say(f"layers {kept} stay full attention with RoPE distances capped at {model.config.retrofit['rope_cap']} tokens "
+            "(--rope-cap; farther pairs are scored at the cap)")
 
     if ids is not None:
         t0 = time.perf_counter()

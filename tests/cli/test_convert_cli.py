@@ -45,6 +45,7 @@ def test_rope_cap_flag(base, tmp_path, capsys):
     out = tmp_path / "capped"
     assert main(["convert", str(base), "--out", str(out), "--window", "8", "--latents", "8", "--layers", "0",
                  "--rope-cap", "12", "--probe-tokens", "0"]) == 0
+    assert "layers 1 stay full attention with RoPE distances capped at 12 tokens" in capsys.readouterr().out
     model = load(out)
     assert model.config.retrofit["rope_cap"] == 12 and capped_layers(model) == {1: 12}
     _fails(["convert", str(base), "--out", str(tmp_path / "bad"), "--rope-cap", "-3"], capsys, "rope_cap must be")
