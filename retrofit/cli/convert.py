@@ -18,7 +18,8 @@ EPILOG = (
 )
 
 # flags of the common spec keys; the method keys' flags are derived from the registered configs
-COMMON_FLAGS = {"method": "--method", "layers": "--layers", "dtype": "--dtype", "seed": "--seed", "rope_cap": "--rope-cap"}
+COMMON_FLAGS = {"method": "--method", "layers": "--layers", "dtype": "--dtype", "seed": "--seed",
+                "rope_cap": "--rope-cap"}
 
 
 def register(sub: argparse._SubParsersAction, help_text: str) -> None:
@@ -270,7 +271,8 @@ def _convert(args: argparse.Namespace, spec, out) -> int:
     summary.update(rope_capped_layers=sorted(caps))
     if caps:
         kept = ", ".join(map(str, caps))
-        say(f"layers {kept} stay full attention with RoPE distances capped at {model.config.retrofit['rope_cap']} tokens "
+        cap = model.config.retrofit["rope_cap"]
+        say(f"layers {kept} stay full attention with RoPE distances capped at {cap} tokens "
             "(--rope-cap; farther pairs are scored at the cap)")
 
     if ids is not None:

@@ -141,5 +141,6 @@ def _run_all_sections(args: argparse.Namespace, out: Path) -> dict:
 
     return run_all(
         args.model, baseline=args.baseline, out=out, skip=args.skip, device=args.device, dtype=args.dtype,
-        rope_cap=args.rope_cap, command=_command(), **{ev.name: ev.kwargs(args) for ev in evaluators() if ev.name not in args.skip},
+        rope_cap=args.rope_cap, command=_command(),
+        **{ev.name: ev.kwargs(args) for ev in evaluators() if ev.name not in args.skip},
     )

@@ -148,7 +148,8 @@ def capped_rope_attention(
         q_valid = None
         if kpm is not None:  # padded keys are never seen; a padded query sees only its own key
             q_valid = kpm[:, ts : te + 1]
-            near_ok = (near_ok & kpm[:, None, near_lo : te + 1]) | ((t[:, None] == j_near[None, :])[None] & ~q_valid[:, :, None])
+            own = (t[:, None] == j_near[None, :])[None] & ~q_valid[:, :, None]
+            near_ok = (near_ok & kpm[:, None, near_lo : te + 1]) | own
             far_ok = far_ok & kpm[:, None, :n_far] & q_valid[:, :, None]
         qb = q[:, :, s:e]
         q_far = rope_rotate(qb, (distance - t).view(1, 1, -1), inv_freq) if n_far else None

@@ -27,7 +27,8 @@ def _causal(q, k, v, mask=None):
     allowed = torch.ones(Tq, Tk, dtype=torch.bool).tril(Tk - Tq)[None, None]
     if mask is not None:
         allowed = allowed & mask[:, None, None, :]
-    return F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), attn_mask=allowed)
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
 
 
 # the split form has no soft-capping (SDPA cannot express it): Gemma 2 layers take the joint form
@@ -99,7 +100,8 @@ def test_a_common_position_shift_cancels():
     q, k, v = _inputs()
     shift = torch.full((1, 1, 37), 11)
     a = capped_rope_attention_reference(q, k, v, 6, INV_FREQ)
-    b = capped_rope_attention_reference(rope_rotate(q, shift, INV_FREQ), rope_rotate(k, shift, INV_FREQ), v, 6, INV_FREQ)
+    q2, k2 = rope_rotate(q, shift, INV_FREQ), rope_rotate(k, shift, INV_FREQ)
+    b = capped_rope_attention_reference(q2, k2, v, 6, INV_FREQ)
     torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
 
 
