@@ -77,6 +77,8 @@ def test_yaml_recipes(tmp_path):
     # the shipped recipe spells out the defaults (the window as resolved for layers: all)
     assert spec == dataclasses.replace(ConversionSpec(), window=DEFAULT_WINDOW)
     assert ConversionSpec.from_yaml(CONFIGS / "convert-exp-linear.yaml").method == "exp-linear"
+    keep = ConversionSpec.from_yaml(CONFIGS / "convert-gemma3-270m-keep-retrieval.yaml")
+    assert (keep.layers, keep.window, keep.sinks, keep.rope_cap) == ([17], 2048, 4, 32767)
     nested = tmp_path / "recipe.yaml"
     nested.write_text("convert:\n  method: macchiato\n  window: 64\n  layers: '0-1'\ntrain: {lr: 1.0}\n")
     spec = ConversionSpec.from_yaml(nested, window=32)
