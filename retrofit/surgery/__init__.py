@@ -5,6 +5,8 @@
     retrofit.convert(model, retrofit.ConversionSpec(method="macchiato", window=128, latents=128))
     retrofit.surgery.save(model, "out/g270-mac", tokenizer=tok)
     model = retrofit.load("out/g270-mac")
+    base, _ = retrofit.surgery.load_any("gemma3-270m")
+    retrofit.surgery.cap_rope(base, 32767)   # its full-attention layers: no RoPE distance past 32767 (zero-shot)
 """
 from retrofit.surgery.checkpoint import load, load_delta, save, save_delta
 from retrofit.surgery.convert import (
@@ -12,6 +14,7 @@ from retrofit.surgery.convert import (
 )
 from retrofit.surgery.methods import MethodInfo, available_methods, get_method, register_method
 from retrofit.surgery.loading import load_any
+from retrofit.surgery.rope_cap import cap_rope, capped_layers
 from retrofit.surgery.spec import DEFAULT_INIT_SWA_SHARE, ConversionSpec
 
 __all__ = [
@@ -19,6 +22,8 @@ __all__ = [
     "DEFAULT_INIT_SWA_SHARE",
     "MethodInfo",
     "available_methods",
+    "cap_rope",
+    "capped_layers",
     "convert",
     "converted_layers",
     "get_method",
