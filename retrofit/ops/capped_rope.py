@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from retrofit.ops.rope import rope_rotate
+from retrofit.ops.rope import rope_rotate, rope_to_origin
 from retrofit.ops.slots import masked_dense_attention
 
 __all__ = ["capped_rope_attention", "capped_rope_attention_reference"]
@@ -133,7 +133,7 @@ def capped_rope_attention(
         split = q.device.type == "cpu" and not grad and not softcap and _cpu_flash_with_lse() is not None
     kpm = None if key_padding_mask is None else key_padding_mask.bool()
     far_end = q_start + Tq - 1 - distance  # keys j < far_end can be farther than the cap from some query
-    k_far = rope_rotate(k[:, :, :far_end], -torch.arange(far_end, device=k.device), inv_freq) if far_end > 0 else None
+    k_far = rope_to_origin(k[:, :, :far_end], inv_freq) if far_end > 0 else None
     outs = []
     for s in range(0, Tq, block_size):
         e = min(Tq, s + block_size)

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rope_rotate"]
+__all__ = ["rope_rotate", "rope_to_origin"]
+
+# (device, frequencies) -> (cos, sin) ``(n, F)`` fp32 of positions 0..n-1, grown by doubling
+_ORIGIN_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def rope_rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -27,3 +30,29 @@ def rope_rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) ->
     cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
     x1, x2, rest = x[..., :F], x[..., F : 2 * F], x[..., 2 * F :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], dim=-1)
+
+
+def rope_to_origin(x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(..., n, d)``, post-RoPE at positions ``0..n-1``, rotated back to position 0.
+
+    The same as ``rope_rotate(x, -arange(n), inv_freq)``, with cos / sin read from a table cached
+    per device and frequencies (angles formed in float64 once), so a decoding step that needs every
+    cached key at position 0 costs a few elementwise products instead of ``n F`` float64 cos / sin.
+    float64 inputs take :func:`rope_rotate` (the table is fp32).
+    """
+    n = x.shape[-2]
+    if x.dtype == torch.float64 or n == 0:
+        return rope_rotate(x, -torch.arange(n, device=x.device), inv_freq)
+    F = inv_freq.shape[-1]
+    if 2 * F > x.shape[-1]:
+        raise ValueError(f"{F} rotary frequencies need head_dim >= {2 * F}, got {x.shape[-1]}")
+    key = (str(x.device), tuple(inv_freq.tolist()))
+    cos, sin = _ORIGIN_TABLES.get(key, (None, None))
+    if cos is None or cos.shape[0] < n:
+        size = max(n, 2 * (cos.shape[0] if cos is not None else 0), 1024)
+        angle = torch.arange(size, dtype=torch.float64)[:, None] * inv_freq.to("cpu", torch.float64)
+        cos, sin = angle.cos().float().to(x.device), angle.sin().float().to(x.device)
+        _ORIGIN_TABLES[key] = (cos, sin)
+    c, s = cos[:n].to(x.dtype), sin[:n].to(x.dtype)  # rotation by -p: cos p, -sin p
+    x1, x2, rest = x[..., :F], x[..., F : 2 * F], x[..., 2 * F :]
+    return torch.cat([x1 * c + x2 * s, x2 * c - x1 * s, rest], dim=-1)

@@ -1,6 +1,7 @@
 """RoPE re-rotation: the family layout, composition, and what a score then depends on."""
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers.models.gemma3.modeling_gemma3 import apply_rotary_pos_emb
 
@@ -40,3 +41,18 @@ def test_partial_rotary_leaves_the_tail_alone():
     out = rope_rotate(x, torch.tensor([1, 2, 3]), INV_FREQ)  # 8 frequencies: dims 0..15 rotate
     torch.testing.assert_close(out[..., 16:], x[..., 16:], atol=0, rtol=0)
     assert not torch.allclose(out[..., :16], x[..., :16])
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float64, 1e-12)])
+def test_to_origin_equals_rotating_back_by_each_position(dtype, tol):
+    """The cached-table form gives what rope_rotate by -position gives, also after the table grows
+    (a short call first, then one past its size) and for a partial-rotary head."""
+    from retrofit.ops.rope import rope_to_origin
+
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, 6, 2, dtype=torch.float32) / 6))  # F = 3 of d = 8
+    for n in (7, 2500):
+        x = torch.randn(2, 3, n, 8, generator=torch.Generator().manual_seed(n)).to(dtype)
+        want = rope_rotate(x.double(), -torch.arange(n), inv_freq)
+        got = rope_to_origin(x, inv_freq)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
