@@ -24,7 +24,7 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype: str | None = No
     """
     import torch
 
-    from retrofit.precision import auto_dtype_name
+    from retrofit.precision import auto_dtype_name, cast_parameters
     from retrofit.surgery import load_any
 
     if dtype is not None and dtype not in _DTYPES:
@@ -37,8 +37,8 @@ def load_model(name_or_path: str, *, device: str = "cpu", dtype: str | None = No
             f"{name_or_path} has no tokenizer stored with it; save the tokenizer into the folder "
             f"(retrofit.surgery.save(..., tokenizer=tok)) or pass a loaded model with tokenizer= in Python"
         )
-    if dtype is not None:
-        model = model.to(getattr(torch, dtype))
+    if dtype is not None:  # parameters only: RoPE inv_freq buffers keep their fp32 (see cast_parameters)
+        cast_parameters(model, getattr(torch, dtype))
     model = model.to(device)
     model.eval()
     return model, tokenizer

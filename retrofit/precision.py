@@ -1,5 +1,6 @@
 """Which floating-point dtype runs fast where: the ``auto`` evaluation dtype (``retrofit eval
 --dtype auto``, ``retrofit demo --eval-dtype auto``). Training keeps its own ``auto`` (fp32 on a CPU).
+And how to cast a model to a dtype without touching its RoPE frequencies (:func:`cast_parameters`).
 
 On a CPU, bf16 matmuls are only fast where the cores have bf16 dot-product instructions
 (AVX512-BF16 on Zen 4 / Cooper Lake and later, AMX on Sapphire Rapids); elsewhere oneDNN emulates
@@ -13,7 +14,19 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["fast_bf16", "auto_dtype_name"]
+__all__ = ["fast_bf16", "auto_dtype_name", "cast_parameters"]
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Cast ``model``'s floating-point parameters to ``dtype`` in place, leaving its buffers alone, as
+    ``from_pretrained(dtype=...)`` does. ``model.to(dtype)`` would also round the rotary embedding's
+    fp32 ``inv_freq`` buffers (to 3 significant digits in bf16): every RoPE frequency then moves by
+    up to 0.4%, a different positional code than the model was trained with, and a key rotated with
+    it no longer matches the config's frequencies (which the RoPE distance cap re-rotates with)."""
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return model
 
 
 def fast_bf16(device: str | torch.device = "cpu") -> bool:

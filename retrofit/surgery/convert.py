@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from retrofit.errors import SpecError
+from retrofit.precision import cast_parameters
 from retrofit.surgery.converted import (  # re-exported: retrofit.surgery.convert.X keeps working
     converted_layers, is_converted, mark_new_trainable, new_module_names, new_parameter_names, retrofit_record,
 )
@@ -67,10 +68,8 @@ def convert(model: nn.Module, spec: ConversionSpec | None = None, *, base_model:
     spec = spec.resolved(model.config)
     method = get_method(spec.method)
 
-    if spec.dtype is not None:  # parameters only: buffers such as RoPE inv_freq keep their fp32,
-        for p in model.parameters():  # exactly as from_pretrained(dtype=...) leaves them
-            if p.is_floating_point() and p.dtype != spec.torch_dtype:
-                p.data = p.data.to(spec.torch_dtype)
+    if spec.dtype is not None:  # parameters only: buffers such as RoPE inv_freq keep their fp32
+        cast_parameters(model, spec.torch_dtype)
     sites = patch.attention_sites(model)
     if not sites:
         raise SpecError(f"found no {patch.family} attention modules in {type(model).__name__}")

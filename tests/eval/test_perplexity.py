@@ -167,3 +167,16 @@ def test_rope_cap_flag_caps_both_models_and_is_recorded(base_dir, tmp_path, caps
     assert main(common + ["--out", str(tmp_path / "bad"), "--rope-cap", "-1"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert "error: rope_cap must be a non-negative" in err[-1] and not (tmp_path / "bad").exists()
+
+
+def test_dtype_casts_parameters_and_keeps_rope_frequencies(base_dir):
+    """`--dtype bfloat16` casts the weights only: the rotary embedding's inv_freq stays fp32 (rounded
+    to bf16 it would move every RoPE frequency by up to 0.4%, and the RoPE cap's re-rotation of the
+    keys would no longer match the rotation they were given)."""
+    model, _ = loading.load_model(str(base_dir), dtype="bfloat16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    freqs = {name: b for name, b in model.named_buffers() if "inv_freq" in name}
+    assert freqs and all(b.dtype == torch.float32 for b in freqs.values())
+    fresh, _ = loading.load_model(str(base_dir))
+    for name, b in freqs.items():
+        torch.testing.assert_close(b, dict(fresh.named_buffers())[name], rtol=0, atol=0)
