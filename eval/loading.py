@@ -83,7 +83,7 @@ def _apply_rope_cap(model: Any, rope_cap: int | None) -> None:
         return
     from retrofit.surgery.rope_cap import cap_rope
 
-    cap_rope(model, int(rope_cap))
+    cap_rope(model, rope_cap)  # validated there: a bad value is one SpecError
 
 
 def model_label(name: str) -> str:

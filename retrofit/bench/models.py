@@ -36,6 +36,7 @@ def _tiny_base(size: str, max_len: int, seed: int) -> nn.Module:
 
 def build_pair(args: argparse.Namespace, max_len: int) -> tuple[nn.Module, nn.Module, dict[str, Any]]:
     """``(base, converted, info)`` on ``args.device`` in ``args.dtype``, both in eval mode."""
+    from retrofit.precision import cast_parameters
     from retrofit.surgery import ConversionSpec, convert, load_any, retrofit_record
 
     dtype = getattr(torch, args.dtype)
@@ -43,7 +44,7 @@ def build_pair(args: argparse.Namespace, max_len: int) -> tuple[nn.Module, nn.Mo
         base, _ = load_any(args.model, dtype=dtype)
         name = str(args.model)
     else:
-        base = _tiny_base(args.tiny_size, max_len, args.seed).to(dtype)
+        base = cast_parameters(_tiny_base(args.tiny_size, max_len, args.seed), dtype)  # RoPE inv_freq stays fp32
         name = f"random Llama ({args.tiny_size}: {_describe(base)})"
     if args.converted:
         converted, _ = load_any(args.converted, dtype=dtype)
