@@ -11,7 +11,7 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
     p.add_argument("--quick", action="store_true", help="the ~5 minute variant (fewer steps, shorter lengths)")
     p.add_argument("--model", default=None, help="model to convert (default: the gemma3-270m alias)")
-    p.add_argument("--recipe", default=None, help="training recipe (default: configs/gemma3-270m-hybrid-cpu.yaml)")
+    p.add_argument("--recipe", default=None, help="training recipe (default: configs/gemma3-270m-keep-retrieval-cpu.yaml)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides the preset)")
     p.add_argument("--seq-len", type=int, default=None, help="training sequence length (overrides the preset)")
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="perplexity lengths (overrides the preset)")

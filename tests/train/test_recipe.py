@@ -33,10 +33,19 @@ def test_every_bundled_training_recipe_loads(name):
     assert r.train.max_steps or r.train.max_tokens or r.stages  # a length, here or per stage
 
 
-def test_gpu_hybrid_recipe_is_the_demo_conversion_in_bf16():
+def test_gpu_hybrid_recipe_is_the_cpu_hybrid_conversion_in_bf16():
     gpu, cpu = load_recipe(CONFIGS / "gemma3-270m-hybrid-gpu.yaml"), load_recipe(CONFIGS / "gemma3-270m-hybrid-cpu.yaml")
     assert gpu.conversion == cpu.conversion
     assert (gpu.train.precision, gpu.model.dtype, gpu.data.seq_len) == ("bf16", "bfloat16", 16384)
+
+
+def test_demo_recipe_is_the_keep_retrieval_conversion():
+    from retrofit.demo import DEFAULT_RECIPE
+
+    demo = load_recipe(CONFIGS / DEFAULT_RECIPE)
+    spec = yaml.safe_load((CONFIGS / "convert-gemma3-270m-keep-retrieval.yaml").read_text())
+    assert demo.conversion == spec
+    assert demo.conversion["layers"] == [17] and demo.conversion["rope_cap"] == 32767
 
 
 def test_paper_recipe_is_table_7():
