@@ -271,8 +271,8 @@ def _write_report(out: Path, s: DemoSettings, conversion: dict, result: Any, cur
         for png in sorted((out / folder).glob("*.png")):
             lines += ["", f"![{png.stem}]({png.relative_to(out)})"]
     kept = conversion.get("rope_capped_layers")
-    cache = ("the converted layers keep a constant-memory state; layers "
-             f"{', '.join(str(i) for i in kept)}, kept as full attention, keep every key" if kept
+    cache = ("constant memory per converted layer; the layers kept as full attention "
+             f"({', '.join(str(i) for i in kept)}) keep every key" if kept
              else "constant memory per converted layer")
     lines += ["", "## Generation (greedy)", "", f"Cache: {cache}.", "", "Prompt (end):", "",
               "> " + sample["prompt"][-400:].replace("\n", " "), "", "Continuation:", "",
