@@ -20,7 +20,7 @@ import torch.nn.functional as F
 DEFAULT_LOGIT_BUDGET = 1 << 26  # elements of fp32 logits alive at once (256 MiB)
 
 
-def _decoder(model: Any):
+def decoder_module(model: Any):
     """The module mapping input_ids to final (normed) hidden states: ``model.model`` for CausalLMs."""
     inner = getattr(model, "model", None)
     if isinstance(inner, torch.nn.Module):
@@ -111,7 +111,7 @@ def window_token_nll(
     T = input_ids.shape[1]
     if slice_tokens is None:
         slice_tokens = slice_tokens_for(model.get_output_embeddings().weight.shape[0])
-    decoder = _decoder(model)
+    decoder = decoder_module(model)
     if not chunk_size or chunk_size >= T:
         hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
         return sliced_token_nll(model, hidden[:, :-1], input_ids[:, 1:], slice_tokens=slice_tokens)[0]
@@ -154,7 +154,7 @@ def check_sliced_head(model: Any, input_ids: torch.Tensor, *, atol: float = 1e-3
     device = next(model.parameters()).device
     ids = input_ids[:, :16].to(device)
     full = model(input_ids=ids, use_cache=False).logits.float()
-    ours = head_logits(model, _decoder(model)(input_ids=ids, use_cache=False).last_hidden_state)
+    ours = head_logits(model, decoder_module(model)(input_ids=ids, use_cache=False).last_hidden_state)
     scale = max(1.0, full.abs().max().item())
     ok = torch.allclose(full, ours, atol=atol * scale, rtol=1e-3)
     if not ok:

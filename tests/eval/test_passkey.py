@@ -87,3 +87,8 @@ def test_chunked_prefill_generates_the_same_tokens(which, converted_dir, base_di
     out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
                          do_sample=False, pad_token_id=0, past_key_values=passkey.prefill(model, other, 64))
     assert tokenizer.decode(out[0, 333:], skip_special_tokens=True) != whole
+
+
+def test_negative_prefill_chunk_is_a_clear_error_before_loading(tmp_path):
+    with pytest.raises(DataError, match="prefill_chunk"):
+        passkey.run_passkey(str(tmp_path / "no-such-model"), lengths=[256], prefill_chunk=-1, progress=False)
