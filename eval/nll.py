@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -111,20 +111,27 @@ def window_token_nll(
     T = input_ids.shape[1]
     if slice_tokens is None:
         slice_tokens = slice_tokens_for(model.get_output_embeddings().weight.shape[0])
-    decoder = decoder_module(model)
     if not chunk_size or chunk_size >= T:
-        hidden = decoder(input_ids=input_ids, use_cache=False).last_hidden_state
+        hidden = decoder_module(model)(input_ids=input_ids, use_cache=False).last_hidden_state
         return sliced_token_nll(model, hidden[:, :-1], input_ids[:, 1:], slice_tokens=slice_tokens)[0]
-    parts, cache = [], None
-    for s in range(0, T, chunk_size):
-        e = min(T, s + chunk_size)
-        out = decoder(input_ids=input_ids[:, s:e], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
-        hidden = out.last_hidden_state
-        targets = input_ids[:, s + 1 : e + 1]  # one short on the last chunk
-        parts.append(sliced_token_nll(model, hidden[:, : targets.shape[1]], targets, slice_tokens=slice_tokens)[0])
+    parts = []
+    for s, out in forward_chunks(model, input_ids, chunk_size):
+        targets = input_ids[:, s + 1 : s + 1 + chunk_size]  # one short on the last chunk
+        hidden = out.last_hidden_state[:, : targets.shape[1]]
+        parts.append(sliced_token_nll(model, hidden, targets, slice_tokens=slice_tokens)[0])
         del out, hidden
     return torch.cat(parts)
+
+
+def forward_chunks(model: Any, input_ids: torch.Tensor, chunk_size: int) -> Iterator[tuple[int, Any]]:
+    """Run ``input_ids`` [1, T] through the decoder (no LM head) ``chunk_size`` tokens at a time,
+    carrying the model's own cache; yields ``(start, output)`` per chunk, ``output.past_key_values``
+    being the cache filled up to the chunk's end."""
+    decoder, cache = decoder_module(model), None
+    for s in range(0, input_ids.shape[1], chunk_size):
+        out = decoder(input_ids=input_ids[:, s : s + chunk_size], past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        yield s, out
 
 
 @torch.no_grad()

@@ -30,7 +30,7 @@ import torch
 
 from retrofit.errors import DataError
 from retrofit.eval import corpora, loading, report
-from retrofit.eval.nll import decoder_module
+from retrofit.eval.nll import forward_chunks
 from retrofit.eval.windows import encode, encode_prefix
 
 INTRO = (
@@ -103,10 +103,8 @@ def prefill(model: Any, input_ids: torch.Tensor, chunk_size: int) -> Any:
     """Run ``input_ids`` [1, T] through the decoder ``chunk_size`` tokens at a time (no LM head) and
     return the filled cache: the model's own (a converted model's constant-memory state, a plain
     model's KV cache), so a long prompt never meets a T x T mask or whole-prompt activations."""
-    decoder = decoder_module(model)
     cache = None
-    for s in range(0, input_ids.shape[1], chunk_size):
-        out = decoder(input_ids=input_ids[:, s : s + chunk_size], past_key_values=cache, use_cache=True)
+    for _, out in forward_chunks(model, input_ids, chunk_size):
         cache = out.past_key_values
         del out
     return cache

@@ -68,6 +68,10 @@ class DemoSettings:
         return cls()
 
 
+def _joined(layers: list[int]) -> str:
+    return ", ".join(str(i) for i in layers)
+
+
 class _Stages:
     """Numbered stage banners with wall time, collected for the report."""
 
@@ -140,7 +144,7 @@ def run_demo(out: str | Path = "runs/demo", settings: DemoSettings | None = None
     import torch
 
     from retrofit.eval import run_passkey, run_perplexity
-    from retrofit.surgery import ConversionSpec, convert, load, load_any, new_parameter_names, save
+    from retrofit.surgery import ConversionSpec, capped_layers, convert, load, load_any, new_parameter_names, save
     from retrofit.train.entry import train
     from retrofit.train.recipe import load_recipe
 
@@ -163,7 +167,6 @@ def run_demo(out: str | Path = "runs/demo", settings: DemoSettings | None = None
     converted_dir = out / "converted"
 
     def stage_convert():
-        from retrofit.surgery import capped_layers
         from retrofit.surgery.distill import converted_modules
 
         convert(base, spec, base_model=s.model)
@@ -172,15 +175,15 @@ def run_demo(out: str | Path = "runs/demo", settings: DemoSettings | None = None
         save(base, converted_dir, tokenizer=tok, overwrite=True)
         layers = converted_modules(base)
         summary = (f"{len(layers)} of {base.config.num_hidden_layers} attention layers "
-                   f"({', '.join(str(int(m.layer_idx)) for m in layers)}) -> {spec.method} "
+                   f"({_joined([int(m.layer_idx) for m in layers])}) -> {spec.method} "
                    f"({layers[0].extra_repr()})")
-        caps = capped_layers(base)
-        if caps:
-            summary += (f"; layers {', '.join(str(i) for i in caps)} kept as full attention, RoPE distance "
-                        f"capped at {', '.join(sorted({str(c) for c in caps.values()}))}")
+        caps = capped_layers(base)  # one distance for every kept layer (cap_rope applies one)
+        kept, cap = list(caps), max(caps.values(), default=None)
+        if kept:
+            summary += f"; layers {_joined(kept)} kept as full attention, RoPE distance capped at {cap}"
         echo(f"  {summary}; {n_new:,} new of {n_all:,} parameters -> {converted_dir}")
         return {"new_parameters": n_new, "total_parameters": n_all, "spec": spec.to_dict(), "summary": summary,
-                "rope_capped_layers": caps}
+                "kept_full_layers": kept, "rope_cap": cap}
 
     conversion = stages.run(f"convert ({spec.method}, layers: {spec.layers})", stage_convert)
     del base
@@ -262,18 +265,17 @@ def _write_report(out: Path, s: DemoSettings, conversion: dict, result: Any, cur
         lines += ["", f"## {title}", ""]
         table = out / folder / "table.md"
         lines.append(table.read_text().strip() if table.is_file() else "```\n" + json.dumps(res, indent=1)[:2000] + "\n```")
-        if folder == "eval/ppl" and conversion.get("rope_capped_layers"):
+        if folder == "eval/ppl" and conversion.get("kept_full_layers"):
             lines += ["", "The base is scored as released. Past its pretraining context its full-attention layers "
                       "meet RoPE distances they were never trained on, which the converted model's kept layers "
                       "do not (`rope_cap`); `retrofit eval ppl "
-                      f"{s.model} --rope-cap {max(conversion['rope_capped_layers'].values())}` scores the base capped the same way, "
+                      f"{s.model} --rope-cap {conversion['rope_cap']}` scores the base capped the same way, "
                       "the zero-shot baseline past its context (BENCHMARKS.md, \"RoPE distance cap\")."]
         for png in sorted((out / folder).glob("*.png")):
             lines += ["", f"![{png.stem}]({png.relative_to(out)})"]
-    kept = conversion.get("rope_capped_layers")
-    cache = ("constant memory per converted layer; the layers kept as full attention "
-             f"({', '.join(str(i) for i in kept)}) keep every key" if kept
-             else "constant memory per converted layer")
+    cache = "constant memory per converted layer"
+    if conversion.get("kept_full_layers"):
+        cache += f"; the layers kept as full attention ({_joined(conversion['kept_full_layers'])}) keep every key"
     lines += ["", "## Generation (greedy)", "", f"Cache: {cache}.", "", "Prompt (end):", "",
               "> " + sample["prompt"][-400:].replace("\n", " "), "", "Continuation:", "",
               "> " + sample["continuation"].replace("\n", " "), ""]
