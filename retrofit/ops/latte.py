@@ -19,6 +19,7 @@ underflow are below fp32 resolution of the result. Internal math runs in at leas
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -154,101 +155,74 @@ class _IntraChunkWeights(torch.autograd.Function):
         return dq, da, dz
 
 
-def _running_log_normaliser(z_start: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-    """z_t = log(exp(z_start) + sum_{s<=t in chunk} exp(a_s)) for every chunk position.
-
-    Fast form: shift by the chunk maximum M and take one cumsum (6x faster than
-    logcumsumexp on CPU); M cancels exactly, so it is detached. Where a prefix sum falls
-    below 1e-30 (a logit spread of ~70 nats inside the chunk) fp32 would lose it, and the
-    exact logcumsumexp form is used instead. z_start ``(B,H,n,L)``, a ``(B,H,n,C,L)``.
-    """
-    with torch.no_grad():
-        m = torch.maximum(z_start, a.amax(dim=3))
-        m = _finite_or_zero(m).unsqueeze(3)
-    s = torch.exp(z_start.unsqueeze(3) - m) + torch.cumsum(torch.exp(a - m), dim=3)
-    with torch.no_grad():
-        seen = (torch.cumsum(torch.isfinite(a), dim=3) > 0) | torch.isfinite(z_start).unsqueeze(3)
-        lossy = bool((seen & (s < 1e-30)).any())
-    if lossy:
-        return torch.logaddexp(z_start.unsqueeze(3), torch.logcumsumexp(a, dim=3))
-    return m + torch.log(s)
-
-
-# Largest growth (nats) of the log-normaliser inside one chunk for which the factorised
-# matmul form is used; the dropped terms are then below exp(FACTORISED_MAX_RANGE - 87) in fp32,
-# far under fp32 resolution. Chunks above it (abrupt huge logits) take the pairwise form.
+# Largest growth (nats) of the log-normaliser inside one chunk for which the factorised matmul
+# form is used: the query factor exp(z_end - z_t) is then at most exp(40), far from fp32's range,
+# and the key factor exp(a_s - z_end) of every term that matters is resolved. Chunks above it
+# (abrupt huge logits) take the exact pairwise form.
 FACTORISED_MAX_RANGE = 40.0
+_MIN_SHARE = math.exp(-FACTORISED_MAX_RANGE)
 
 
-def _intra_chunk_weights(
-    q: torch.Tensor, a: torch.Tensor, z: torch.Tensor, z_safe: torch.Tensor, z_end_safe: torch.Tensor
-) -> torch.Tensor:
-    """W[b,h,c,t,s] = sum_l q_tl exp(a_sl - z_tl) for s <= t inside chunk c, shapes (B,H,n,C,.).
+def _scan_chunk_states(contrib: torch.Tensor, decay: torch.Tensor, m_init: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk-start states by a scan over chunks: ``m[c + 1] = decay[c] m[c] + contrib[c]``.
 
-    Factorised around the chunk-end log-normaliser r = z_end >= z_t >= a_s:
-    exp(a_s - z_t) = exp(r - z_t) * exp(a_s - r), a (C, L) @ (L, C) matmul per chunk. The key
-    factor is <= 1 (never overflows); the query factor is <= exp(range of z in the chunk).
+    contrib ``(B,H,n,L,D)``: each chunk's value sum normalised at its own end; decay ``(B,H,n,L)``
+    = exp(z_start - z_end) <= 1; m_init ``(B,H,L,D)``. Returns ``(m_start (B,H,n,L,D), m_final)``.
+    O(n L D) work per head: n steps on (L, D) states, cheap next to the chunk GEMMs.
     """
-    B, H, n, C, L = q.shape
-    r = z_end_safe.unsqueeze(3)
-    growth = (r - z_safe).masked_fill(z == NEG_INF, 0.0)  # >= 0; 0 where nothing seen yet
-    q_f = q * torch.exp(growth.clamp(max=FACTORISED_MAX_RANGE))
-    k_f = torch.exp(a - r)
-    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-    w = torch.matmul(q_f, k_f.transpose(-1, -2)).masked_fill_(~causal, 0.0)  # in place: matmul saves only its inputs
-    unsafe = (growth > FACTORISED_MAX_RANGE).any(dim=-1).any(dim=-1)  # (B,H,n)
-    if bool(unsafe.any()):
-        idx = unsafe.reshape(-1).nonzero().squeeze(-1)
-        exact = _IntraChunkWeights.apply(
-            q.reshape(-1, C, L).index_select(0, idx),
-            a.reshape(-1, C, L).index_select(0, idx),
-            z_safe.reshape(-1, C, L).index_select(0, idx),
-        )
-        w = w.reshape(-1, C, C).index_copy(0, idx, exact).view(B, H, n, C, C)
-    return w
-
-
-def _chunk_start_states(
-    contrib: torch.Tensor, z_start: torch.Tensor, z_end: torch.Tensor, m_init: torch.Tensor, group: int = 16
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """States at every chunk start, m_start[c] = sum_{c' < c} exp(z_end[c'] - z_start[c]) contrib[c']
-    + exp(z_start[0] - z_start[c]) m_init, and the final state.
-
-    contrib ``(B,H,n,L,D)`` is each chunk's value sum normalised at its own z_end. Two levels:
-    inside groups of ``group`` chunks a masked (G x G) weight matmul, across groups a scan of
-    n / G steps; every exponent is z_earlier - z_later <= 0.
-    """
-    B, H, n, L, D = contrib.shape
-    G = max(1, min(group, n))
-    ng = -(-n // G)
-    pad = ng * G - n
-    if pad:  # empty chunks: nothing added, log-normaliser unchanged
-        contrib = torch.nn.functional.pad(contrib, (0, 0, 0, 0, 0, pad))
-        z_start = torch.cat([z_start, z_end[:, :, -1:].expand(B, H, pad, L)], dim=2)
-        z_end = torch.cat([z_end, z_end[:, :, -1:].expand(B, H, pad, L)], dim=2)
-    zs = z_start.view(B, H, ng, G, L)
-    ze = z_end.view(B, H, ng, G, L)
-    zs_safe = _finite_or_zero(zs)
-    strict = torch.ones(G, G, dtype=torch.bool, device=contrib.device).tril(-1)  # [i, j]: j < i
-    expo = (ze[:, :, :, None, :, :] - zs_safe[:, :, :, :, None, :]).masked_fill(~strict[:, :, None], NEG_INF)
-    weights = torch.exp(expo).permute(0, 1, 2, 5, 3, 4)  # (B,H,ng,L,G_i,G_j)
-    cg = contrib.view(B, H, ng, G, L, D).transpose(3, 4)  # (B,H,ng,L,G,D)
-    local = torch.matmul(weights, cg)  # (B,H,ng,L,G,D): within-group part of m_start
-
-    group_first = zs[:, :, :, 0]  # (B,H,ng,L) log-normaliser at each group start
-    group_last = _finite_or_zero(ze[:, :, :, -1])
-    into_end = torch.exp(ze - group_last.unsqueeze(3))  # (B,H,ng,G,L), weight of each chunk at group end
-    group_contrib = (into_end.unsqueeze(-1) * contrib.view(B, H, ng, G, L, D)).sum(3)  # (B,H,ng,L,D)
-    group_decay = torch.exp(group_first - group_last).unsqueeze(-1)
-    carried, m = [], m_init
-    for g in range(ng):
-        carried.append(m)
-        m = group_decay[:, :, g] * m + group_contrib[:, :, g]
-    carried = torch.stack(carried, dim=2)  # (B,H,ng,L,D)
-    carry_w = torch.exp(group_first.unsqueeze(3) - zs_safe).transpose(3, 4)  # (B,H,ng,L,G)
-    m_start = local + carry_w.unsqueeze(-1) * carried.unsqueeze(4)
-    m_start = m_start.transpose(3, 4).reshape(B, H, ng * G, L, D)[:, :, :n]
+    n = contrib.shape[2]
+    tracked = torch.is_grad_enabled() and any(x.requires_grad for x in (contrib, decay, m_init))
+    m = m_init
+    if tracked:  # out-of-place steps, stacked; unbind (not indexing) keeps the backward O(n)
+        starts = []
+        for u, g in zip(contrib.unbind(2), decay.unsqueeze(-1).unbind(2)):
+            starts.append(m)
+            m = torch.addcmul(u, g, m)
+        return torch.stack(starts, dim=2), m
+    m_start = torch.empty_like(contrib)
+    for c in range(n):
+        m_start[:, :, c] = m
+        m = torch.addcmul(contrib[:, :, c], decay[:, :, c, :, None], m)
     return m_start, m
+
+
+def _exact_chunks(
+    q: torch.Tensor, a: torch.Tensor, v: torch.Tensor, z_start: torch.Tensor, m_start: torch.Tensor
+) -> torch.Tensor:
+    """Output of whole chunks in log space (the fallback for extreme logit growth).
+
+    q, a ``(N, C, L)``, v ``(N, C, D)``, z_start ``(N, L)``, m_start ``(N, L, D)`` (normalised at
+    z_start). Every exponent is a_s - z_t or z_start - z_t with s <= t, hence <= 0.
+    """
+    z = torch.logaddexp(z_start.unsqueeze(1), torch.logcumsumexp(a, dim=1))
+    z_safe = _finite_or_zero(z)
+    w = _IntraChunkWeights.apply(q, a, z_safe)
+    q_inter = q * torch.exp(z_start.unsqueeze(1) - z_safe)
+    return torch.baddbmm(torch.bmm(q_inter, m_start), w, v)
+
+
+def _redo_extreme_chunks(
+    out: torch.Tensor, share: torch.Tensor, q: torch.Tensor, a: torch.Tensor, v: torch.Tensor,
+    z_start: torch.Tensor, m_start: torch.Tensor,
+) -> torch.Tensor:
+    """Recompute in log space the chunks whose normaliser grows by more than FACTORISED_MAX_RANGE.
+
+    ``out`` ``(B H n, C, D)``; ``share`` ``(B,H,n,C,L)`` = exp(z_t - z_end). A share below
+    exp(-40) at a position that has seen a key marks its chunk; a zero share before any key
+    (padding) does not.
+    """
+    B, H, n, C, L = share.shape
+    tiny = share < _MIN_SHARE
+    if not bool(tiny.any()):
+        return out
+    seen = (torch.cumsum(torch.isfinite(a), dim=3) > 0) | torch.isfinite(z_start).unsqueeze(3)
+    extreme = (tiny & seen).flatten(3).any(dim=-1).reshape(-1)  # (B H n,)
+    if not bool(extreme.any()):
+        return out
+    idx = extreme.nonzero().squeeze(-1)
+    pick = lambda x: x.reshape(B * H * n, *x.shape[3:]).index_select(0, idx)  # noqa: E731
+    exact = _exact_chunks(pick(q), pick(a), pick(v), pick(z_start), pick(m_start))
+    return out.index_copy(0, idx, exact)
 
 
 def causal_latte_chunked(
@@ -261,11 +235,14 @@ def causal_latte_chunked(
     initial_state: LatteState | None = None,
     output_final_state: bool = False,
 ) -> tuple[torch.Tensor, LatteState | None]:
-    """Chunkwise-parallel causal Latte: O(T C L + T L D) time, linear memory in T.
+    """Chunkwise-parallel causal Latte: O(T C (L + D) + T L D) time, linear memory in T.
 
-    Within a chunk of ``C`` tokens the token-to-token weights are a factorised matmul
-    (:func:`_intra_chunk_weights`, exact pairwise fallback for extreme chunks); across chunks a state normalised at the running
-    log-normaliser is carried (a scan over T / C chunks). Returns ``(out, state)`` with
+    Everything in a chunk is taken against its end log-normaliser r = z_end: keys enter as
+    exp(a_s - r) <= 1, and the running normaliser as exp(z_t - r) = exp(z_start - r) + a cumsum
+    of those key factors, so no per-token log is taken. The token-to-token weights of a chunk
+    are then one (C, L) @ (L, C) GEMM, and its chunk-start state (a scan over T / C chunks)
+    enters through a second GEMM. A chunk whose normaliser grows by more than
+    ``FACTORISED_MAX_RANGE`` nats is recomputed in log space. Returns ``(out, state)`` with
     ``out`` ``(B, H, T, D)`` in ``v.dtype`` and the final state if requested.
     """
     B, H, T, L = k_logits.shape
@@ -295,26 +272,31 @@ def causal_latte_chunked(
         z_init = initial_state.z.to(dtype).unsqueeze(2)
         m_init = initial_state.m.to(dtype)
 
+    # chunk-end log-normalisers r = z_end: every exponent below is taken against them (<= 0)
     chunk_total = torch.logsumexp(a, dim=3)  # (B,H,n,L)
     z_bound = torch.logcumsumexp(torch.cat([z_init, chunk_total], dim=2), dim=2)  # (B,H,n+1,L)
     z_start, z_end = z_bound[:, :, :-1], z_bound[:, :, 1:]
-    z = _running_log_normaliser(z_start, a)  # global z_t, (B,H,n,C,L)
-    z_safe = _finite_or_zero(z)
+    r = _finite_or_zero(z_end)
+    k_f = torch.exp(a - r.unsqueeze(3))  # key factor exp(a_s - r) <= 1
+    carry = torch.exp(z_start - r)  # weight of the tokens before the chunk, exp(z_start - r) <= 1
+    # exp(z_t - r) = carry + sum_{s<=t in chunk} exp(a_s - r): the running normaliser without a log
+    share = torch.cumsum(k_f, dim=3).add_(carry.unsqueeze(3))
+    q_f = q / share.clamp(min=_MIN_SHARE)  # q exp(r - z_t)
 
-    # intra-chunk token-to-token part
-    z_end_safe = _finite_or_zero(z_end)
-    w_intra = _intra_chunk_weights(q, a, z, z_safe, z_end_safe)
-    intra = torch.matmul(w_intra, vv)
+    # intra-chunk token-to-token weights q_t exp(a_s - z_t): one (C, L) @ (L, C) GEMM per chunk
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    w_intra = torch.matmul(q_f, k_f.transpose(-1, -2)).masked_fill_(~causal, 0.0)  # matmul saves only its inputs
 
-    # chunk-start states by a scan over chunks: m_{c+1} = exp(z_start - z_end) m_c + U_c
-    contrib = torch.matmul(torch.exp(a - z_end_safe.unsqueeze(3)).transpose(-1, -2), vv)  # (B,H,n,L,D)
-    m_start, m = _chunk_start_states(contrib, z_start, z_end, m_init)
+    # chunk-start states (normalised at z_start) by a scan over chunks
+    contrib = torch.matmul(k_f.transpose(-1, -2), vv)  # (B,H,n,L,D), normalised at r
+    m_start, m = _scan_chunk_states(contrib, carry, m_init)
 
-    # inter-chunk part: sum_l q_tl exp(z_start - z_t) m_start[l]
-    q_inter = q * torch.exp(z_start.unsqueeze(3) - z_safe)
-    # intra += q_inter @ m_start in place, one batched GEMM (no (T, D) temporary or copy for the sum;
-    # the intra matmul's backward needs only its inputs, so the in-place update is autograd-safe)
-    out = intra.view(-1, C, D).baddbmm_(q_inter.reshape(-1, C, L), m_start.reshape(-1, L, D))
+    # out = q exp(z_start - z_t) m_start + W V, the second GEMM accumulating in place (bmm's
+    # backward needs only its inputs, so this is autograd-safe and saves a (T, D) copy)
+    q_inter = q_f * carry.unsqueeze(3)
+    out = torch.bmm(q_inter.reshape(-1, C, L), m_start.reshape(-1, L, D))
+    out = out.baddbmm_(w_intra.reshape(-1, C, C), vv.reshape(-1, C, D))
+    out = _redo_extreme_chunks(out, share, q, a, vv, z_start, m_start)
 
     out = out.view(B, H, n * C, D)[:, :, :T]
     if key_padding_mask is not None:

@@ -93,39 +93,54 @@ def sliding_window_attention_reference(
     return out
 
 
-def _windows(x: torch.Tensor, window: int, num_past: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Key windows of one head: ``x`` ``(num_past + blocks * w, c)`` contiguous.
+def _query_block(window: int) -> int:
+    """Query block size of the banded form: ``w / 2`` where it divides ``w`` evenly.
 
-    Returns ``(first (2w, c), rest (blocks - 1, 2w, c))``: window ``c`` holds the ``w`` keys before
-    query block ``c`` and its own ``w`` keys. ``rest`` is an overlapping strided view of ``x`` (no
-    copy); ``first`` is zero-padded in front (its missing keys are masked).
+    A block of ``b`` queries scores a span of ``w + b`` keys, of which each query uses ``w``: half
+    blocks waste 1/3 of the GEMM work instead of 1/2 with blocks of ``w`` (smaller ones lose more
+    to thinner GEMMs than they save on this CPU; BENCHMARKS.md).
     """
-    w, c = window, x.shape[-1]
-    first = F.pad(x[: num_past + w], (0, 0, w - num_past, 0))
-    rest = x[num_past:].as_strided((blocks - 1, 2 * w, c), (w * c, c, 1))
-    return first, rest
+    return window // 2 if window % 2 == 0 and window >= 32 else window
+
+
+def _windows(x: torch.Tensor, window: int, block: int, num_past: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key windows of one head: ``x`` ``(num_past + blocks * b, c)`` contiguous.
+
+    Window ``j`` holds the ``w + b`` keys ending with query block ``j``'s own ``b`` keys. Returns
+    ``(head (m, w + b, c), rest (blocks - m, w + b, c))``: the first ``m`` windows reach before the
+    first key and are a zero-padded copy (their missing keys are masked); ``rest`` is an
+    overlapping strided view of ``x`` (no copy).
+    """
+    w, b, c = window, block, x.shape[-1]
+    front = w - num_past  # zero keys before x in the padded coordinates (window j starts at j b)
+    m = min(blocks, -(-front // b))
+    head = F.pad(x[: max(0, (m - 1) * b + w + b - front)], (0, 0, front, 0)) if m else x.new_zeros(0, w + b, c)
+    head = head.as_strided((m, w + b, c), (b * c, c, 1)) if m else head
+    start = m * b - front
+    rest = x[start:].as_strided((blocks - m, w + b, c), (b * c, c, 1))
+    return head, rest
 
 
 class _BandedSWA(torch.autograd.Function):
     """Blocked sliding-window attention as per-head batched GEMMs over overlapping key windows.
 
-    q ``(B, Hq, n w, d)``; k, v ``(B, Hkv, num_past + n w, d|D)`` (all contiguous, ``num_past
-    <= w``); allowed ``(B|1, 1, n, w, 2w)`` bool over each query block's window (see
-    :func:`_windows`). Returns ``(B, Hq, n w, D)``. Scores of a head are ``(n, w, 2w)``: O(T w)
-    time and memory, and k, v are never copied.
+    q ``(B, Hq, n b, d)``; k, v ``(B, Hkv, num_past + n b, d|D)`` (all contiguous, ``num_past
+    <= w``, ``b`` divides ``w``); allowed ``(B|1, 1, n, b, w + b)`` bool over each query block's
+    window (see :func:`_windows`). Returns ``(B, Hq, n b, D)``. Scores of a head are
+    ``(n, b, w + b)``: O(T w) time and memory, and k, v are never copied.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, allowed, window: int, num_past: int, scale: float, softcap: float | None):
+    def forward(ctx, q, k, v, allowed, window: int, block: int, num_past: int, scale: float, softcap: float | None):
         B, Hq, Tq, d = q.shape
-        w, n, group = window, Tq // window, Hq // k.shape[1]
-        probs = q.new_empty(B, Hq, n, w, 2 * w)
-        for b in range(B):
+        w, b, group = window, block, Hq // k.shape[1]
+        n = Tq // b
+        probs = q.new_empty(B, Hq, n, b, w + b)
+        for bi in range(B):
             for h in range(Hq):
-                k0, kw = _windows(k[b, h // group], w, num_past, n)
-                qb, s = q[b, h].view(n, w, d), probs[b, h]
-                torch.mm(qb[0], k0.t(), out=s[0]).mul_(scale)
-                s[1:].baddbmm_(qb[1:], kw.transpose(1, 2), beta=0.0, alpha=scale)
+                qb, s = q[bi, h].view(n, b, d), probs[bi, h]
+                for sl, kw in zip(_split(n, w, b, num_past), _windows(k[bi, h // group], w, b, num_past, n)):
+                    s[sl].baddbmm_(qb[sl], kw.transpose(1, 2), beta=0.0, alpha=scale)
         tanh = None
         if softcap is not None:
             tanh = torch.tanh(probs / softcap)
@@ -133,73 +148,86 @@ class _BandedSWA(torch.autograd.Function):
         probs.masked_fill_(~allowed, float("-inf"))
         probs = torch.softmax(probs, dim=-1)
         out = q.new_empty(B, Hq, Tq, v.shape[-1])
-        for b in range(B):
+        for bi in range(B):
             for h in range(Hq):
-                v0, vw = _windows(v[b, h // group], w, num_past, n)
-                p, o = probs[b, h], out[b, h].view(n, w, -1)
-                torch.mm(p[0], v0, out=o[0])
-                torch.bmm(p[1:], vw, out=o[1:])
+                p, o = probs[bi, h], out[bi, h].view(n, b, -1)
+                for sl, vw in zip(_split(n, w, b, num_past), _windows(v[bi, h // group], w, b, num_past, n)):
+                    torch.bmm(p[sl], vw, out=o[sl])
         ctx.save_for_backward(q, k, v, probs, tanh)
-        ctx.cfg = (w, num_past, scale)
+        ctx.cfg = (w, b, num_past, scale)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         q, k, v, probs, tanh = ctx.saved_tensors
-        w, num_past, scale = ctx.cfg
+        w, b, num_past, scale = ctx.cfg
         B, Hq, Tq, d = q.shape
-        n, group = Tq // w, Hq // k.shape[1]
+        n, group, spans = Tq // b, Hq // k.shape[1], w // b + 1
+        front = w - num_past
         grad_out = grad_out.contiguous()
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        for b in range(B):
+        dq = torch.empty_like(q)
+        # key/value gradients in the padded coordinates of the windows (front zero keys first)
+        dk_pad = k.new_empty(B, k.shape[1], front + k.shape[2], k.shape[3])
+        dv_pad = v.new_empty(B, v.shape[1], front + v.shape[2], v.shape[3])
+        for bi in range(B):
             for h in range(Hq):
                 hk = h // group
-                k0, kw = _windows(k[b, hk], w, num_past, n)
-                v0, vw = _windows(v[b, hk], w, num_past, n)
-                do, p, qb = grad_out[b, h].view(n, w, -1), probs[b, h], q[b, h].view(n, w, d)
+                do, p, qb = grad_out[bi, h].view(n, b, -1), probs[bi, h], q[bi, h].view(n, b, d)
+                parts = _split(n, w, b, num_past)
+                kws = _windows(k[bi, hk], w, b, num_past, n)
+                vws = _windows(v[bi, hk], w, b, num_past, n)
                 dp = torch.empty_like(p)
-                torch.mm(do[0], v0.t(), out=dp[0])
-                torch.bmm(do[1:], vw.transpose(1, 2), out=dp[1:])
+                for sl, vw in zip(parts, vws):
+                    torch.bmm(do[sl], vw.transpose(1, 2), out=dp[sl])
                 ds = torch._softmax_backward_data(dp, p, -1, p.dtype)
                 if tanh is not None:
-                    ds.mul_(1.0 - tanh[b, h].square())
-                dqb = dq[b, h].view(n, w, d)
-                torch.mm(ds[0], k0, out=dqb[0]).mul_(scale)
-                dqb[1:].baddbmm_(ds[1:], kw, beta=0.0, alpha=scale)
-                # window c = [the w keys before block c | block c's own keys]
-                beta = 0.0 if h % group == 0 else 1.0  # first query head of a KV group overwrites
-                for grad, weights, rhs, alpha in ((dk, ds, qb, scale), (dv, p, do, 1.0)):
-                    g = grad[b, hk]
-                    own = g[num_past:].view(n, w, -1)
-                    if beta == 0.0:
-                        g[:num_past].zero_()
-                    own.baddbmm_(weights[..., w:].transpose(1, 2), rhs, beta=beta, alpha=alpha)
-                    own[:-1].baddbmm_(weights[1:, :, :w].transpose(1, 2), rhs[1:], alpha=alpha)
-                    if num_past:  # block 0's earlier keys are the cached ones
-                        g[:num_past].addmm_(weights[0, :, w - num_past: w].t(), rhs[0], alpha=alpha)
-        return dq, dk, dv, None, None, None, None, None
+                    ds.mul_(1.0 - tanh[bi, h].square())
+                dqb = dq[bi, h].view(n, b, d)
+                for sl, kw in zip(parts, kws):
+                    dqb[sl].baddbmm_(ds[sl], kw, beta=0.0, alpha=scale)
+                # span j of window i holds padded key block i + j; the last span is block i's own keys
+                first = h % group == 0  # the first query head of a KV group overwrites
+                for grad, weights, rhs, alpha in ((dk_pad, ds, qb, scale), (dv_pad, p, do, 1.0)):
+                    g = grad[bi, hk]
+                    if first:
+                        g[:w].zero_()
+                    for j in reversed(range(spans)):
+                        own = j == spans - 1
+                        g[j * b: (j + n) * b].view(n, b, -1).baddbmm_(
+                            weights[..., j * b: (j + 1) * b].transpose(1, 2), rhs,
+                            beta=0.0 if own and first else 1.0, alpha=alpha,
+                        )
+        return dq, dk_pad[:, :, front:], dv_pad[:, :, front:], None, None, None, None, None, None
+
+
+def _split(blocks: int, window: int, block: int, num_past: int) -> tuple[slice, slice]:
+    """The query blocks whose windows are :func:`_windows`' ``head`` and ``rest``."""
+    m = min(blocks, -(-(window - num_past) // block))
+    return slice(0, m), slice(m, blocks)
 
 
 def _window_mask(
-    key_padding_mask: torch.Tensor | None, num_keys: int, window: int, blocks: int, num_past: int, device
+    key_padding_mask: torch.Tensor | None, num_keys: int, window: int, blocks: int, num_past: int, device,
+    block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which keys each query block may see, in the blocked layout of both forms below.
+    """Which keys each query block may see, in the blocked layout of the forms below.
 
     Keys are front-padded so query 0 sits at padded index ``w`` (``w - num_past`` padding
-    keys, then the cached and the new keys, then the tail up to ``blocks * w`` queries); query
-    block ``c`` scores padded key blocks ``c`` and ``c + 1``. Returns ``allowed (B|1, n, w, 2w)``
-    and ``q_valid (B|1, n, w)``. Padded queries (and the tail) keep their own key, so no row
-    is all -inf; the callers zero their outputs.
+    keys, then the cached and the new keys, then the tail up to ``blocks * b`` queries); query
+    block ``c`` (``b = block`` queries, default ``w``) scores padded keys ``c b .. c b + w + b - 1``.
+    Returns ``allowed (B|1, n, b, w + b)`` and ``q_valid (B|1, n, b)``. Padded queries (and the
+    tail) keep their own key, so no row is all -inf; the callers zero their outputs.
     """
     w, n = window, blocks
+    b = w if block is None else block
     valid = (torch.ones(1, num_keys, dtype=torch.bool, device=device) if key_padding_mask is None
              else key_padding_mask.bool())
-    valid = F.pad(valid, (w - num_past, n * w + num_past - num_keys), value=False)  # (B|1, (n + 1) w)
-    i = torch.arange(w, device=device)[:, None]
-    r = torch.arange(2 * w, device=device)[None, :]
+    valid = F.pad(valid, (w - num_past, n * b + num_past - num_keys), value=False)  # (B|1, w + n b)
+    i = torch.arange(b, device=device)[:, None]
+    r = torch.arange(w + b, device=device)[None, :]
     band = (r > i) & (r <= i + w)  # query i of a block sees window keys i+1 .. i+w
-    q_valid = valid[:, w:].view(-1, n, w)
-    allowed = (band & valid.unfold(1, 2 * w, w)[:, :, None, :]) | (~q_valid[..., None] & (r == i + w))
+    q_valid = valid[:, w:].view(-1, n, b)
+    allowed = (band & valid.unfold(1, w + b, b)[:, :, None, :]) | (~q_valid[..., None] & (r == i + w))
     return allowed, q_valid
 
 
@@ -239,23 +267,28 @@ def _banded_blocked(
     softcap: float | None,
     key_padding_mask: torch.Tensor | None,
     num_past: int,
+    block: int | None = None,
 ) -> torch.Tensor:
-    """The blocked form through :class:`_BandedSWA`; ``num_past <= window``. Returns ``(B, Hq, Tq, Dv)``."""
+    """The blocked form through :class:`_BandedSWA`; ``num_past <= window``; ``block`` queries per
+    block (a divisor of ``window``; default :func:`_query_block`). Returns ``(B, Hq, Tq, Dv)``."""
     B, Hq, Tq, d = q.shape
     Tk, w = k.shape[2], window
+    b = _query_block(w) if block is None else block
+    if w % b:
+        raise ValueError(f"block ({b}) must divide the window ({w})")
     compute = torch.promote_types(q.dtype, torch.float32)  # bf16/fp16 inputs: fp32 GEMMs and softmax
-    n = -(-Tq // w)
-    tail = n * w - Tq
+    n = -(-Tq // b)
+    tail = n * b - Tq
 
     def prepared(x: torch.Tensor) -> torch.Tensor:  # no copy when already fine
         x = x.to(compute)
         return (F.pad(x, (0, 0, 0, tail)) if tail else x).contiguous()
 
-    allowed, q_valid = _window_mask(key_padding_mask, Tk, w, n, num_past, q.device)
-    out = _BandedSWA.apply(prepared(q), prepared(k), prepared(v), allowed[:, None], w, num_past, scaling, softcap)
+    allowed, q_valid = _window_mask(key_padding_mask, Tk, w, n, num_past, q.device, block=b)
+    out = _BandedSWA.apply(prepared(q), prepared(k), prepared(v), allowed[:, None], w, b, num_past, scaling, softcap)
     out = out[:, :, :Tq] if tail else out
     if key_padding_mask is not None:
-        out = out * q_valid.reshape(-1, 1, n * w, 1)[:, :, :Tq].to(out.dtype)
+        out = out * q_valid.reshape(-1, 1, n * b, 1)[:, :, :Tq].to(out.dtype)
     return out.to(v.dtype)
 
 

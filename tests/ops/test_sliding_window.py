@@ -115,7 +115,12 @@ def test_key_count_must_match():
 
 from retrofit.ops import sliding_window as swa_module  # noqa: E402
 
-BLOCKED = {"banded": swa_module._banded_blocked, "masked": swa_module._masked_blocked}
+BLOCKED = {
+    "banded": swa_module._banded_blocked,  # its default query block (w / 2 for even w >= 32, else w)
+    "banded_half": lambda *a: swa_module._banded_blocked(*a, block=a[3] // 2 if a[3] % 2 == 0 else a[3]),
+    "banded_one": lambda *a: swa_module._banded_blocked(*a, block=1),  # w + 1 key spans per query
+    "masked": swa_module._masked_blocked,
+}
 
 
 @pytest.mark.parametrize("impl", sorted(BLOCKED))
@@ -142,22 +147,37 @@ def test_blocked_impls_match_loop(impl, T, window, num_past, heads, softcap, pad
 
 
 @pytest.mark.parametrize("softcap", [None, 2.0])
-@pytest.mark.parametrize("T,window,heads,pads", [(13, 4, (2, 1), None), (12, 4, (2, 2), [3]), (9, 1, (2, 2), None), (11, 3, (4, 2), [2])])
-def test_banded_gradcheck(T, window, heads, pads, softcap):
+@pytest.mark.parametrize("T,window,block,heads,pads", [
+    (13, 4, 4, (2, 1), None), (12, 4, 4, (2, 2), [3]), (9, 1, 1, (2, 2), None), (11, 3, 3, (4, 2), [2]),
+    (13, 4, 2, (2, 1), [2]), (14, 6, 3, (4, 2), None), (11, 4, 1, (2, 2), [3]),
+])
+def test_banded_gradcheck(T, window, block, heads, pads, softcap):
     q = torch.randn(1, heads[0], T, 3, dtype=torch.float64, requires_grad=True)
     k = torch.randn(1, heads[1], T, 3, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, heads[1], T, 3, dtype=torch.float64, requires_grad=True)
     mask = None if pads is None else padding_mask(1, T, pads)
-    fn = lambda a, b, c: swa_module._banded_blocked(a, b, c, window, 0.7, softcap, mask, 0)  # noqa: E731
+    fn = lambda a, b, c: swa_module._banded_blocked(a, b, c, window, 0.7, softcap, mask, 0, block=block)  # noqa: E731
     assert gradcheck(fn, (q, k, v))
 
 
-def test_banded_gradcheck_with_cached_keys():
+@pytest.mark.parametrize("block,num_past", [(4, 3), (2, 3), (2, 4), (1, 1), (4, 0)])
+def test_banded_gradcheck_with_cached_keys(block, num_past):
     q = torch.randn(1, 2, 10, 3, dtype=torch.float64, requires_grad=True)
-    k = torch.randn(1, 1, 13, 3, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(1, 1, 13, 3, dtype=torch.float64, requires_grad=True)
-    fn = lambda a, b, c: swa_module._banded_blocked(a, b, c, 4, 0.7, None, None, 3)  # noqa: E731
+    k = torch.randn(1, 1, 10 + num_past, 3, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 1, 10 + num_past, 3, dtype=torch.float64, requires_grad=True)
+    fn = lambda a, b, c: swa_module._banded_blocked(a, b, c, 4, 0.7, None, None, num_past, block=block)  # noqa: E731
     assert gradcheck(fn, (q, k, v))
+
+
+def test_banded_block_must_divide_the_window():
+    q = torch.randn(1, 1, 10, 3)
+    with pytest.raises(ValueError, match="divide"):
+        swa_module._banded_blocked(q, q, q, 4, 0.7, None, None, 0, block=3)
+
+
+def test_default_query_block_is_half_the_window_for_long_windows():
+    assert swa_module._query_block(128) == 64 and swa_module._query_block(2048) == 1024
+    assert swa_module._query_block(7) == 7 and swa_module._query_block(16) == 16
 
 
 def test_blocked_takes_strided_inputs():
