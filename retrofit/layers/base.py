@@ -77,7 +77,7 @@ class RetrofitAttention(nn.Module):
         with torch.no_grad():
             teacher = self.original_attention(hidden_states, position_embeddings, attention_mask)
         if self.distill_mode == "transfer":
-            kwargs["past_key_values"] = None
+            kwargs["past_key_values"] = kwargs["cache"] = None  # the teacher's pass owns the cache
             student, _ = super().__call__(hidden_states, **kwargs)
             self.transfer_loss = self._relative_mse(student, teacher, attention_mask)
         return teacher, None

@@ -31,7 +31,7 @@ same structure up front (``RetrofitCache(model)``) for callers that want it expl
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -39,7 +39,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from retrofit.ops import LatteState
 
-__all__ = ["RetrofitLayerCache", "RetrofitCache", "layer_cache"]
+__all__ = ["RetrofitLayerCache", "RetrofitCache", "layer_cache", "passed_cache"]
 
 
 def _index(x: torch.Tensor | None, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
@@ -257,6 +257,12 @@ class RetrofitLayerCache(CacheLayerMixin):
 
     def __repr__(self) -> str:
         return f"RetrofitLayerCache(window={self.window}, seen={self.cumulative_length}, buffered={self.buffered})"
+
+
+def passed_cache(past_key_values: Cache | None, kwargs: dict[str, Any]) -> Cache | None:
+    """The cache a decoder layer handed to its attention module: transformers up to 5.2x passes it
+    as ``past_key_values``, later 5.x as ``cache`` (the old name is deprecated there)."""
+    return past_key_values if past_key_values is not None else kwargs.get("cache")
 
 
 def layer_cache(
