@@ -17,6 +17,8 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
+from retrofit.layers.cache import cache_keyword, output_cache
+
 DEFAULT_LOGIT_BUDGET = 1 << 26  # elements of fp32 logits alive at once (256 MiB)
 
 
@@ -125,12 +127,13 @@ def window_token_nll(
 
 def forward_chunks(model: Any, input_ids: torch.Tensor, chunk_size: int) -> Iterator[tuple[int, Any]]:
     """Run ``input_ids`` [1, T] through the decoder (no LM head) ``chunk_size`` tokens at a time,
-    carrying the model's own cache; yields ``(start, output)`` per chunk, ``output.past_key_values``
-    being the cache filled up to the chunk's end."""
+    carrying the model's own cache; yields ``(start, output)`` per chunk, ``output``'s cache
+    (:func:`retrofit.layers.cache.output_cache`) being the cache filled up to the chunk's end."""
     decoder, cache = decoder_module(model), None
+    keyword = cache_keyword(decoder.forward)
     for s in range(0, input_ids.shape[1], chunk_size):
-        out = decoder(input_ids=input_ids[:, s : s + chunk_size], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        out = decoder(input_ids=input_ids[:, s : s + chunk_size], use_cache=True, **{keyword: cache})
+        cache = output_cache(out)
         yield s, out
 
 

@@ -31,6 +31,7 @@ import torch
 from retrofit.errors import DataError
 from retrofit.eval import corpora, loading, report
 from retrofit.eval.nll import forward_chunks
+from retrofit.layers.cache import cache_keyword, output_cache
 from retrofit.eval.windows import encode, encode_prefix
 
 INTRO = (
@@ -105,7 +106,7 @@ def prefill(model: Any, input_ids: torch.Tensor, chunk_size: int) -> Any:
     model's KV cache), so a long prompt never meets a T x T mask or whole-prompt activations."""
     cache = None
     for _, out in forward_chunks(model, input_ids, chunk_size):
-        cache = out.past_key_values
+        cache = output_cache(out)
         del out
     return cache
 
@@ -123,7 +124,7 @@ def generate_answer(model: Any, tokenizer: Any, ids: list[int], max_new_tokens: 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     extra = {}
     if chunk_size and input_ids.shape[1] > chunk_size:
-        extra["past_key_values"] = prefill(model, input_ids[:, :-1], chunk_size)
+        extra[cache_keyword(model.generate)] = prefill(model, input_ids[:, :-1], chunk_size)
     out = model.generate(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),

@@ -30,6 +30,7 @@ from retrofit.bench.common import (
     sync,
 )
 from retrofit.bench.models import build_pair, cache_bytes, forward_kwargs
+from retrofit.layers.cache import cache_keyword, output_cache
 
 __all__ = ["run_decode_benchmark", "decode_points"]
 
@@ -48,13 +49,14 @@ class _Decoder:
         g = torch.Generator().manual_seed(seed)
         ids = torch.randint(3, int(model.config.vocab_size), (batch, T), generator=g).to(device)
         self.cache = DynamicCache(config=model.config)
+        self.keyword = cache_keyword(model.forward)
         kw = forward_kwargs(model)
         sync(device)
         t0 = time.perf_counter()
         out = None
         for i in range(0, T, prefill_chunk):
-            out = model(input_ids=ids[:, i : i + prefill_chunk], past_key_values=self.cache, use_cache=True, **kw)
-            self.cache = out.past_key_values
+            out = model(input_ids=ids[:, i : i + prefill_chunk], use_cache=True, **{self.keyword: self.cache}, **kw)
+            self.cache = output_cache(out)
         sync(device)
         self.prefill_s = time.perf_counter() - t0
         self.context_bytes = cache_bytes(self.cache)
@@ -65,11 +67,11 @@ class _Decoder:
     def step(self) -> None:
         sync(self.device)
         t0 = time.perf_counter()
-        out = self.model(input_ids=self.nxt, past_key_values=self.cache, use_cache=True)
+        out = self.model(input_ids=self.nxt, use_cache=True, **{self.keyword: self.cache})
         self.nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         sync(self.device)
         self.steps.append(time.perf_counter() - t0)
-        self.cache = out.past_key_values
+        self.cache = output_cache(out)
 
     def result(self) -> dict[str, Any]:
         steps = self.steps

@@ -42,7 +42,7 @@ def _run(args: argparse.Namespace) -> int:
     import torch
     from transformers import TextStreamer
 
-    from retrofit.layers.cache import RetrofitCache
+    from retrofit.layers.cache import RetrofitCache, cache_keyword
     from retrofit.surgery import is_converted, load_any
 
     model, tokenizer = load_any(args.model, dtype=args.dtype)
@@ -59,7 +59,7 @@ def _run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
-            **inputs, max_new_tokens=args.max_new_tokens, streamer=streamer, past_key_values=cache,
+            **inputs, max_new_tokens=args.max_new_tokens, streamer=streamer, **{cache_keyword(model.generate): cache},
             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
             **gen_kwargs,
         )

@@ -31,6 +31,7 @@ same structure up front (``RetrofitCache(model)``) for callers that want it expl
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -39,7 +40,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from retrofit.ops import LatteState
 
-__all__ = ["RetrofitLayerCache", "RetrofitCache", "layer_cache", "passed_cache"]
+__all__ = ["RetrofitLayerCache", "RetrofitCache", "cache_keyword", "layer_cache", "output_cache", "passed_cache"]
 
 
 def _index(x: torch.Tensor | None, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
@@ -257,6 +258,23 @@ class RetrofitLayerCache(CacheLayerMixin):
 
     def __repr__(self) -> str:
         return f"RetrofitLayerCache(window={self.window}, seen={self.cumulative_length}, buffered={self.buffered})"
+
+
+def cache_keyword(fn: Callable[..., Any]) -> str:
+    """The keyword under which ``fn`` (a model's ``forward`` or ``generate``) takes a cache: ``cache``
+    where its signature has it (transformers >= 5.24, which deprecates ``past_key_values`` and drops
+    it from ``forward`` in 5.40), else ``past_key_values``."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def output_cache(out: Any) -> Cache | None:
+    """The cache a forward returned: ``out.cache`` (transformers >= 5.24) or ``out.past_key_values``."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
 def passed_cache(past_key_values: Cache | None, kwargs: dict[str, Any]) -> Cache | None:

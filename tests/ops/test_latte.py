@@ -177,3 +177,35 @@ def test_causality_future_tokens_do_not_change_the_past():
     out2, _ = causal_latte_chunked(q, k2, v2, chunk_size=16)
     torch.testing.assert_close(out[:, :, :25], out2[:, :, :25])
     assert not torch.allclose(out[:, :, 25:], out2[:, :, 25:])
+
+
+@pytest.mark.parametrize("spread,jump", [(60.0, 0.0), (20.0, 120.0), (400.0, 400.0)])
+def test_gradients_with_extreme_logit_growth_match_reference(spread, jump):
+    """Chunks whose normaliser grows by more than FACTORISED_MAX_RANGE nats take the log-space form;
+    forward and backward still match the reference, with left padding: exactly in fp64, and in fp32
+    to the resolution of fp32 logits of that size (|k| 2^-24 per exponent, over <= T terms)."""
+    torch.manual_seed(2)
+    q, k, v = latte_inputs(2, 2, 150, 6, 5, dtype=torch.float64, spread=1.0)
+    k = k * spread / 2
+    k[:, :, 40] += jump  # a key far above everything before it, mid-chunk
+    k[:, :, 100, :3] += jump / 2
+    mask = padding_mask(2, 150, [0, 13])
+    g = torch.randn(2, 2, 150, 5, dtype=torch.float64)
+
+    def run(fn, dtype):
+        # every form sees the fp32-rounded inputs, so only the kernel's own error is measured
+        args = [x.detach().float().to(dtype).requires_grad_() for x in (q, k, v)]
+        out = fn(*args)
+        assert torch.isfinite(out).all()
+        (out.double() * g).sum().backward()
+        return [out.detach().double(), *(x.grad.double() for x in args)]
+
+    want = run(lambda a, b, c: causal_latte_reference(a, b, c, key_padding_mask=mask), torch.float64)
+    chunked = lambda a, b, c: causal_latte_chunked(a, b, c, chunk_size=32, key_padding_mask=mask)[0]  # noqa: E731
+    for got, ref in zip(run(chunked, torch.float64), want):
+        torch.testing.assert_close(got, ref, atol=1e-9, rtol=1e-9)
+    tol = 2e-5 + 1e-5 * float(k.abs().max())
+    for got, ref in zip(run(chunked, torch.float32), want):
+        assert torch.isfinite(got).all()
+        scale = ref.abs().max()
+        torch.testing.assert_close(got / scale, ref / scale, atol=tol, rtol=0)
