@@ -278,8 +278,8 @@ def output_cache(out: Any) -> Cache | None:
 
 
 def passed_cache(past_key_values: Cache | None, kwargs: dict[str, Any]) -> Cache | None:
-    """The cache a decoder layer handed to its attention module: transformers up to 5.2x passes it
-    as ``past_key_values``, later 5.x as ``cache`` (the old name is deprecated there)."""
+    """The cache a decoder layer handed to its attention module: older transformers 5.x releases
+    (5.13-5.17 seen) pass it as ``past_key_values``, newer ones (5.24) as ``cache``."""
     return past_key_values if past_key_values is not None else kwargs.get("cache")
 
 
