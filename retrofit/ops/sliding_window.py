@@ -103,22 +103,24 @@ def _query_block(window: int) -> int:
     return window // 2 if window % 2 == 0 and window >= 32 else window
 
 
-def _windows(x: torch.Tensor, window: int, block: int, num_past: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _windows(
+    x: torch.Tensor, window: int, block: int, num_past: int, blocks: int
+) -> tuple[tuple[slice, torch.Tensor], tuple[slice, torch.Tensor]]:
     """Key windows of one head: ``x`` ``(num_past + blocks * b, c)`` contiguous.
 
     Window ``j`` holds the ``w + b`` keys ending with query block ``j``'s own ``b`` keys. Returns
-    ``(head (m, w + b, c), rest (blocks - m, w + b, c))``: the first ``m`` windows reach before the
-    first key and are a zero-padded copy (their missing keys are masked); ``rest`` is an
-    overlapping strided view of ``x`` (no copy).
+    ``((head blocks, head (m, w + b, c)), (rest blocks, rest (blocks - m, w + b, c)))``, each with
+    the slice of query blocks it serves: the first ``m`` windows reach before the first key and are
+    a zero-padded copy (their missing keys are masked); ``rest`` is an overlapping strided view of
+    ``x`` (no copy).
     """
     w, b, c = window, block, x.shape[-1]
     front = w - num_past  # zero keys before x in the padded coordinates (window j starts at j b)
     m = min(blocks, -(-front // b))
-    head = F.pad(x[: max(0, (m - 1) * b + w + b - front)], (0, 0, front, 0)) if m else x.new_zeros(0, w + b, c)
-    head = head.as_strided((m, w + b, c), (b * c, c, 1)) if m else head
-    start = m * b - front
-    rest = x[start:].as_strided((blocks - m, w + b, c), (b * c, c, 1))
-    return head, rest
+    padded = F.pad(x[: max(0, (m - 1) * b + w + b - front)], (0, 0, front, 0)) if m else x.new_zeros(0, c)
+    head = padded.as_strided((m, w + b, c), (b * c, c, 1))
+    rest = x[m * b - front:].as_strided((blocks - m, w + b, c), (b * c, c, 1))
+    return (slice(0, m), head), (slice(m, blocks), rest)
 
 
 class _BandedSWA(torch.autograd.Function):
@@ -139,7 +141,7 @@ class _BandedSWA(torch.autograd.Function):
         for bi in range(B):
             for h in range(Hq):
                 qb, s = q[bi, h].view(n, b, d), probs[bi, h]
-                for sl, kw in zip(_split(n, w, b, num_past), _windows(k[bi, h // group], w, b, num_past, n)):
+                for sl, kw in _windows(k[bi, h // group], w, b, num_past, n):
                     s[sl].baddbmm_(qb[sl], kw.transpose(1, 2), beta=0.0, alpha=scale)
         tanh = None
         if softcap is not None:
@@ -151,7 +153,7 @@ class _BandedSWA(torch.autograd.Function):
         for bi in range(B):
             for h in range(Hq):
                 p, o = probs[bi, h], out[bi, h].view(n, b, -1)
-                for sl, vw in zip(_split(n, w, b, num_past), _windows(v[bi, h // group], w, b, num_past, n)):
+                for sl, vw in _windows(v[bi, h // group], w, b, num_past, n):
                     torch.bmm(p[sl], vw, out=o[sl])
         ctx.save_for_backward(q, k, v, probs, tanh)
         ctx.cfg = (w, b, num_past, scale)
@@ -173,17 +175,15 @@ class _BandedSWA(torch.autograd.Function):
             for h in range(Hq):
                 hk = h // group
                 do, p, qb = grad_out[bi, h].view(n, b, -1), probs[bi, h], q[bi, h].view(n, b, d)
-                parts = _split(n, w, b, num_past)
                 kws = _windows(k[bi, hk], w, b, num_past, n)
-                vws = _windows(v[bi, hk], w, b, num_past, n)
                 dp = torch.empty_like(p)
-                for sl, vw in zip(parts, vws):
+                for sl, vw in _windows(v[bi, hk], w, b, num_past, n):
                     torch.bmm(do[sl], vw.transpose(1, 2), out=dp[sl])
                 ds = torch._softmax_backward_data(dp, p, -1, p.dtype)
                 if tanh is not None:
                     ds.mul_(1.0 - tanh[bi, h].square())
                 dqb = dq[bi, h].view(n, b, d)
-                for sl, kw in zip(parts, kws):
+                for sl, kw in kws:
                     dqb[sl].baddbmm_(ds[sl], kw, beta=0.0, alpha=scale)
                 # span j of window i holds padded key block i + j; the last span is block i's own keys
                 first = h % group == 0  # the first query head of a KV group overwrites
@@ -198,12 +198,6 @@ class _BandedSWA(torch.autograd.Function):
                             beta=0.0 if own and first else 1.0, alpha=alpha,
                         )
         return dq, dk_pad[:, :, front:], dv_pad[:, :, front:], None, None, None, None, None, None
-
-
-def _split(blocks: int, window: int, block: int, num_past: int) -> tuple[slice, slice]:
-    """The query blocks whose windows are :func:`_windows`' ``head`` and ``rest``."""
-    m = min(blocks, -(-(window - num_past) // block))
-    return slice(0, m), slice(m, blocks)
 
 
 def _window_mask(
