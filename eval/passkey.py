@@ -31,8 +31,8 @@ import torch
 from retrofit.errors import DataError
 from retrofit.eval import corpora, loading, report
 from retrofit.eval.nll import forward_chunks
-from retrofit.layers.cache import cache_keyword, output_cache
 from retrofit.eval.windows import encode, encode_prefix
+from retrofit.layers.cache import cache_keyword, output_cache
 
 INTRO = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "

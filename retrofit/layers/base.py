@@ -69,6 +69,10 @@ class RetrofitAttention(nn.Module):
 
     # ------------------------------------------------------------------ distillation
     def __call__(self, *args: Any, **kwargs: Any):
+        if "cache" in kwargs:  # transformers >= 5.24 hands the cache over as `cache`; layers read past_key_values
+            cache = kwargs.pop("cache")
+            if kwargs.get("past_key_values") is None:
+                kwargs["past_key_values"] = cache
         if self.distill_mode is None:
             return super().__call__(*args, **kwargs)
         hidden_states = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
@@ -77,7 +81,7 @@ class RetrofitAttention(nn.Module):
         with torch.no_grad():
             teacher = self.original_attention(hidden_states, position_embeddings, attention_mask)
         if self.distill_mode == "transfer":
-            kwargs["past_key_values"] = kwargs["cache"] = None  # the teacher's pass owns the cache
+            kwargs["past_key_values"] = None
             student, _ = super().__call__(hidden_states, **kwargs)
             self.transfer_loss = self._relative_mse(student, teacher, attention_mask)
         return teacher, None

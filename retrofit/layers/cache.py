@@ -40,7 +40,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
 from retrofit.ops import LatteState
 
-__all__ = ["RetrofitLayerCache", "RetrofitCache", "cache_keyword", "layer_cache", "output_cache", "passed_cache"]
+__all__ = ["RetrofitLayerCache", "RetrofitCache", "cache_keyword", "layer_cache", "output_cache"]
 
 
 def _index(x: torch.Tensor | None, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
@@ -275,12 +275,6 @@ def output_cache(out: Any) -> Cache | None:
     """The cache a forward returned: ``out.cache`` (transformers >= 5.24) or ``out.past_key_values``."""
     cache = getattr(out, "cache", None)
     return cache if cache is not None else getattr(out, "past_key_values", None)
-
-
-def passed_cache(past_key_values: Cache | None, kwargs: dict[str, Any]) -> Cache | None:
-    """The cache a decoder layer handed to its attention module: older transformers 5.x releases
-    (5.13-5.17 seen) pass it as ``past_key_values``, newer ones (5.24) as ``cache``."""
-    return past_key_values if past_key_values is not None else kwargs.get("cache")
 
 
 def layer_cache(

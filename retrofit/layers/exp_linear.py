@@ -28,7 +28,7 @@ from torch import nn
 
 from retrofit.errors import SpecError
 
-from retrofit.layers.cache import RetrofitLayerCache, layer_cache, passed_cache
+from retrofit.layers.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.base import RetrofitAttention
 from retrofit.layers.method import MethodConfig, opt, register_method
 from retrofit.ops import exp_linear_attention, exp_linear_attention_step, repeat_kv_heads
@@ -79,7 +79,7 @@ class ExpLinearAttention(RetrofitAttention):
         B, T, _ = hidden_states.shape
         q, k, v = self.features(hidden_states, position_embeddings)
         valid = self.key_padding(attention_mask, T)
-        cache = layer_cache(passed_cache(past_key_values, kwargs), self.layer_idx, self.new_cache_layer)
+        cache = layer_cache(past_key_values, self.layer_idx, self.new_cache_layer)
         if cache is None:
             out, _ = exp_linear_attention(q, k, v, chunk_size=self.chunk_size, key_padding_mask=valid)
         elif T == 1 and cache.state is not None:

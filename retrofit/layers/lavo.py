@@ -54,7 +54,7 @@ from torch import nn
 
 from retrofit.errors import SpecError
 
-from retrofit.layers.cache import RetrofitLayerCache, layer_cache, passed_cache
+from retrofit.layers.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.base import RetrofitAttention
 from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, register_method, resolve_window
 from retrofit.ops import LavoState, lavo_attention
@@ -218,7 +218,7 @@ class LavoAttention(RetrofitAttention):
         q, k, v = self.patch.project_qkv(self, hidden_states, position_embeddings)
         qg = self.global_query(q, k, position_embeddings)
         valid = self.key_padding(attention_mask, T)
-        cache = layer_cache(passed_cache(past_key_values, kwargs), self.layer_idx, self.new_cache_layer)
+        cache = layer_cache(past_key_values, self.layer_idx, self.new_cache_layer)
         params = self.lavo
         closed = self.latent_path_closed
         kw = dict(

@@ -30,7 +30,7 @@ from torch import nn
 
 from retrofit.errors import SpecError
 
-from retrofit.layers.cache import RetrofitLayerCache, layer_cache, passed_cache
+from retrofit.layers.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.base import RetrofitAttention
 from retrofit.layers.method import MethodConfig, opt, register_method
 from retrofit.ops import LLPState, llp_attention, llp_attention_cached
@@ -106,7 +106,7 @@ class LLPAttention(RetrofitAttention):
         T = hidden_states.shape[1]
         q, k, v = self.patch.project_qkv(self, hidden_states, position_embeddings)
         valid = self.key_padding(attention_mask, T)
-        cache = layer_cache(passed_cache(past_key_values, kwargs), self.layer_idx, self.new_cache_layer)
+        cache = layer_cache(past_key_values, self.layer_idx, self.new_cache_layer)
         kw = dict(scaling=self.scaling, softcap=self.softcap, key_padding_mask=valid)
         if cache is None:
             out = llp_attention(q, k, v, self.segment, **kw)

@@ -36,7 +36,7 @@ from torch import nn
 
 from retrofit.errors import SpecError
 from retrofit.layers.base import RetrofitAttention
-from retrofit.layers.cache import RetrofitLayerCache, layer_cache, passed_cache
+from retrofit.layers.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.conv import CausalDepthwiseConv
 from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, register_method, resolve_window
 from retrofit.ops import capped_sink_keys, capped_sinks, first_valid, macchiato_attention, macchiato_slot_step
@@ -231,7 +231,7 @@ class MacchiatoAttention(RetrofitAttention):
         B, T, _ = hidden_states.shape
         q, k, v = self.patch.project_qkv(self, hidden_states, position_embeddings)
         valid = self.key_padding(attention_mask, T)
-        cache = layer_cache(passed_cache(past_key_values, kwargs), self.layer_idx, self.new_cache_layer)
+        cache = layer_cache(past_key_values, self.layer_idx, self.new_cache_layer)
         mix, lat, tail = self._mixing(hidden_states, valid, cache.conv_tail if cache is not None else None)
 
         if self._takes_slot_step(T, cache):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from retrofit.layers.cache import cache_keyword, output_cache, passed_cache
+from retrofit.layers.cache import cache_keyword, output_cache
 
 
 def test_keyword_follows_the_signature():
@@ -16,14 +16,11 @@ def test_keyword_follows_the_signature():
     assert cache_keyword(wrapped) == "past_key_values"
 
 
-def test_output_and_passed_cache_read_either_name():
+def test_output_cache_reads_either_name():
     c = object()
     assert output_cache(SimpleNamespace(cache=c)) is c
     assert output_cache(SimpleNamespace(cache=None, past_key_values=c)) is c
     assert output_cache(SimpleNamespace(past_key_values=c)) is c
-    assert passed_cache(c, {}) is c
-    assert passed_cache(None, {"cache": c}) is c
-    assert passed_cache(None, {}) is None
 
 
 def test_installed_transformers_model_takes_the_keyword_it_names():
@@ -37,3 +34,30 @@ def test_installed_transformers_model_takes_the_keyword_it_names():
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     if (major, minor) >= (5, 24):
         assert keyword == "cache"
+
+
+def test_converted_layer_takes_its_cache_under_either_name():
+    """RetrofitAttention passes ``cache=`` on as ``past_key_values``: both calls fill a cache and agree."""
+    import torch
+
+    from retrofit.layers.cache import RetrofitCache
+    from retrofit.surgery import ConversionSpec, convert
+    from tests.surgery.tiny import tiny_model
+
+    model = convert(tiny_model("llama"), ConversionSpec(window=4, latents=8))
+    attn = model.model.layers[0].self_attn
+    h = torch.randn(1, 9, model.config.hidden_size)
+    pe = model.model.rotary_emb(h, torch.arange(9)[None])
+    outs, caches = [], []
+    for name in ("cache", "past_key_values"):
+        cache = RetrofitCache(model)
+        with torch.no_grad():
+            outs.append(attn(hidden_states=h[:, :5], position_embeddings=tuple(x[:, :5] for x in pe), **{name: cache})[0])
+            outs.append(attn(hidden_states=h[:, 5:], position_embeddings=tuple(x[:, 5:] for x in pe), **{name: cache})[0])
+        caches.append(cache)
+    with torch.no_grad():
+        whole = attn(hidden_states=h, position_embeddings=pe)[0]
+    for c in caches:
+        assert c.layers[0].cumulative_length == 9
+    torch.testing.assert_close(torch.cat(outs[:2], 1), whole, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.cat(outs[2:], 1), whole, atol=1e-5, rtol=1e-5)
