@@ -93,13 +93,19 @@ def sliding_window_attention_reference(
     return out
 
 
-def _query_block(window: int) -> int:
-    """Query block size of the banded form: ``w / 2`` where it divides ``w`` evenly.
+# Largest query block of the banded form. A block of b queries scores a span of w + b keys, of which
+# each query uses w: smaller blocks waste less GEMM work, larger ones make thicker GEMMs. On the
+# 2-vCPU Zen 4 host (BENCHMARKS.md) b = 32 beat w / 2 = 64 by 5-10% at w = 128, and b = 64 beat
+# w / 2 by 20-40% at w = 512 and 2048; 16 and 32 lost to 64 on the wide windows.
+MAX_QUERY_BLOCK = 64
 
-    A block of ``b`` queries scores a span of ``w + b`` keys, of which each query uses ``w``: half
-    blocks waste 1/3 of the GEMM work instead of 1/2 with blocks of ``w`` (smaller ones lose more
-    to thinner GEMMs than they save on this CPU; BENCHMARKS.md).
-    """
+
+def _query_block(window: int) -> int:
+    """Query block size of the banded form: the largest divisor of ``w`` in
+    ``[16, min(MAX_QUERY_BLOCK, w / 4)]``; without one, ``w / 2`` for even ``w >= 32``, else ``w``."""
+    for b in range(min(MAX_QUERY_BLOCK, window // 4), 15, -1):
+        if window % b == 0:
+            return b
     return window // 2 if window % 2 == 0 and window >= 32 else window
 
 

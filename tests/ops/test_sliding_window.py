@@ -116,7 +116,7 @@ def test_key_count_must_match():
 from retrofit.ops import sliding_window as swa_module  # noqa: E402
 
 BLOCKED = {
-    "banded": swa_module._banded_blocked,  # its default query block (w / 2 for even w >= 32, else w)
+    "banded": swa_module._banded_blocked,  # its default query block (_query_block)
     "banded_half": lambda *a: swa_module._banded_blocked(*a, block=a[3] // 2 if a[3] % 2 == 0 else a[3]),
     "banded_one": lambda *a: swa_module._banded_blocked(*a, block=1),  # w + 1 key spans per query
     "masked": swa_module._masked_blocked,
@@ -175,9 +175,12 @@ def test_banded_block_must_divide_the_window():
         swa_module._banded_blocked(q, q, q, 4, 0.7, None, None, 0, block=3)
 
 
-def test_default_query_block_is_half_the_window_for_long_windows():
-    assert swa_module._query_block(128) == 64 and swa_module._query_block(2048) == 1024
-    assert swa_module._query_block(7) == 7 and swa_module._query_block(16) == 16
+def test_default_query_block_divides_the_window():
+    assert swa_module._query_block(128) == 32 and swa_module._query_block(512) == 64
+    assert swa_module._query_block(2048) == 64 and swa_module._query_block(1000) == 50
+    assert swa_module._query_block(7) == 7 and swa_module._query_block(16) == 16 and swa_module._query_block(34) == 17
+    for w in range(1, 600):
+        assert w % swa_module._query_block(w) == 0
 
 
 def test_blocked_takes_strided_inputs():
