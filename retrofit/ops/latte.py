@@ -230,7 +230,7 @@ def causal_latte_chunked(
     k_logits: torch.Tensor,
     v: torch.Tensor,
     *,
-    chunk_size: int = 128,
+    chunk_size: int = 64,
     key_padding_mask: torch.Tensor | None = None,
     initial_state: LatteState | None = None,
     output_final_state: bool = False,
@@ -360,7 +360,7 @@ def causal_latte(
     k_logits: torch.Tensor,
     v: torch.Tensor,
     *,
-    chunk_size: int = 128,
+    chunk_size: int = 64,
     key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain causal Latte (Definition 2) from query logits: p(l|t) = softmax_l(q_logits)."""
