@@ -102,10 +102,34 @@ def _mix_weights(mix_logits: torch.Tensor) -> torch.Tensor:
     return torch.softmax(mix_logits.float() if mix_logits.dtype in (torch.float16, torch.bfloat16) else mix_logits, dim=-1)
 
 
+class _GatedAdd(torch.autograd.Function):
+    """``latent += gate * swa`` in place, with a backward that takes the gate's gradient as a row dot
+    product (no (T, D) temporary): autograd's own backward of ``addcmul_`` writes ``grad * swa``
+    and sums it, one more pass over a (T, D) buffer (~10% of Macchiato's backward at 16K).
+
+    latent and swa ``(..., T, D)``, gate ``(..., T, 1)``, all one dtype. Returns ``latent``, which
+    comes first: when it is a view, autograd rebases its base's history on the assumption that the
+    tensor modified in place is input 0.
+    """
+
+    @staticmethod
+    def forward(ctx, latent: torch.Tensor, gate: torch.Tensor, swa: torch.Tensor) -> torch.Tensor:
+        ctx.mark_dirty(latent)
+        ctx.save_for_backward(gate, swa)
+        return latent.addcmul_(gate, swa)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        gate, swa = ctx.saved_tensors
+        d_gate = torch.linalg.vecdot(grad, swa).unsqueeze(-1) if ctx.needs_input_grad[1] else None
+        d_swa = grad * gate if ctx.needs_input_grad[2] else None
+        return grad, d_gate, d_swa
+
+
 def _mix(p: torch.Tensor, swa: torch.Tensor, latent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``p(0|t) swa + latent`` (the latent output is already weighted by ``p(l|t)``)."""
-    if latent.dtype == p.dtype:  # add the window branch into the latent output in place (no T x D temporary)
-        return latent.addcmul_(p[..., :1], swa).to(dtype)
+    if latent.dtype == p.dtype == swa.dtype:  # add the window branch into the latent output in place
+        return _GatedAdd.apply(latent, p[..., :1], swa).to(dtype)
     return (p[..., :1] * swa + latent).to(dtype)
 
 
