@@ -298,6 +298,7 @@ def _assemble(results, cfg, modes, hw, ref, ref_all, args) -> dict[str, Any]:
             rows.append({
                 "op": r["op"], "mode": mode, "T": r["T"], "backend": r.get("backend"),
                 "time_s": m["time_s"], "times_s": m["times_s"], "warmup_s": m["warmup_s"],
+                "warmup_runs": m.get("warmup_runs"), "warmup_faults": m.get("warmup_faults"),
                 "speedup_vs_sdpa": None if base is None else base / m["time_s"],
                 "peak_bytes": m["peak_bytes"], "memory_method": m["memory_method"], "saved_bytes": m["saved_bytes"],
                 "flops": flops, "flops_per_s": flops / m["time_s"], "efficiency": flops / m["time_s"] / ref,
