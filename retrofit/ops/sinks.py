@@ -8,7 +8,7 @@ held-out 4K perplexity 42.1 vs 27.1; with one sink 29.1).
 
 Exactly one softmax over both key sets is formed from two parts merged by their
 log-normalisers: the window part (the O(T w) kernel of :mod:`retrofit.ops.sliding_window`
-plus the window's log-sum-exp from :func:`sliding_window_lse`) and the sink part (``T x n``
+plus the window's log-sum-exp, from the same pass on CPU, else from :func:`sliding_window_lse`) and the sink part (``T x n``
 scores). A sink inside the query's window is only counted by the window part.
 
 Positions are stream indices: query ``i`` of this call sits at ``q_start + i`` (tokens seen
@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 from retrofit.ops.dispatched import sliding_window_attention, sliding_window_lse
 from retrofit.ops.rope import rope_rotate
+from retrofit.ops.sliding_window import sliding_window_attention_with_lse
 from retrofit.ops.slots import masked_dense_attention
 
 __all__ = [
@@ -118,7 +119,8 @@ def sink_window_attention(
     """``(B, Hq, Tq, Dv)``: softmax attention over each query's window keys and its sinks.
 
     The window attention and its log-sum-exp are the dispatched ops (``backend=`` is passed to
-    both). ``far``: the capped scores of sink pairs more than ``far.distance`` apart
+    both); on CPU, where the torch kernel is the only one, they come from one pass
+    (:func:`retrofit.ops.sliding_window.sliding_window_attention_with_lse`). ``far``: the capped scores of sink pairs more than ``far.distance`` apart
     (:func:`capped_sinks`). Differentiable in q, k, v, sink_k, sink_v.
     """
     B, Hq, Tq, d = q.shape
@@ -128,10 +130,12 @@ def sink_window_attention(
     if Tq <= FUSED_MAX_QUERIES and far is None:
         return _one_dense_softmax(q, k, v, window, sink_k, sink_v, sink_idx, sink_valid, q_start=q_start,
                                   scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask, num_past=num_past)
-    o_w = sliding_window_attention(q, k, v, window, scaling=scaling, softcap=softcap,
-                                   key_padding_mask=key_padding_mask, num_past=num_past, backend=backend)
-    lse_w = sliding_window_lse(q, k, window, scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask,
-                               num_past=num_past, backend=backend)  # (B, Hq, Tq) fp32
+    window_kw = dict(scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask, num_past=num_past)
+    if q.device.type == "cpu":  # the torch kernel is the only CPU window kernel; it gives both in one pass
+        o_w, lse_w = sliding_window_attention_with_lse(q, k, v, window, **window_kw)
+    else:
+        o_w = sliding_window_attention(q, k, v, window, backend=backend, **window_kw)
+        lse_w = sliding_window_lse(q, k, window, backend=backend, **window_kw)  # (B, Hq, Tq) fp32
     n = sink_k.shape[2]
     qg = q.reshape(B, Hkv, group * Tq, d)
     s = torch.matmul(qg, sink_k.transpose(-1, -2)).view(B, Hkv, group, Tq, n)

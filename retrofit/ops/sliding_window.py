@@ -22,7 +22,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["sliding_window_attention", "sliding_window_attention_reference", "sliding_window_lse"]
+__all__ = [
+    "sliding_window_attention",
+    "sliding_window_attention_reference",
+    "sliding_window_attention_with_lse",
+    "sliding_window_lse",
+]
 
 
 
@@ -139,7 +144,8 @@ class _BandedSWA(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, allowed, window: int, block: int, num_past: int, scale: float, softcap: float | None):
+    def forward(ctx, q, k, v, allowed, window: int, block: int, num_past: int, scale: float, softcap: float | None,
+                with_lse: bool = False):
         B, Hq, Tq, d = q.shape
         w, b, group = window, block, Hq // k.shape[1]
         n = Tq // b
@@ -154,6 +160,8 @@ class _BandedSWA(torch.autograd.Function):
             tanh = torch.tanh(probs / softcap)
             probs = torch.mul(tanh, softcap, out=probs)
         probs.masked_fill_(~allowed, float("-inf"))
+        # the log-normaliser of each query's window (a sink merge needs it): one pass over the scores
+        lse = torch.logsumexp(probs, dim=-1).view(B, Hq, Tq) if with_lse else q.new_empty(0)
         probs = torch.softmax(probs, dim=-1)
         out = q.new_empty(B, Hq, Tq, v.shape[-1])
         for bi in range(B):
@@ -163,16 +171,20 @@ class _BandedSWA(torch.autograd.Function):
                     torch.bmm(p[sl], vw, out=o[sl])
         ctx.save_for_backward(q, k, v, probs, tanh)
         ctx.cfg = (w, b, num_past, scale)
-        return out
+        if not with_lse:
+            ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
-    def backward(ctx, grad_out: torch.Tensor):
+    def backward(ctx, grad_out: torch.Tensor, grad_lse: torch.Tensor | None):
         q, k, v, probs, tanh = ctx.saved_tensors
         w, b, num_past, scale = ctx.cfg
         B, Hq, Tq, d = q.shape
         n, group, spans = Tq // b, Hq // k.shape[1], w // b + 1
         front = w - num_past
-        grad_out = grad_out.contiguous()
+        grad_out = grad_out.contiguous()  # autograd materialises unused outputs' gradients as zeros
+        if grad_lse.numel() == 0:  # lse not requested
+            grad_lse = None
         dq = torch.empty_like(q)
         # key/value gradients in the padded coordinates of the windows (front zero keys first)
         dk_pad = k.new_empty(B, k.shape[1], front + k.shape[2], k.shape[3])
@@ -186,6 +198,8 @@ class _BandedSWA(torch.autograd.Function):
                 for sl, vw in _windows(v[bi, hk], w, b, num_past, n):
                     torch.bmm(do[sl], vw.transpose(1, 2), out=dp[sl])
                 ds = torch._softmax_backward_data(dp, p, -1, p.dtype)
+                if grad_lse is not None:  # d lse / d score = the softmax probability
+                    ds.addcmul_(p, grad_lse[bi, h].view(n, b, 1))
                 if tanh is not None:
                     ds.mul_(1.0 - tanh[bi, h].square())
                 dqb = dq[bi, h].view(n, b, d)
@@ -203,7 +217,7 @@ class _BandedSWA(torch.autograd.Function):
                             weights[..., j * b: (j + 1) * b].transpose(1, 2), rhs,
                             beta=0.0 if own and first else 1.0, alpha=alpha,
                         )
-        return dq, dk_pad[:, :, front:], dv_pad[:, :, front:], None, None, None, None, None, None
+        return dq, dk_pad[:, :, front:], dv_pad[:, :, front:], None, None, None, None, None, None, None
 
 
 def _window_mask(
@@ -268,9 +282,11 @@ def _banded_blocked(
     key_padding_mask: torch.Tensor | None,
     num_past: int,
     block: int | None = None,
-) -> torch.Tensor:
+    with_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The blocked form through :class:`_BandedSWA`; ``num_past <= window``; ``block`` queries per
-    block (a divisor of ``window``; default :func:`_query_block`). Returns ``(B, Hq, Tq, Dv)``."""
+    block (a divisor of ``window``; default :func:`_query_block`). Returns ``(B, Hq, Tq, Dv)``, and
+    with ``with_lse`` also the window log-sum-exp ``(B, Hq, Tq)`` (fp32 or wider, differentiable)."""
     B, Hq, Tq, d = q.shape
     Tk, w = k.shape[2], window
     b = _query_block(w) if block is None else block
@@ -285,10 +301,13 @@ def _banded_blocked(
         return (F.pad(x, (0, 0, 0, tail)) if tail else x).contiguous()
 
     allowed, q_valid = _window_mask(key_padding_mask, Tk, w, n, num_past, q.device, block=b)
-    out = _BandedSWA.apply(prepared(q), prepared(k), prepared(v), allowed[:, None], w, b, num_past, scaling, softcap)
+    out, lse = _BandedSWA.apply(prepared(q), prepared(k), prepared(v), allowed[:, None], w, b, num_past, scaling,
+                                softcap, with_lse)
     out = out[:, :, :Tq] if tail else out
     if key_padding_mask is not None:
         out = out * q_valid.reshape(-1, 1, n * b, 1)[:, :, :Tq].to(out.dtype)
+    if with_lse:
+        return out.to(v.dtype), lse[:, :, :Tq]
     return out.to(v.dtype)
 
 
@@ -391,3 +410,37 @@ def sliding_window_lse(
     scores = _softcap(_upcast(torch.matmul(qb, kb.transpose(-1, -2))) * scaling, softcap)
     lse = torch.logsumexp(scores.masked_fill(~allowed, float("-inf")), dim=-1)  # (B, Hkv, n, group w)
     return lse.view(B, Hkv, n, group, w).permute(0, 1, 3, 2, 4).reshape(B, Hq, n * w)[:, :, :Tq]
+
+
+def sliding_window_attention_with_lse(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    *,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    num_past: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sliding_window_attention(...), sliding_window_lse(...))`` of the same arguments.
+
+    On CPU with more queries than the window, one pass of :class:`_BandedSWA` yields both (the
+    log-sum-exp is taken from the scores the softmax uses): the separate
+    :func:`sliding_window_lse` scores 2w keys per query again, which cost 2.6x the window
+    attention itself at w = 2048 (BENCHMARKS.md). Elsewhere the two functions run apart.
+    """
+    Tk = k.shape[2]
+    if Tk != num_past + q.shape[2]:
+        raise ValueError(f"keys ({Tk}) must be num_past ({num_past}) + queries ({q.shape[2]})")
+    kw = dict(scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask, num_past=num_past)
+    if q.device.type != "cpu" or q.shape[2] <= window:
+        return sliding_window_attention(q, k, v, window, **kw), sliding_window_lse(q, k, window, **kw)
+    if num_past > window:  # only the last w-1 past keys can be seen; drop the rest
+        drop = num_past - window
+        k, v = k[:, :, drop:], v[:, :, drop:]
+        key_padding_mask = None if key_padding_mask is None else key_padding_mask[:, drop:]
+        num_past = window
+    scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
+    softcap = softcap if softcap is not None and softcap > 0 else None
+    return _banded_blocked(q, k, v, window, scaling, softcap, key_padding_mask, num_past, with_lse=True)

@@ -211,3 +211,50 @@ def test_long_large_logits_fwd_bwd(dtype, tol):
         assert got.dtype == dtype and torch.isfinite(got).all()
         scale = want.abs().max()
         torch.testing.assert_close(got.double() / scale, want / scale, atol=tol, rtol=0)
+
+
+# ---- output and log-sum-exp from one banded pass (the sink merge's window part on CPU) -----------
+
+
+@pytest.mark.parametrize("T,window,num_past,heads,softcap,pads", [
+    (40, 8, 0, (4, 2), None, None), (37, 8, 5, (2, 1), 3.0, [4]), (64, 16, 16, (2, 2), None, [0, 9]),
+    (30, 4, 9, (4, 1), 2.0, None), (6, 8, 3, (2, 1), None, None),  # the last: fewer queries than w
+])
+def test_attention_with_lse_matches_the_two_functions(T, window, num_past, heads, softcap, pads):
+    """Values and the gradients of a loss that uses both outputs, against sliding_window_attention
+    and sliding_window_lse run apart (the lse's gradient flows into q and k)."""
+    from retrofit.ops.sliding_window import sliding_window_attention_with_lse, sliding_window_lse
+
+    B = 1 if pads is None else len(pads)
+    leaves = [torch.randn(B, h, n, 8, dtype=torch.float64) * 2
+              for h, n in ((heads[0], T), (heads[1], T + num_past), (heads[1], T + num_past))]
+    mask = None if pads is None else padding_mask(B, T + num_past, pads)
+    kw = dict(scaling=0.5, softcap=softcap, key_padding_mask=mask, num_past=num_past)
+    weights = torch.randn(B, heads[0], T, dtype=torch.float64)
+
+    def loss(pair):
+        out, lse = pair
+        return out.square().sum() + (lse * weights).sum(), out, lse
+
+    fused_in = [x.clone().requires_grad_() for x in leaves]
+    l1, out1, lse1 = loss(sliding_window_attention_with_lse(*fused_in, window, **kw))
+    l1.backward()
+    apart_in = [x.clone().requires_grad_() for x in leaves]
+    q, k, v = apart_in
+    l2, out2, lse2 = loss((sliding_window_attention(q, k, v, window, **kw), sliding_window_lse(q, k, window, **kw)))
+    l2.backward()
+    valid = torch.ones_like(lse1, dtype=torch.bool) if mask is None else mask[:, None, num_past:].expand_as(lse1)
+    torch.testing.assert_close(out1, out2, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse1[valid], lse2[valid], atol=1e-12, rtol=1e-12)  # padded queries: unused
+    for a, b in zip(fused_in, apart_in):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_banded_gradcheck_with_lse(softcap):
+    q = torch.randn(1, 2, 13, 3, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 1, 13, 3, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 1, 13, 3, dtype=torch.float64, requires_grad=True)
+    mask = padding_mask(1, 13, [2])
+    fn = lambda a, b, c: swa_module._banded_blocked(a, b, c, 4, 0.7, softcap, mask, 0, block=2, with_lse=True)  # noqa: E731
+    assert gradcheck(fn, (q, k, v))
