@@ -7,7 +7,12 @@ Per sequence length T and model:
 * training step: forward with ``labels=ids`` (the LM loss), backward, ``AdamW.step`` on the
   trainable weights, ``zero_grad`` -> tokens/s. By default the base trains every weight
   (a full fine-tune) and the converted model only what ``convert`` marks trainable (its new
-  weights); ``--train-all`` trains every weight of both.
+  weights); ``--train-all`` trains every weight of both. ``--loss sliced`` takes the same
+  next-token loss through the trainer's sliced LM head (:class:`retrofit.train.objectives.Objective`
+  with ``sliced_head``: no ``(B, T, V)`` logits, which for Gemma 3's 262k vocabulary are 17 GB
+  of fp32 at 16K tokens), and ``--checkpointing`` recomputes each decoder layer in backward, as
+  the trainer does by default (``train.gradient_checkpointing``): together they fit long
+  sequences in memory.
 
 Times are medians over ``--repeats`` runs after a warm-up; peak memory is the peak RSS (CPU)
 or the CUDA allocator's peak above the start of the step, measured in this process.
@@ -64,7 +69,7 @@ def _prefill(model, ids, device, repeats):
     return _timed(run, device, repeats)
 
 
-def _train(model, ids, device, repeats, train_all: bool):
+def _train(model, ids, device, repeats, train_all: bool, loss: str = "model", checkpointing: bool = False):
     if train_all:
         for p in model.parameters():
             p.requires_grad_(True)
@@ -73,17 +78,39 @@ def _train(model, ids, device, repeats, train_all: bool):
         return None
     opt = torch.optim.AdamW(params, lr=1e-5)
     model.train()
+    if checkpointing:
+        _checkpointing(model, True)
+    objective = None
+    if loss == "sliced":
+        from retrofit.train.objectives import Objective
+
+        objective = Objective({"lm": 1.0}, sliced_head=True)
 
     def run():
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
+        if objective is None:
+            value = model(input_ids=ids, labels=ids, use_cache=False).loss
+        else:
+            value = objective(model, ids)[0]
+        value.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     try:
         return (*_timed(run, device, repeats), sum(p.numel() for p in params))
     finally:
+        if checkpointing:
+            _checkpointing(model, False)
         model.eval()
+
+
+def _checkpointing(model, on: bool) -> None:
+    """Activation checkpointing of every decoder layer on or off (transformers' own switch)."""
+    if on:
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable()
+    else:
+        disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+        disable()
 
 
 def run_model_benchmark(args: argparse.Namespace) -> dict[str, Any]:
@@ -106,7 +133,7 @@ def run_model_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         row: dict[str, Any] = {"model": name, "kind": kind, "T": T}
         try:
             res = _prefill(model, ids, device, repeats) if kind == "prefill" else _train(
-                model, ids, device, repeats, args.train_all)
+                model, ids, device, repeats, args.train_all, args.loss, args.checkpointing)
             if res is None:
                 row["error"] = "no trainable weights"
             else:
@@ -118,6 +145,7 @@ def run_model_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             row["error"] = str(exc).splitlines()[0][:200]
         rows.append(row)
     config = {"lengths": lengths, "batch": args.batch, "repeats": repeats, "train_all": args.train_all,
+              "loss": args.loss, "checkpointing": args.checkpointing,
               "device": args.device, "dtype": args.dtype, "backend": args.backend}
     return finish_pair_bench("model", args, hw, info, config, rows, render_table, _plot)
 

@@ -91,6 +91,11 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
     m.add_argument("--train-all", action="store_true",
                    help="train every weight of both models (default: base trains all, converted its new weights)")
     m.add_argument("--no-train", dest="train", action="store_false", help="prefill only")
+    m.add_argument("--loss", choices=("model", "sliced"), default="model",
+                   help="training loss: the model's own LM loss (default; whole (B, T, V) logits) or the same loss "
+                        "through the trainer's sliced LM head (no whole logits; for long sequences)")
+    m.add_argument("--checkpointing", action="store_true",
+                   help="activation checkpointing of every decoder layer in the training step (the trainer's default)")
     _model_args(m)
     _common(m, "runs/bench/model")
     m.set_defaults(handler=_run_model)

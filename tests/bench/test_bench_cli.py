@@ -159,3 +159,26 @@ def test_decode_steps_of_the_two_models_are_interleaved():
     rows = decode_points(models, 12, batch=1, new_tokens=3, prefill_chunk=8, device=torch.device("cpu"))
     assert calls == [("base", 8), ("base", 4), ("converted", 8), ("converted", 4)] + [("base", 1), ("converted", 1)] * 3
     assert all(len(r["steps_s"]) == 3 and r["T"] == 12 for r in rows.values())
+
+
+def test_model_training_step_with_sliced_loss_and_checkpointing(tmp_path):
+    """The long-sequence training step: the trainer's sliced LM head and activation checkpointing,
+    recorded in the report; the step updates the trainable weights and leaves checkpointing off."""
+    from retrofit.bench.model import _train
+    from tests.surgery.tiny import tiny_model
+
+    model = tiny_model("gemma2")  # final logit soft-capping goes through the sliced head too
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = torch.randint(3, int(model.config.vocab_size), (1, 24))
+    res = _train(model, ids, torch.device("cpu"), 1, False, "sliced", True)
+    assert res is not None and res[0] > 0
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert not model.is_gradient_checkpointing and not model.training
+
+    common = ["--tiny-size", "tiny", "--window", "16", "--threads", "1", "--quiet"]
+    rc = main(["bench", "model", "--lengths", "48", "--repeats", "1", "--loss", "sliced", "--checkpointing",
+               "--out", str(tmp_path / "mod"), *common])
+    assert rc == 0
+    mod = json.loads((tmp_path / "mod" / "results.json").read_text())
+    assert mod["config"]["loss"] == "sliced" and mod["config"]["checkpointing"] is True
+    assert all(r.get("tokens_per_s", 0) > 0 for r in mod["rows"]), mod["rows"]

@@ -143,6 +143,26 @@ def test_head_positions_sample_matches_the_dense_terms_at_those_positions():
     assert Objective({"kl": 1.0}, head_positions=T)(model, ids)[1] == pytest.approx(full(model, ids)[1])
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sliced_head_lm_is_the_models_own_loss_and_gradient(family):
+    """``sliced_head``: the lm objective through slices of logits (a budget of 3 positions here)
+    gives the model's own loss and the same gradients, Gemma 2's final soft-capping included."""
+    model = convert(tiny_model(family), ConversionSpec(window=6, latents=8, init_swa_share=0.5))
+    ids = _ids(seed=3)
+    want = model(input_ids=ids, labels=ids).loss
+    want.backward()
+    want_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    loss, parts = Objective({"lm": 1.0}, sliced_head=True, logit_budget=3 * vocab * ids.shape[0])(model, ids)
+    loss.backward()
+    assert float(loss) == pytest.approx(float(want), rel=1e-5) and parts["lm"] == pytest.approx(float(want), rel=1e-5)
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == want_grads.keys() and got
+    for n, g in got.items():
+        torch.testing.assert_close(g, want_grads[n], atol=1e-5, rtol=1e-4)
+
+
 def test_head_positions_validation(tmp_path):
     from retrofit.train.recipe import load_recipe
 
