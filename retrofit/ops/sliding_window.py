@@ -10,12 +10,13 @@ Shapes: q ``(B, Hq, Tq, d)``, k ``(B, Hkv, Tk, d)``, v ``(B, Hkv, Tk, Dv)`` with
 ``key_padding_mask`` ``(B, Tk)`` is True for real tokens. Queries at padded positions
 return zeros.
 
-On CPU the blocked form runs as :class:`_BandedSWA`: per head, each query block of ``w``
-scores its previous and own key blocks through an *overlapping strided view* of the keys
-(no copies of k or v), softmax and value product as batched GEMMs, and a hand-written
-backward (fused softmax backward, key/value gradients accumulated straight into their
-blocks). Elsewhere (CUDA without flash-attn, MPS) the blocked form goes through SDPA with a
-boolean mask.
+On CPU the blocked form runs as :class:`_BandedSWA`: per head, each block of ``b`` queries
+(:func:`_query_block`, a divisor of ``w``) scores the ``w + b`` keys that end with its own,
+through an *overlapping strided view* of the keys (no copies of k or v), softmax and value
+product as batched GEMMs, and a hand-written backward (fused softmax backward, key/value
+gradients accumulated straight into their blocks); it can also return each query's window
+log-sum-exp from the same pass. Elsewhere (CUDA without flash-attn, MPS) the blocked form goes
+through SDPA with a boolean mask over blocks of ``w`` queries and ``2w`` keys.
 """
 from __future__ import annotations
 
@@ -29,6 +30,20 @@ __all__ = [
     "sliding_window_lse",
 ]
 
+
+
+def drop_unseen_past(
+    k: torch.Tensor, v: torch.Tensor | None, num_past: int, window: int, mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, int, torch.Tensor | None]:
+    """Only the last ``w - 1`` cached keys can be seen by the first query: drop the rest of ``k``,
+    ``v`` (None: keys only) and the key padding ``mask``. Returns ``(k, v, num_past, mask)``."""
+    if num_past > window:
+        drop = num_past - window
+        k = k[:, :, drop:]
+        v = None if v is None else v[:, :, drop:]
+        mask = None if mask is None else mask[:, drop:]
+        num_past = window
+    return k, v, num_past, mask
 
 
 def _upcast(x: torch.Tensor) -> torch.Tensor:
@@ -101,7 +116,7 @@ def sliding_window_attention_reference(
 # Largest query block of the banded form. A block of b queries scores a span of w + b keys, of which
 # each query uses w: smaller blocks waste less GEMM work, larger ones make thicker GEMMs. On the
 # 2-vCPU Zen 4 host (BENCHMARKS.md) b = 32 beat w / 2 = 64 by 5-10% at w = 128, and b = 64 beat
-# w / 2 by 20-40% at w = 512 and 2048; 16 and 32 lost to 64 on the wide windows.
+# w / 2 by 20-40% at w = 512 and 2048, where 32 tied (512) or lost (2048) to 64.
 MAX_QUERY_BLOCK = 64
 
 
@@ -322,22 +337,18 @@ def sliding_window_attention(
     key_padding_mask: torch.Tensor | None = None,
     num_past: int = 0,
 ) -> torch.Tensor:
-    """Blocked form: queries in blocks of ``w`` attend to their own and the previous key block.
+    """Blocked form, O(Tq w d) time and memory; ``Tq <= w`` takes the dense form.
 
-    Cost O(Tq * 2w * d) time and memory; uses SDPA (fused on CPU and GPU) unless logit
-    soft-capping is requested, which SDPA cannot express. On CPU the same blocks run as
-    :class:`_BandedSWA` (no k/v copies, no mask expansion over heads, own backward).
-    Returns ``(B, Hq, Tq, Dv)``.
+    On CPU :class:`_BandedSWA` (blocks of :func:`_query_block` queries against their ``w + b``
+    keys; no k/v copies, own backward); elsewhere blocks of ``w`` queries against their own and
+    the previous key block through SDPA with a boolean mask (soft-capping, which SDPA cannot
+    express, through a masked softmax). Returns ``(B, Hq, Tq, Dv)``.
     """
     B, Hq, Tq, d = q.shape
     Tk = k.shape[2]
     if Tk != num_past + Tq:
         raise ValueError(f"keys ({Tk}) must be num_past ({num_past}) + queries ({Tq})")
-    if num_past > window:  # only the last w-1 past keys can be seen; drop the rest
-        drop = num_past - window
-        k, v = k[:, :, drop:], v[:, :, drop:]
-        key_padding_mask = None if key_padding_mask is None else key_padding_mask[:, drop:]
-        num_past, Tk = window, window + Tq
+    k, v, num_past, key_padding_mask = drop_unseen_past(k, v, num_past, window, key_padding_mask)
     if Tq <= window:
         return sliding_window_attention_reference(
             q, k, v, window, scaling=scaling, softcap=softcap,
@@ -396,11 +407,7 @@ def sliding_window_lse(
     Hkv, Tk = k.shape[1], k.shape[2]
     if Tk != num_past + Tq:
         raise ValueError(f"keys ({Tk}) must be num_past ({num_past}) + queries ({Tq})")
-    if num_past > window:
-        drop = num_past - window
-        k = k[:, :, drop:]
-        key_padding_mask = None if key_padding_mask is None else key_padding_mask[:, drop:]
-        num_past, Tk = window, window + Tq
+    k, _, num_past, key_padding_mask = drop_unseen_past(k, None, num_past, window, key_padding_mask)
     if Tq <= window:  # short query blocks (decoding, short sequences): dense over <= 2w keys, no w-padding
         scores, _ = _dense_scores(q, k, window, scaling, softcap, key_padding_mask, num_past)
         return torch.logsumexp(scores, dim=-1).view(B, Hq, Tq)
@@ -436,11 +443,7 @@ def sliding_window_attention_with_lse(
     kw = dict(scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask, num_past=num_past)
     if q.device.type != "cpu" or q.shape[2] <= window:
         return sliding_window_attention(q, k, v, window, **kw), sliding_window_lse(q, k, window, **kw)
-    if num_past > window:  # only the last w-1 past keys can be seen; drop the rest
-        drop = num_past - window
-        k, v = k[:, :, drop:], v[:, :, drop:]
-        key_padding_mask = None if key_padding_mask is None else key_padding_mask[:, drop:]
-        num_past = window
+    k, v, num_past, key_padding_mask = drop_unseen_past(k, v, num_past, window, key_padding_mask)
     scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
     softcap = softcap if softcap is not None and softcap > 0 else None
     return _banded_blocked(q, k, v, window, scaling, softcap, key_padding_mask, num_past, with_lse=True)

@@ -18,8 +18,9 @@ import functools
 import torch
 
 from retrofit.ops.backends.registry import Backend, Call, register
+from retrofit.ops.sliding_window import drop_unseen_past
 
-__all__ = ["BACKEND", "drop_unseen_past", "sliding_window_attention_flash"]
+__all__ = ["BACKEND", "sliding_window_attention_flash"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -27,16 +28,6 @@ def _flash_attn_func():
     from flash_attn import flash_attn_func
 
     return flash_attn_func
-
-
-def drop_unseen_past(k: torch.Tensor, v: torch.Tensor, num_past: int, window: int, mask: torch.Tensor | None = None):
-    """Only the last ``w - 1`` cached keys can be seen by the first query; drop the rest."""
-    if num_past > window:
-        drop = num_past - window
-        k, v = k[:, :, drop:], v[:, :, drop:]
-        mask = None if mask is None else mask[:, drop:]
-        num_past = window
-    return k, v, num_past, mask
 
 
 def sliding_window_attention_flash(

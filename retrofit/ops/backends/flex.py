@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from retrofit.ops.backends.flash import drop_unseen_past
+from retrofit.ops.sliding_window import drop_unseen_past
 from retrofit.ops.backends.registry import Backend, Kernel, register
 
 __all__ = ["BACKEND", "sliding_window_attention_flex"]
