@@ -8,9 +8,8 @@ Per sequence length T and model:
   trainable weights, ``zero_grad`` -> tokens/s. By default the base trains every weight
   (a full fine-tune) and the converted model only what ``convert`` marks trainable (its new
   weights); ``--train-all`` trains every weight of both. ``--loss sliced`` takes the same
-  next-token loss through the trainer's sliced LM head (:class:`retrofit.train.objectives.Objective`
-  with ``sliced_head``: no ``(B, T, V)`` logits, which for Gemma 3's 262k vocabulary are 17 GB
-  of fp32 at 16K tokens), and ``--checkpointing`` recomputes each decoder layer in backward, as
+  next-token loss through the trainer's sliced LM head (:func:`retrofit.surgery.lm_head.sliced_lm_loss`:
+  no ``(B, T, V)`` logits, which for Gemma 3's 262k vocabulary are 17 GB of fp32 at 16K tokens), and ``--checkpointing`` recomputes each decoder layer in backward, as
   the trainer does by default (``train.gradient_checkpointing``): together they fit long
   sequences in memory.
 
@@ -38,6 +37,7 @@ from retrofit.bench.common import (
     sync,
 )
 from retrofit.bench.models import build_pair, forward_kwargs
+from retrofit.surgery.lm_head import sliced_lm_loss
 
 __all__ = ["run_model_benchmark"]
 
@@ -80,17 +80,12 @@ def _train(model, ids, device, repeats, train_all: bool, loss: str = "model", ch
     model.train()
     if checkpointing:
         _checkpointing(model, True)
-    objective = None
-    if loss == "sliced":
-        from retrofit.train.objectives import Objective
-
-        objective = Objective({"lm": 1.0}, sliced_head=True)
 
     def run():
-        if objective is None:
-            value = model(input_ids=ids, labels=ids, use_cache=False).loss
+        if loss == "sliced":
+            value = sliced_lm_loss(model, ids)
         else:
-            value = objective(model, ids)[0]
+            value = model(input_ids=ids, labels=ids, use_cache=False).loss
         value.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

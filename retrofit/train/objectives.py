@@ -25,19 +25,19 @@ import contextlib
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from retrofit.errors import SpecError
 from retrofit.ops import linear_cross_entropy
 from retrofit.surgery.distill import distill_mode, transfer_losses
+from retrofit.surgery.lm_head import (
+    DEFAULT_LOGIT_BUDGET, capture_final_hidden, final_softcap, sliced_head_terms, unwrap_causal_lm,
+)
 
 __all__ = ["OBJECTIVES", "TERMS", "Objective", "heldout_nll", "objective_weights"]
 
 TERMS = ("lm", "attention", "kl")
 OBJECTIVES = TERMS + ("mix",)
-DEFAULT_LOGIT_BUDGET = 1 << 24  # fp32 logits per slice (64 MiB): the KL holds two slices at once
 
 
 def objective_weights(objective: str, weights: dict | None = None) -> dict[str, float]:
@@ -68,44 +68,6 @@ def objective_weights(objective: str, weights: dict | None = None) -> dict[str, 
     return out
 
 
-def _inner(model: nn.Module) -> nn.Module:
-    """The transformers CausalLM under PEFT / DeepSpeed / accelerate wrappers."""
-    model = getattr(model, "module", model)
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def _final_softcap(causal_lm: nn.Module) -> float | None:
-    """Gemma 2's final logit soft-cap (None where the family has none)."""
-    return getattr(causal_lm.config, "final_logit_softcapping", None)
-
-
-def _head_fn(causal_lm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
-    head = causal_lm.get_output_embeddings()
-    cap = _final_softcap(causal_lm)
-
-    def logits(hidden: torch.Tensor) -> torch.Tensor:
-        out = head(hidden).float()
-        return torch.tanh(out / cap) * cap if cap else out
-
-    return logits
-
-
-@contextlib.contextmanager
-def _capture_final_hidden(causal_lm: nn.Module):
-    """Collects the decoder's final (normed) hidden states of the next forward: ``box[0]``."""
-    box: list[torch.Tensor] = []
-    decoder = causal_lm.get_decoder()
-
-    def hook(_module, _args, output):
-        box.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
-
-    handle = decoder.register_forward_hook(hook)
-    try:
-        yield box
-    finally:
-        handle.remove()
-
-
 class Objective:
     """Computes a recipe's training loss for one micro-batch of packed token ids ``(B, T)``."""
 
@@ -128,7 +90,7 @@ class Objective:
         if self.weights == {"lm": 1.0} and not self.sliced_head:  # the model's own loss, bit for bit
             loss = model(input_ids=input_ids, labels=input_ids).loss
             return loss, {"lm": float(loss.detach())}
-        causal_lm = _inner(model)
+        causal_lm = unwrap_causal_lm(model)
         total, parts = None, {}
         if "attention" in self.weights:
             with distill_mode(causal_lm, "transfer"):
@@ -140,10 +102,10 @@ class Objective:
         if "kl" in self.weights or "lm" in self.weights:
             teacher = None
             if "kl" in self.weights:
-                with torch.no_grad(), distill_mode(causal_lm, "teacher"), _capture_final_hidden(causal_lm) as box:
+                with torch.no_grad(), distill_mode(causal_lm, "teacher"), capture_final_hidden(causal_lm) as box:
                     model(input_ids=input_ids, logits_to_keep=1)
                 teacher = box[0].detach()
-            with _capture_final_hidden(causal_lm) as box:
+            with capture_final_hidden(causal_lm) as box:
                 model(input_ids=input_ids, logits_to_keep=1)
             student = box[0]
             targets = input_ids[:, 1:]
@@ -151,7 +113,9 @@ class Objective:
             if idx is not None:
                 student, targets = student[:, idx], input_ids[:, idx + 1]
                 teacher = None if teacher is None else teacher[:, idx]
-            for term, value in self._sliced_terms(causal_lm, student, teacher, targets).items():
+            terms = sliced_head_terms(causal_lm, student, teacher, targets if "lm" in self.weights else None,
+                                      logit_budget=self.logit_budget)
+            for term, value in terms.items():
                 parts[term] = float(value.detach())
                 total = self.weights[term] * value if total is None else total + self.weights[term] * value
         return total, parts
@@ -166,47 +130,6 @@ class Objective:
         g = torch.Generator().manual_seed(seed % (2**63 - 1))
         idx = torch.randperm(T - 1, generator=g)[: self.head_positions].sort().values
         return idx.to(input_ids.device)
-
-    def _sliced_terms(self, causal_lm: nn.Module, student: torch.Tensor, teacher: torch.Tensor | None,
-                      targets: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Mean KL and/or next-token CE over positions, one slice of logits at a time.
-
-        student / teacher: final hidden states ``(B, T, D)``; targets ``(B, N <= T)``: the next token
-        of each of the first N positions (the rest have none and enter only the KL).
-        """
-        logits_of = _head_fn(causal_lm)
-        B, T, _ = student.shape
-        N = targets.shape[1]
-        vocab = causal_lm.get_output_embeddings().weight.shape[0]
-        step = max(1, self.logit_budget // max(1, vocab * B))
-        want_kl, want_lm = "kl" in self.weights, "lm" in self.weights
-
-        def piece(hs: torch.Tensor, ht: torch.Tensor | None, tgt: torch.Tensor, n_pred: int) -> torch.Tensor:
-            logp = torch.log_softmax(logits_of(hs), dim=-1)
-            out = []
-            if want_kl:
-                with torch.no_grad():
-                    logq = torch.log_softmax(logits_of(ht), dim=-1)
-                out.append(F.kl_div(logp, logq, log_target=True, reduction="sum"))
-            if want_lm:
-                lp = logp[:, :n_pred]
-                out.append(F.nll_loss(lp.reshape(-1, lp.shape[-1]), tgt.reshape(-1), reduction="sum"))
-            return torch.stack(out)
-
-        sums = None
-        for s in range(0, T, step):
-            e = min(T, s + step)
-            n_pred = max(0, min(e, N) - s)  # positions in this slice that have a next token
-            args = (student[:, s:e], None if teacher is None else teacher[:, s:e], targets[:, s:s + n_pred], n_pred)
-            val = checkpoint(piece, *args, use_reentrant=False) if student.requires_grad else piece(*args)
-            sums = val if sums is None else sums + val
-        out, i = {}, 0
-        if want_kl:
-            out["kl"] = sums[i] / (B * T)
-            i += 1
-        if want_lm:
-            out["lm"] = sums[i] / (B * N)
-        return out
 
 
 @torch.no_grad()
@@ -224,15 +147,15 @@ def heldout_nll(
     (4 GiB for one 4096-token Gemma sequence) and no graph. ``gather``: a context manager factory
     that materialises partitioned parameters (ZeRO-3) around the head's weight.
     """
-    causal_lm = _inner(model)
+    causal_lm = unwrap_causal_lm(model)
     head = causal_lm.get_output_embeddings()
     n = input_ids.shape[0] * (input_ids.shape[1] - 1)
     if not isinstance(head, nn.Linear):  # e.g. a PEFT-wrapped head: the model's own loss
         return float(model(input_ids=input_ids, labels=input_ids).loss) * n, n
-    with _capture_final_hidden(causal_lm) as box:
+    with capture_final_hidden(causal_lm) as box:
         model(input_ids=input_ids, logits_to_keep=1)
     hidden = box[0][:, :-1]
-    cap = _final_softcap(causal_lm)
+    cap = final_softcap(causal_lm)
     with gather([head.weight]) if gather is not None else contextlib.nullcontext():
         nll = linear_cross_entropy(
             hidden.reshape(n, hidden.shape[-1]), head.weight, input_ids[:, 1:].reshape(n),
