@@ -9,9 +9,14 @@ Per sequence length T and model:
   (a full fine-tune) and the converted model only what ``convert`` marks trainable (its new
   weights); ``--train-all`` trains every weight of both. ``--loss sliced`` takes the same
   next-token loss through the trainer's sliced LM head (:func:`retrofit.surgery.lm_head.sliced_lm_loss`:
-  no ``(B, T, V)`` logits, which for Gemma 3's 262k vocabulary are 17 GB of fp32 at 16K tokens), and ``--checkpointing`` recomputes each decoder layer in backward, as
-  the trainer does by default (``train.gradient_checkpointing``): together they fit long
-  sequences in memory.
+  no ``(B, T, V)`` logits, which for Gemma 3's 262k vocabulary are 17 GB of fp32 at 16K tokens),
+  and ``--checkpointing`` recomputes each decoder layer in backward, as the trainer does by
+  default (``train.gradient_checkpointing``): together they fit long sequences in memory.
+
+The base runs as loaded (SDPA on CPU): a whole-sequence forward hands its native sliding-window
+layers (Gemma 2/3, Mistral) a dense T x T mask, so they do T^2 work. ``--base-attention retrofit``
+runs them through the banded O(T w) kernel the converted model's unconverted layers use, which
+isolates what conversion itself gains.
 
 Times are medians over ``--repeats`` runs after a warm-up; peak memory is the peak RSS (CPU)
 or the CUDA allocator's peak above the start of the step, measured in this process.
@@ -37,6 +42,7 @@ from retrofit.bench.common import (
     sync,
 )
 from retrofit.bench.models import build_pair, forward_kwargs
+from retrofit.patches.attention import register
 from retrofit.surgery.lm_head import sliced_lm_loss
 
 __all__ = ["run_model_benchmark"]
@@ -115,6 +121,10 @@ def run_model_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     lengths = sorted(args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS))
     repeats = min(args.repeats, 2) if args.quick else args.repeats
     base, converted, info = build_pair(args, max(lengths))
+    if getattr(args, "base_attention", "loaded") == "retrofit":
+        base.set_attn_implementation(register())
+    base_attention = base.config._attn_implementation
+    info["base"] = f"{info['base']} (attention: {base_attention})"
     hw = hardware_info(device)
     g = torch.Generator().manual_seed(args.seed)
     rows = []
@@ -140,7 +150,7 @@ def run_model_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             row["error"] = str(exc).splitlines()[0][:200]
         rows.append(row)
     config = {"lengths": lengths, "batch": args.batch, "repeats": repeats, "train_all": args.train_all,
-              "loss": args.loss, "checkpointing": args.checkpointing,
+              "loss": args.loss, "checkpointing": args.checkpointing, "base_attention": base_attention,
               "device": args.device, "dtype": args.dtype, "backend": args.backend}
     return finish_pair_bench("model", args, hw, info, config, rows, render_table, _plot)
 

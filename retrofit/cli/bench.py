@@ -94,6 +94,10 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
     m.add_argument("--loss", choices=("model", "sliced"), default="model",
                    help="training loss: the model's own LM loss (default; whole (B, T, V) logits) or the same loss "
                         "through the trainer's sliced LM head (no whole logits; for long sequences)")
+    m.add_argument("--base-attention", choices=("loaded", "retrofit"), default="loaded",
+                   help="the base's attention: as transformers loads it (default; SDPA on CPU, whose native "
+                        "sliding-window layers take a dense T x T mask) or the 'retrofit' implementation, which "
+                        "runs those layers through the O(T w) banded kernel the converted model uses")
     m.add_argument("--checkpointing", action="store_true",
                    help="activation checkpointing of every decoder layer in the training step (the trainer's default)")
     _model_args(m)

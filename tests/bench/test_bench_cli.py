@@ -182,3 +182,15 @@ def test_model_training_step_with_sliced_loss_and_checkpointing(tmp_path):
     mod = json.loads((tmp_path / "mod" / "results.json").read_text())
     assert mod["config"]["loss"] == "sliced" and mod["config"]["checkpointing"] is True
     assert all(r.get("tokens_per_s", 0) > 0 for r in mod["rows"]), mod["rows"]
+
+
+def test_model_base_attention_is_recorded(tmp_path):
+    """``--base-attention retrofit`` runs the base under the retrofit implementation and says so."""
+    common = ["--tiny-size", "tiny", "--window", "16", "--threads", "1", "--quiet", "--repeats", "1", "--no-train"]
+    for choice, want in (("loaded", "sdpa"), ("retrofit", "retrofit")):
+        out = tmp_path / choice
+        assert main(["bench", "model", "--lengths", "40", "--base-attention", choice, "--out", str(out), *common]) == 0
+        report = json.loads((out / "results.json").read_text())
+        assert report["config"]["base_attention"] == want
+        assert f"(attention: {want})" in report["models"]["base"]
+        assert all(r.get("tokens_per_s", 0) > 0 for r in report["rows"]), report["rows"]
