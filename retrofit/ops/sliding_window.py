@@ -120,6 +120,9 @@ def sliding_window_attention_reference(
 MAX_QUERY_BLOCK = 64
 
 
+NO_GRAD_SCORE_BYTES = 64 << 20  # without autograd, scores of at most this many bytes exist at once
+
+
 def _query_block(window: int) -> int:
     """Query block size of the banded form: the largest divisor of ``w`` in
     ``[16, min(MAX_QUERY_BLOCK, w / 4)]``; without one, ``w / 2`` for even ``w >= 32``, else ``w``."""
@@ -316,14 +319,29 @@ def _banded_blocked(
         return (F.pad(x, (0, 0, 0, tail)) if tail else x).contiguous()
 
     allowed, q_valid = _window_mask(key_padding_mask, Tk, w, n, num_past, q.device, block=b)
-    out, lse = _BandedSWA.apply(prepared(q), prepared(k), prepared(v), allowed[:, None], w, b, num_past, scaling,
-                                softcap, with_lse)
+    out_dtype = v.dtype
+    q, k, v = prepared(q), prepared(k), prepared(v)
+    allowed = allowed[:, None]
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    span = n if needs_grad else max(1, NO_GRAD_SCORE_BYTES // (B * Hq * b * (w + b) * q.element_size()))
+    if span >= n:
+        out, lse = _BandedSWA.apply(q, k, v, allowed, w, b, num_past, scaling, softcap, with_lse)
+    else:  # no graph to keep: score ``span`` query blocks at a time, in memory bounded by the budget
+        pieces = []
+        for s in range(0, n, span):
+            e = min(n, s + span)
+            past = min(w, num_past + s * b)  # keys before block s that its windows reach
+            keys = slice(num_past + s * b - past, num_past + e * b)
+            pieces.append(_BandedSWA.apply(q[:, :, s * b : e * b], k[:, :, keys], v[:, :, keys], allowed[:, :, s:e],
+                                           w, b, past, scaling, softcap, with_lse))
+        out = torch.cat([o for o, _ in pieces], dim=2)
+        lse = torch.cat([x for _, x in pieces], dim=2) if with_lse else pieces[0][1]
     out = out[:, :, :Tq] if tail else out
     if key_padding_mask is not None:
         out = out * q_valid.reshape(-1, 1, n * b, 1)[:, :, :Tq].to(out.dtype)
     if with_lse:
-        return out.to(v.dtype), lse[:, :, :Tq]
-    return out.to(v.dtype)
+        return out.to(out_dtype), lse[:, :, :Tq]
+    return out.to(out_dtype)
 
 
 def sliding_window_attention(

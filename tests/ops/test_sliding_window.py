@@ -258,3 +258,28 @@ def test_banded_gradcheck_with_lse(softcap):
     mask = padding_mask(1, 13, [2])
     fn = lambda a, b, c: swa_module._banded_blocked(a, b, c, 4, 0.7, softcap, mask, 0, block=2, with_lse=True)  # noqa: E731
     assert gradcheck(fn, (q, k, v))
+
+
+@pytest.mark.parametrize("T,window,num_past,pads", [(61, 8, 0, None), (61, 8, 5, [0, 7]), (40, 16, 16, [3, 0]),
+                                                    (9, 8, 3, None)])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_no_grad_segments_equal_one_pass(monkeypatch, T, window, num_past, pads, softcap):
+    """Without autograd the banded form scores a few query blocks at a time (here one or two per
+    segment): output and window log-sum-exp equal the one-pass form, past keys and padding included."""
+    B = 1 if pads is None else len(pads)
+    q = torch.randn(B, 4, T, 8, dtype=torch.float64) * 3
+    k, v = (torch.randn(B, 2, T + num_past, 8, dtype=torch.float64) * 3 for _ in range(2))
+    mask = None if pads is None else padding_mask(B, T + num_past, pads)
+    args = (q, k, v, window, 0.5, softcap, mask, num_past)
+    with torch.no_grad():
+        whole_out, whole_lse = swa_module._banded_blocked(*args, block=4, with_lse=True)
+        for blocks in (1, 2):
+            monkeypatch.setattr(swa_module, "NO_GRAD_SCORE_BYTES", blocks * B * 4 * 4 * (window + 4) * 8)
+            out, lse = swa_module._banded_blocked(*args, block=4, with_lse=True)
+            torch.testing.assert_close(out, whole_out, atol=1e-12, rtol=1e-12)
+            torch.testing.assert_close(lse, whole_lse, atol=1e-12, rtol=1e-12)
+            torch.testing.assert_close(swa_module._banded_blocked(*args, block=4), whole_out, atol=1e-12, rtol=1e-12)
+    want = sliding_window_attention_reference(q, k, v, window, scaling=0.5, softcap=softcap, key_padding_mask=mask,
+                                              num_past=num_past)
+    valid = torch.ones(B, 1, T, 1, dtype=torch.bool) if mask is None else mask[:, None, num_past:, None]
+    torch.testing.assert_close(out * valid, want * valid, atol=1e-10, rtol=1e-10)
