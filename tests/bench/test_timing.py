@@ -1,8 +1,9 @@
 """time_call's warm-up and run counts (no timing is asserted, only how many calls it makes)."""
 from __future__ import annotations
 
+import mmap
+
 import pytest
-import torch
 
 from retrofit.bench import common
 from retrofit.bench.common import MAX_WARMUP_RUNS, WARMUP_RUNS, time_call
@@ -29,14 +30,21 @@ def test_a_run_as_long_as_the_budget_gets_one_warm_up_and_one_timed_run():
 
 
 def _growing_heap(calls_that_grow: int):
-    """A call that keeps a fresh 8 MiB tensor for its first ``calls_that_grow`` calls (new pages
-    fault in, as an op's heap grows in its first calls), then allocates nothing."""
+    """A call that maps and touches 4 MiB of fresh anonymous memory (1024 pages, kept) for its
+    first ``calls_that_grow`` calls, as an op's heap grows in its first calls, then allocates
+    nothing. It maps pages itself: a tensor could reuse pages an earlier test freed (glibc raises
+    its mmap threshold after a free), and huge pages would fault 512 times fewer."""
     calls, kept = [], []
+    size = 4 * 2**20
 
     def fn():
         calls.append(1)
         if len(calls) <= calls_that_grow:
-            kept.append(torch.ones(2 * 2**20))
+            pages = mmap.mmap(-1, size)
+            if hasattr(mmap, "MADV_NOHUGEPAGE"):
+                pages.madvise(mmap.MADV_NOHUGEPAGE)
+            pages.write(b"\x01" * size)
+            kept.append(pages)
     return calls, fn
 
 
