@@ -36,6 +36,7 @@ __all__ = [
 ]
 
 NEG_INF = float("-inf")
+NO_GRAD_STATE_BYTES = 64 << 20  # without autograd, chunk-start states of at most this many bytes exist at once
 
 
 @dataclass
@@ -248,10 +249,13 @@ def causal_latte_chunked(
     B, H, T, L = k_logits.shape
     D = v.shape[-1]
     dtype = _compute_dtype(q_weights, k_logits, v)
+    C = max(1, min(chunk_size, T))
+    span = C * max(1, NO_GRAD_STATE_BYTES // (2 * B * H * L * D * torch.finfo(dtype).bits // 8))
+    if T > span and not _tracked(q_weights, k_logits, v, initial_state):
+        return _segmented(q_weights, k_logits, v, span, chunk_size, key_padding_mask, initial_state, output_final_state)
     if T == 0:
         state = initial_state if initial_state is not None else LatteState.empty(B, H, L, D, device=v.device, dtype=dtype)
         return v.new_zeros(B, H, 0, D), (state if output_final_state else None)
-    C = max(1, min(chunk_size, T))
     n = -(-T // C)
     pad = n * C - T
     a = _masked_logits(k_logits, key_padding_mask, dtype)
@@ -303,6 +307,35 @@ def causal_latte_chunked(
         out = out * key_padding_mask.bool()[:, None, :, None]
     final = LatteState(m=m, z=z_end[:, :, -1]) if output_final_state else None
     return out.to(v.dtype), final
+
+
+def _tracked(*xs: torch.Tensor | LatteState | None) -> bool:
+    """Whether autograd records ops on any of the inputs (a state counts by its tensors)."""
+    if not torch.is_grad_enabled():
+        return False
+    flat = [t for x in xs if x is not None for t in ((x.m, x.z) if isinstance(x, LatteState) else (x,))]
+    return any(t.requires_grad for t in flat)
+
+
+def _segmented(
+    q_weights: torch.Tensor, k_logits: torch.Tensor, v: torch.Tensor, span: int, chunk_size: int,
+    key_padding_mask: torch.Tensor | None, initial_state: LatteState | None, output_final_state: bool,
+) -> tuple[torch.Tensor, LatteState | None]:
+    """``causal_latte_chunked`` over segments of ``span`` tokens (a multiple of the chunk), each
+    starting from the state the one before ended with: the chunked form holds every chunk-start
+    state, (B, H, T / C, L, D) twice, which at 32K tokens is 512 MiB per layer for 4 heads of
+    L = 128, D = 256. Without autograd nothing needs them after their segment."""
+    B, H, T, _ = k_logits.shape
+    out = v.new_empty(B, H, T, v.shape[-1])
+    state = initial_state
+    for s in range(0, T, span):
+        e = min(T, s + span)
+        mask = None if key_padding_mask is None else key_padding_mask[:, s:e]
+        out[:, :, s:e], state = causal_latte_chunked(
+            q_weights[:, :, s:e], k_logits[:, :, s:e], v[:, :, s:e], chunk_size=chunk_size,
+            key_padding_mask=mask, initial_state=state, output_final_state=True,
+        )
+    return out, (state if output_final_state else None)
 
 
 # --------------------------------------------------------------------------------------

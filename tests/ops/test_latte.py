@@ -209,3 +209,39 @@ def test_gradients_with_extreme_logit_growth_match_reference(spread, jump):
         assert torch.isfinite(got).all()
         scale = ref.abs().max()
         torch.testing.assert_close(got / scale, ref / scale, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("chunks_per_segment", [1, 3])
+@pytest.mark.parametrize("pads,spread,with_state", [(None, 3.0, False), ([0, 40], 3.0, True), ([5, 0], 300.0, False)])
+def test_no_grad_segments_equal_one_pass(monkeypatch, chunks_per_segment, pads, spread, with_state):
+    """Without autograd the chunked form runs segments of a few chunks, each from the state the
+    last one ended with: outputs and final state equal one pass (padding longer than a segment,
+    a carried initial state, logit jumps that take the log-space redo)."""
+    import retrofit.ops.latte as latte_module
+
+    B, H, T, L, D, C = 2, 2, 150, 4, 3, 16
+    q, k, v = latte_inputs(B, H, T, L, D, spread=spread)
+    k[:, :, 70] += spread  # a jump of the running normaliser inside a later segment
+    mask = None if pads is None else padding_mask(B, T, pads)
+    state = None
+    if with_state:
+        q0, k0, v0 = latte_inputs(B, H, 20, L, D)
+        state = causal_latte_chunked(q0, k0, v0, chunk_size=C, output_final_state=True)[1]
+    kwargs = dict(chunk_size=C, key_padding_mask=mask, initial_state=state, output_final_state=True)
+    with torch.no_grad():
+        whole, whole_state = causal_latte_chunked(q, k, v, **kwargs)
+    calls = []
+    real = latte_module._segmented
+    monkeypatch.setattr(latte_module, "_segmented", lambda *a: calls.append(a[3]) or real(*a))
+    monkeypatch.setattr(latte_module, "NO_GRAD_STATE_BYTES", chunks_per_segment * 2 * B * H * L * D * 8)
+    with torch.no_grad():
+        out, final = causal_latte_chunked(q, k, v, **kwargs)
+    assert calls == [chunks_per_segment * C]
+    torch.testing.assert_close(out, whole, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(final.m, whole_state.m, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(final.z, whole_state.z, atol=1e-12, rtol=1e-12)
+    # with autograd recording, one pass (its backward needs every chunk-start state)
+    calls.clear()
+    tracked, _ = causal_latte_chunked(q.requires_grad_(), k, v, **kwargs)
+    assert calls == []
+    torch.testing.assert_close(tracked.detach(), whole, atol=1e-12, rtol=1e-12)
