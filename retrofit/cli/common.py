@@ -30,6 +30,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         if (
             "default" in text.lower()
             or action.default in (None, False, argparse.SUPPRESS, [], "")
+            or isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction))  # a flag's default is its absence
             or not (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE))
         ):
             return text

@@ -29,6 +29,8 @@ def test_every_verb_has_quiet_verbose_and_shows_defaults():
     assert "(default: 256)" in helps["retrofit convert"]  # --probe-tokens
     assert "(default: 8)" in helps["retrofit eval ppl"]  # --max-windows
     assert "(default: cpu)" in helps["retrofit eval ppl"] and "(default: cpu) (default" not in helps["retrofit eval ppl"]
+    assert "prefill only --" in helps["retrofit bench model"]  # --no-train: a flag's default is its absence
+    assert not any("(default: True)" in text or "(default: False)" in text for text in helps.values())
 
 
 def test_ls_lists_each_kind(capsys):
