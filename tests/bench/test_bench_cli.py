@@ -164,14 +164,19 @@ def test_decode_steps_of_the_two_models_are_interleaved():
 def test_model_training_step_with_sliced_loss_and_checkpointing(tmp_path):
     """The long-sequence training step: the trainer's sliced LM head and activation checkpointing,
     recorded in the report; the step updates the trainable weights and leaves checkpointing off."""
-    from retrofit.bench.model import _train
+    import argparse
+
+    from retrofit.bench.model import _step
     from tests.surgery.tiny import tiny_model
 
     model = tiny_model("gemma2")  # final logit soft-capping goes through the sliced head too
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     ids = torch.randint(3, int(model.config.vocab_size), (1, 24))
-    res = _train(model, ids, torch.device("cpu"), 1, False, "sliced", True)
-    assert res is not None and res[0] > 0
+    args = argparse.Namespace(train_all=False, loss="sliced", checkpointing=True)
+    with _step(model, ids, "train", args) as (run, trainable):
+        assert model.is_gradient_checkpointing and model.training
+        run()
+    assert trainable == sum(p.numel() for p in model.parameters() if p.requires_grad) > 0
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert not model.is_gradient_checkpointing and not model.training
 
@@ -194,3 +199,39 @@ def test_model_base_attention_is_recorded(tmp_path):
         assert report["config"]["base_attention"] == want
         assert f"(attention: {want})" in report["models"]["base"]
         assert all(r.get("tokens_per_s", 0) > 0 for r in report["rows"]), report["rows"]
+
+
+def _mapped_ranges(path_suffix: str) -> list[tuple[int, int]]:
+    out = []
+    for line in open("/proc/self/maps"):
+        parts = line.split()
+        if len(parts) >= 6 and parts[-1].endswith(path_suffix):
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            out.append((lo, hi))
+    return out
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="needs /proc/self/maps")
+def test_pair_weights_live_in_process_memory_not_the_mapped_checkpoint(tmp_path):
+    """A saved checkpoint loads as a map of its safetensors file; the bench copies the weights out
+    so a dropped page-cache page is never re-read (and counted) inside a timed step."""
+    import argparse
+
+    from retrofit.bench.models import build_pair
+    from retrofit.surgery import load_any
+    from tests.surgery.tiny import tiny_model
+
+    tiny_model("llama").save_pretrained(tmp_path / "ckpt")
+    loaded, _ = load_any(str(tmp_path / "ckpt"), dtype=torch.float32)
+    mapped = _mapped_ranges("model.safetensors")
+    in_map = lambda m: [n for n, p in m.named_parameters() if any(lo <= p.data_ptr() < hi for lo, hi in mapped)]  # noqa: E731
+    if not in_map(loaded):
+        pytest.skip("this transformers copies weights at load (nothing to test)")
+    args = argparse.Namespace(model=str(tmp_path / "ckpt"), converted=str(tmp_path / "ckpt"), dtype="float32",
+                              device="cpu", tiny_size="tiny", seed=0, method="macchiato")
+    base, converted, _ = build_pair(args, 64)
+    mapped = _mapped_ranges("model.safetensors")
+    assert in_map(base) == [] and in_map(converted) == []
+    for model in (base, converted):
+        if model.config.tie_word_embeddings:
+            assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
