@@ -18,18 +18,19 @@ import transformers
 from torch.profiler import ProfilerActivity, profile
 
 import retrofit  # noqa: F401 - registers the converted classes
-from retrofit.layers.cache import RetrofitCache
+from retrofit.layers.cache import RetrofitCache, cache_keyword
 from retrofit.surgery import ConversionSpec, convert
 
 
 def step_counts(model: torch.nn.Module, cache, ids: torch.Tensor) -> collections.Counter:
+    kw = cache_keyword(model.forward)
     with torch.no_grad():
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, use_cache=True, **{kw: cache})
         nxt = out.logits[:, -1:].argmax(-1)
         for _ in range(3):
-            out = model(nxt, past_key_values=out.past_key_values, use_cache=True)
+            model(nxt, use_cache=True, **{kw: cache})
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            model(nxt, past_key_values=out.past_key_values, use_cache=True)
+            model(nxt, use_cache=True, **{kw: cache})
     return collections.Counter({e.key: e.count for e in prof.key_averages()})
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from retrofit.eval import loading, nll
+from retrofit.layers.cache import cache_keyword, output_cache
 
 BOOKS = Path(os.environ.get("RETROFIT_PG_BOOKS", Path(__file__).resolve().parents[2] / "shared" / "data" / "pg-books"))
 
@@ -58,12 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         _timed(layer.mlp, "MLP", acc)
     scoring = loading.scoring_attention(model) if args.attention == "scoring" else contextlib.nullcontext("stock")
     with torch.no_grad(), scoring as impl:
-        cache = None
+        cache, kw = None, cache_keyword(model.model.forward)
         for s in range(0, args.past, args.chunk):
-            cache = model.model(input_ids=ids[:, s : s + args.chunk], past_key_values=cache, use_cache=True).past_key_values
+            cache = output_cache(model.model(input_ids=ids[:, s : s + args.chunk], use_cache=True, **{kw: cache}))
         acc.clear()
         t0 = time.perf_counter()
-        hidden = model.model(input_ids=ids[:, args.past : n], past_key_values=cache, use_cache=True).last_hidden_state
+        hidden = model.model(input_ids=ids[:, args.past : n], use_cache=True, **{kw: cache}).last_hidden_state
         t1 = time.perf_counter()
         slice_tokens = nll.slice_tokens_for(model.get_output_embeddings().weight.shape[0])
         nll.sliced_token_nll(model, hidden[:, :-1], ids[:, args.past + 1 : n], slice_tokens=slice_tokens)

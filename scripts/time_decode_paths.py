@@ -19,7 +19,7 @@ import torch
 import transformers
 
 import retrofit  # noqa: F401 - registers the converted classes
-from retrofit.layers.cache import RetrofitCache
+from retrofit.layers.cache import RetrofitCache, cache_keyword
 from retrofit.surgery import ConversionSpec, convert
 
 
@@ -31,10 +31,11 @@ def _set_slots(model: torch.nn.Module, on: bool) -> None:
 
 @torch.no_grad()
 def _prefill(model, cache, ids):
-    out = model(ids, past_key_values=cache, use_cache=True)
+    kw = cache_keyword(model.forward)
+    out = model(ids, use_cache=True, **{kw: cache})
     nxt = out.logits[:, -1:].argmax(-1)
     for _ in range(3):
-        model(nxt, past_key_values=cache, use_cache=True)
+        model(nxt, use_cache=True, **{kw: cache})
     return nxt, cache
 
 
@@ -60,7 +61,7 @@ def time_paths(context: int, steps: int) -> dict[str, list[float]]:
             if slots is not None:
                 _set_slots(model, slots)
             t0 = time.perf_counter()
-            model(nxt, past_key_values=cache, use_cache=True)
+            model(nxt, use_cache=True, **{cache_keyword(model.forward): cache})
             times[name].append(time.perf_counter() - t0)
     return times
 
