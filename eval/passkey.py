@@ -124,7 +124,7 @@ def generate_answer(model: Any, tokenizer: Any, ids: list[int], max_new_tokens: 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     extra = {}
     if chunk_size and input_ids.shape[1] > chunk_size:
-        extra[cache_keyword(model.generate)] = prefill(model, input_ids[:, :-1], chunk_size)
+        extra[cache_keyword(model.forward)] = prefill(model, input_ids[:, :-1], chunk_size)
     out = model.generate(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),

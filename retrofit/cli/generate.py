@@ -59,7 +59,7 @@ def _run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
-            **inputs, max_new_tokens=args.max_new_tokens, streamer=streamer, **{cache_keyword(model.generate): cache},
+            **inputs, max_new_tokens=args.max_new_tokens, streamer=streamer, **{cache_keyword(model.forward): cache},
             pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
             **gen_kwargs,
         )

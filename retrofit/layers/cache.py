@@ -261,9 +261,10 @@ class RetrofitLayerCache(CacheLayerMixin):
 
 
 def cache_keyword(fn: Callable[..., Any]) -> str:
-    """The keyword under which ``fn`` (a model's ``forward`` or ``generate``) takes a cache: ``cache``
-    where its signature has it (transformers >= 5.24, which deprecates ``past_key_values`` and drops
-    it from ``forward`` in 5.40), else ``past_key_values``."""
+    """The keyword under which a model's ``forward`` ``fn`` takes a cache: ``cache`` where its
+    signature has it (transformers >= 5.24, which deprecates ``past_key_values`` and drops it from
+    ``forward`` in 5.40), else ``past_key_values``. ``generate`` takes the same keyword as
+    ``forward`` but hides it in ``**kwargs``, so pass ``model.forward`` for it too."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):

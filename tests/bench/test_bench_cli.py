@@ -173,12 +173,15 @@ def test_model_training_step_with_sliced_loss_and_checkpointing(tmp_path):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     ids = torch.randint(3, int(model.config.vocab_size), (1, 24))
     args = argparse.Namespace(train_all=False, loss="sliced", checkpointing=True)
+    def checkpointing() -> bool:  # is_gradient_checkpointing warns on transformers >= 5.24
+        return any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
     with _step(model, ids, "train", args) as (run, trainable):
-        assert model.is_gradient_checkpointing and model.training
+        assert checkpointing() and model.training
         run()
     assert trainable == sum(p.numel() for p in model.parameters() if p.requires_grad) > 0
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
-    assert not model.is_gradient_checkpointing and not model.training
+    assert not checkpointing() and not model.training
 
     common = ["--tiny-size", "tiny", "--window", "16", "--threads", "1", "--quiet"]
     rc = main(["bench", "model", "--lengths", "48", "--repeats", "1", "--loss", "sliced", "--checkpointing",

@@ -8,6 +8,7 @@ import pytest
 from retrofit.errors import DataError
 from retrofit.eval import passkey
 from retrofit.eval.windows import encode
+from retrofit.layers.cache import cache_keyword
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +86,8 @@ def test_chunked_prefill_generates_the_same_tokens(which, converted_dir, base_di
     other = torch.randint(3, len(tokenizer), (1, 332), generator=g)
     prompt = torch.tensor([ids])
     out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
-                         do_sample=False, pad_token_id=0, past_key_values=passkey.prefill(model, other, 64))
+                         do_sample=False, pad_token_id=0,
+                         **{cache_keyword(model.forward): passkey.prefill(model, other, 64)})
     assert tokenizer.decode(out[0, 333:], skip_special_tokens=True) != whole
 
 
