@@ -45,6 +45,7 @@ from retrofit.bench.common import (
     sync,
 )
 from retrofit.bench.models import build_pair, forward_kwargs
+from retrofit.errors import SpecError
 from retrofit.patches.attention import register
 from retrofit.surgery.lm_head import sliced_lm_loss
 
@@ -132,6 +133,10 @@ def _checkpointing(model, on: bool) -> None:
 def run_model_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
+    kinds = [kind for kind, on in (("prefill", getattr(args, "prefill", True)), ("train", args.train)) if on]
+    if not kinds:
+        raise SpecError("--no-prefill and --no-train leave nothing to measure: drop one of them")
+    phases = ("memory", "time") if getattr(args, "memory", True) else ("time",)
     device = start_run(args)
     lengths = sorted(args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS))
     repeats = min(args.repeats, 2) if args.quick else args.repeats
@@ -142,16 +147,15 @@ def run_model_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     info["base"] = f"{info['base']} (attention: {base_attention})"
     hw = hardware_info(device)
     g = torch.Generator().manual_seed(args.seed)
-    tasks = [(n, T, kind) for T in lengths for n in ("base", "converted") for kind in ("prefill", "train")
-             if kind == "prefill" or args.train]
+    tasks = [(n, T, kind) for T in lengths for n in ("base", "converted") for kind in kinds]
     inputs = {(T, name): torch.randint(3, int(m.config.vocab_size), (args.batch, T), generator=g).to(device)
               for T in lengths for name, m in (("base", base), ("converted", converted))}
     rows = {task: {"model": task[0], "kind": task[2], "T": task[1]} for task in tasks}
     # Two passes: every memory run before any timed run. A run in the cached malloc mode leaves
     # the heap full of freed blocks; a later run in the exact mode reuses them, faulting them back
     # in, and they stay resident once freed, which inflated 32K peaks by up to 1.3 GiB.
-    bar = tqdm(total=2 * len(tasks), desc="bench model", unit="run", disable=args.quiet)
-    for phase in ("memory", "time"):
+    bar = tqdm(total=len(phases) * len(tasks), desc="bench model", unit="run", disable=args.quiet)
+    for phase in phases:
         for name, T, kind in tasks:
             bar.set_postfix_str(f"{phase}: {name} {kind} T={T}")
             row = rows[(name, T, kind)]
@@ -175,6 +179,7 @@ def run_model_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     rows = list(rows.values())
     config = {"lengths": lengths, "batch": args.batch, "repeats": repeats, "train_all": args.train_all,
               "loss": args.loss, "checkpointing": args.checkpointing, "base_attention": base_attention,
+              "memory_pass": "memory" in phases,
               "device": args.device, "dtype": args.dtype, "backend": args.backend}
     return finish_pair_bench("model", args, hw, info, config, rows, render_table, _plot)
 

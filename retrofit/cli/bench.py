@@ -91,6 +91,9 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
     m.add_argument("--train-all", action="store_true",
                    help="train every weight of both models (default: base trains all, converted its new weights)")
     m.add_argument("--no-train", dest="train", action="store_false", help="prefill only")
+    m.add_argument("--no-prefill", dest="prefill", action="store_false", help="training step only")
+    m.add_argument("--no-memory", dest="memory", action="store_false",
+                   help="times only: skip the pass of peak-memory runs (two runs per point, before the timed ones)")
     m.add_argument("--loss", choices=("model", "sliced"), default="model",
                    help="training loss: the model's own LM loss (default; whole (B, T, V) logits) or the same loss "
                         "through the trainer's sliced LM head (no whole logits; for long sequences)")

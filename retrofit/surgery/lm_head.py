@@ -2,8 +2,11 @@
 
 A full forward with ``labels`` materialises ``(B, T, V)`` fp32 logits: 17 GB for one 16K-token
 Gemma 3 sequence (V = 262k). Here the decoder runs with one head position, its final normed
-hidden states are captured, and the head, the optional final soft-cap, the log-softmax and the
-loss run on slices of at most ``logit_budget`` logits, each slice recomputed in backward.
+hidden states are captured, and the head, the optional final soft-cap and the losses run on at
+most ``logit_budget`` logits at a time: a plain linear head through the tiled op
+:func:`retrofit.ops.head_loss.linear_head_losses` (tiles of positions x vocabulary rows, each
+recomputed in backward, so every GEMM is large on both sides), any other head (PEFT-wrapped,
+ZeRO-3-partitioned) as slices of positions through the module itself.
 
 Used by the trainer's objectives (``retrofit.train.objectives``) and by ``retrofit bench model
 --loss sliced``; the numbers equal the model's own loss (tested).
@@ -18,10 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from retrofit.ops.head_loss import HEAD_VOCAB_BLOCK, IGNORE_INDEX, linear_head_losses
+
 __all__ = ["DEFAULT_LOGIT_BUDGET", "capture_final_hidden", "final_softcap", "head_logits_fn",
            "sliced_head_terms", "sliced_lm_loss", "unwrap_causal_lm"]
 
-DEFAULT_LOGIT_BUDGET = 1 << 24  # fp32 logits per slice (64 MiB): the KL holds two slices at once
+DEFAULT_LOGIT_BUDGET = 1 << 24  # fp32 logits per tile or slice (64 MiB); the KL holds ~4 at once
 
 
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
@@ -41,7 +46,10 @@ def head_logits_fn(causal_lm: nn.Module) -> Callable[[torch.Tensor], torch.Tenso
     cap = final_softcap(causal_lm)
 
     def logits(hidden: torch.Tensor) -> torch.Tensor:
-        out = head(hidden).float()
+        # A (B, n, D) slice of a longer sequence has a batch stride matmul cannot fold into one
+        # GEMM, so it would run a batched GEMM against the transposed (V, D) weight (half the
+        # FLOP rate on CPU). Flattened, it is one GEMM forward and one per gradient backward.
+        out = head(hidden.reshape(-1, hidden.shape[-1])).float().view(*hidden.shape[:-1], -1)
         return torch.tanh(out / cap) * cap if cap else out
 
     return logits
@@ -72,14 +80,17 @@ def sliced_head_terms(causal_lm: nn.Module, student: torch.Tensor, teacher: torc
     targets ``(B, N <= T)``: the next token of each of the first N positions (the rest have none
     and enter only the KL; None: no ``"lm"`` term). Returns ``{"kl": ..., "lm": ...}`` as present.
     """
-    logits_of = head_logits_fn(causal_lm)
     B, T, _ = student.shape
     N = 0 if targets is None else targets.shape[1]
-    vocab = causal_lm.get_output_embeddings().weight.shape[0]
-    step = max(1, int(logit_budget) // max(1, vocab * B))
     want_kl, want_lm = teacher is not None, targets is not None
     if not (want_kl or want_lm):
         raise ValueError("sliced_head_terms needs a teacher (kl), targets (lm) or both")
+    head = causal_lm.get_output_embeddings()
+    if _plain_linear(head):
+        return _tiled_head_terms(head, final_softcap(causal_lm), student, teacher, targets, int(logit_budget))
+    logits_of = head_logits_fn(causal_lm)
+    vocab = head.weight.shape[0]
+    step = max(1, int(logit_budget) // max(1, vocab * B))
 
     def piece(hs: torch.Tensor, ht: torch.Tensor | None, tgt: torch.Tensor | None, n_pred: int) -> torch.Tensor:
         logp = torch.log_softmax(logits_of(hs), dim=-1)
@@ -107,6 +118,37 @@ def sliced_head_terms(causal_lm: nn.Module, student: torch.Tensor, teacher: torc
         i += 1
     if want_lm:
         out["lm"] = sums[i] / (B * N)
+    return out
+
+
+def _plain_linear(head: nn.Module) -> bool:
+    """A bias-optional ``nn.Linear`` whose weight is all here (not a PEFT wrapper, not a ZeRO-3 shard)."""
+    weight = getattr(head, "weight", None)
+    return (isinstance(head, nn.Linear) and weight is not None and weight.dim() == 2
+            and getattr(weight, "ds_id", None) is None and weight.shape[1] == head.in_features)
+
+
+def _tiled_head_terms(head: nn.Linear, softcap: float | None, student: torch.Tensor, teacher: torch.Tensor | None,
+                      targets: torch.Tensor | None, logit_budget: int) -> dict[str, torch.Tensor]:
+    """:func:`sliced_head_terms` through the tiled op: positions flattened, the target-less ones ignored."""
+    B, T, D = student.shape
+    vocab_block = max(1, min(head.weight.shape[0], HEAD_VOCAB_BLOCK, logit_budget))
+    token_block = max(1, logit_budget // vocab_block)
+    flat_targets = None
+    if targets is not None:
+        flat_targets = torch.full((B, T), IGNORE_INDEX, dtype=torch.long, device=student.device)
+        flat_targets[:, : targets.shape[1]] = targets
+        flat_targets = flat_targets.reshape(B * T)
+    kl, nll = linear_head_losses(
+        student.reshape(B * T, D), head.weight, flat_targets,
+        None if teacher is None else teacher.reshape(B * T, D),
+        bias=head.bias, softcap=softcap, token_block=token_block, vocab_block=vocab_block,
+    )
+    out = {}
+    if teacher is not None:
+        out["kl"] = kl / (B * T)
+    if targets is not None:
+        out["lm"] = nll / (B * targets.shape[1])
     return out
 
 

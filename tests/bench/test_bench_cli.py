@@ -204,6 +204,21 @@ def test_model_base_attention_is_recorded(tmp_path):
         assert all(r.get("tokens_per_s", 0) > 0 for r in report["rows"]), report["rows"]
 
 
+def test_model_training_only_without_the_memory_pass(tmp_path, capsys):
+    """``--no-prefill --no-memory``: training rows only, timed, no peaks; both off is one error line."""
+    common = ["--tiny-size", "tiny", "--window", "16", "--threads", "1", "--quiet", "--repeats", "1"]
+    out = tmp_path / "train-only"
+    assert main(["bench", "model", "--lengths", "40", "--no-prefill", "--no-memory", "--out", str(out), *common]) == 0
+    report = json.loads((out / "results.json").read_text())
+    assert report["config"]["memory_pass"] is False
+    assert {r["kind"] for r in report["rows"]} == {"train"} and len(report["rows"]) == 2
+    assert all(r.get("tokens_per_s", 0) > 0 and "peak_bytes" not in r for r in report["rows"]), report["rows"]
+    capsys.readouterr()
+    assert main(["bench", "model", "--no-prefill", "--no-train", "--out", str(tmp_path / "none"), *common]) == 1
+    assert "error: --no-prefill and --no-train leave nothing to measure" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
+
+
 def _mapped_ranges(path_suffix: str) -> list[tuple[int, int]]:
     out = []
     for line in open("/proc/self/maps"):
