@@ -7,8 +7,9 @@ kernels themselves live in the math modules (:mod:`.latte`, :mod:`.sliding_windo
 are the ``torch`` backend's implementations. The compositions (:mod:`.macchiato`, :mod:`.sinks`)
 call dispatched ops; :func:`slot_attention_step` (one decoding query over preallocated key
 slots), :func:`capped_rope_attention` (full causal attention with RoPE distances capped, for
-layers kept as full attention past their context; SDPA blocks) and :func:`linear_cross_entropy`
-(an LM head's per-token NLL without whole logits, for evaluation) are a few device-generic torch
+layers kept as full attention past their context; SDPA blocks), :func:`linear_cross_entropy`
+(an LM head's per-token NLL without whole logits, for evaluation) and :func:`linear_head_losses`
+(its training losses, cross-entropy and KL to a teacher, with gradients) are a few device-generic torch
 calls with nothing to dispatch.
 """
 # the kernels' modules first: the backends register their kernels from them
@@ -41,6 +42,7 @@ from retrofit.ops.dispatched import (
     sliding_window_lse,
 )
 from retrofit.ops.linear_ce import linear_cross_entropy, linear_cross_entropy_reference
+from retrofit.ops.head_loss import linear_head_losses, linear_head_losses_reference
 from retrofit.ops.rope import rope_rotate
 from retrofit.ops.capped_rope import capped_rope_attention, capped_rope_attention_reference
 from retrofit.ops.sinks import (
@@ -97,6 +99,8 @@ __all__ = [
     "first_valid",
     "linear_cross_entropy",
     "linear_cross_entropy_reference",
+    "linear_head_losses",
+    "linear_head_losses_reference",
     "rope_rotate",
     "sink_window_attention",
     "sink_window_attention_reference",
