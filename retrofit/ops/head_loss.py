@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["IGNORE_INDEX", "HEAD_TOKEN_BLOCK", "HEAD_VOCAB_BLOCK", "linear_head_losses",
+__all__ = ["IGNORE_INDEX", "HEAD_TOKEN_BLOCK", "HEAD_VOCAB_BLOCK", "block_statistics", "linear_head_losses",
            "linear_head_losses_reference"]
 
 IGNORE_INDEX = -100  # a target that is not scored (transformers' label convention)
@@ -40,8 +40,10 @@ def _acc_dtype(weight: torch.Tensor) -> torch.dtype:
 
 def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None) -> torch.Tensor:
     z = F.linear(h, weight, bias).to(_acc_dtype(weight))
-    if softcap:
-        z = torch.tanh(z / softcap) * softcap
+    if softcap and z.requires_grad:  # the dense reference, under autograd
+        return torch.tanh(z / softcap) * softcap
+    if softcap:  # a fresh tile inside the op: in place, no (P, V) temporaries
+        z.div_(softcap).tanh_().mul_(softcap)
     return z
 
 
@@ -89,10 +91,55 @@ def _check(hidden, weight, targets, teacher, bias, token_block, vocab_block) -> 
                              f"got {int(scored.min())} .. {int(scored.max())}")
 
 
+def block_statistics(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    softcap: float | None,
+    vocab_block: int,
+    targets: torch.Tensor | None = None,
+    teacher: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One block of positions through the head, ``vocab_block`` rows of the weight at a time.
+
+    h ``(P, D)`` (and teacher ``(P, D)``) in the weight's dtype; targets ``(P,)`` (any value outside
+    ``[0, V)`` picks nothing). Returns ``(lse, target_logit, teacher_lse, gap)``, each ``(P,)`` in
+    the accumulation dtype: the student's log-sum-exp, the logit at each target (0 where none), and
+    with a teacher its log-sum-exp and ``sum_v q_v (z^t_v - z_v)`` (else None). The target logit comes
+    from the tile that also feeds the log-sum-exp, so it carries the same rounding.
+    """
+    P, V = h.shape[0], weight.shape[0]
+    acc_kw = dict(dtype=_acc_dtype(weight), device=h.device)
+    lse, picked = torch.full((P,), float("-inf"), **acc_kw), torch.zeros(P, **acc_kw)
+    lse_t = gap = None
+    if teacher is not None:
+        lse_t, gap = torch.full((P,), float("-inf"), **acc_kw), torch.zeros(P, **acc_kw)
+    for v0 in range(0, V, vocab_block):
+        v1 = min(V, v0 + vocab_block)
+        w, b = weight[v0:v1], None if bias is None else bias[v0:v1]
+        z = _logits(h, w, b, softcap)
+        lse = torch.logaddexp(lse, torch.logsumexp(z, dim=1))
+        if targets is not None:
+            here = (targets >= v0) & (targets < v1)
+            got = z.gather(1, (targets - v0).clamp(0, v1 - v0 - 1)[:, None])[:, 0]
+            picked = torch.where(here, got, picked)
+        if teacher is not None:
+            zt = _logits(teacher, w, b, softcap)
+            lse_c = torch.logsumexp(zt, dim=1)
+            diff = zt - z
+            # this tile's sum_v q_v (z^t_v - z_v) with q normalised within the tile, then rescaled
+            # from the tile's normaliser to the running one
+            gap_c = zt.sub_(lse_c[:, None]).exp_().mul_(diff).sum(1)
+            new_t = torch.logaddexp(lse_t, lse_c)
+            gap = gap * torch.exp(lse_t - new_t) + gap_c * torch.exp(lse_c - new_t)
+            lse_t = new_t
+    return lse, picked, lse_t, gap
+
+
 class _LinearHeadLosses(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, teacher, softcap, token_block, vocab_block):
-        N, V = hidden.shape[0], weight.shape[0]
+        N = hidden.shape[0]
         h_all = hidden.to(weight.dtype)
         t_all = None if teacher is None else teacher.to(weight.dtype)
         f32 = dict(dtype=_acc_dtype(weight), device=hidden.device)
@@ -101,38 +148,16 @@ class _LinearHeadLosses(torch.autograd.Function):
         kl_sum, nll_sum = torch.zeros((), **f32), torch.zeros((), **f32)
         for s in range(0, N, token_block):
             e = min(N, s + token_block)
-            h = h_all[s:e]
             y = None if targets is None else targets[s:e]
-            run_s = torch.full((e - s,), float("-inf"), **f32)
-            picked = torch.zeros(e - s, **f32)
-            run_t = acc = None
-            if t_all is not None:
-                run_t, acc = torch.full((e - s,), float("-inf"), **f32), torch.zeros(e - s, **f32)
-            for v0 in range(0, V, vocab_block):
-                v1 = min(V, v0 + vocab_block)
-                w, b = weight[v0:v1], None if bias is None else bias[v0:v1]
-                z = _logits(h, w, b, softcap)
-                run_s = torch.logaddexp(run_s, torch.logsumexp(z, dim=1))
-                if y is not None:
-                    here = (y >= v0) & (y < v1)
-                    got = z.gather(1, (y - v0).clamp(0, v1 - v0 - 1)[:, None])[:, 0]
-                    picked = torch.where(here, got, picked)
-                if t_all is not None:
-                    zt = _logits(t_all[s:e], w, b, softcap)
-                    lse_c = torch.logsumexp(zt, dim=1)
-                    gap = zt - z
-                    # this tile's sum_v q_v (z^t_v - z_v), with q normalised within the tile
-                    a_c = zt.sub_(lse_c[:, None]).exp_().mul_(gap).sum(1)
-                    new_t = torch.logaddexp(run_t, lse_c)
-                    acc = acc * torch.exp(run_t - new_t) + a_c * torch.exp(lse_c - new_t)
-                    run_t = new_t
+            run_s, picked, run_t, gap = block_statistics(
+                h_all[s:e], weight, bias, softcap, vocab_block, y, None if t_all is None else t_all[s:e])
             lse_s[s:e] = run_s
             if y is not None:
                 valid = y != IGNORE_INDEX
                 nll_sum = nll_sum + torch.where(valid, run_s - picked, 0.0).sum()
             if t_all is not None:
                 lse_t[s:e] = run_t
-                kl_sum = kl_sum + (acc - run_t + run_s).sum()
+                kl_sum = kl_sum + (gap - run_t + run_s).sum()
         ctx.save_for_backward(hidden, weight, bias, targets, teacher, lse_s, lse_t)
         ctx.softcap, ctx.token_block, ctx.vocab_block = softcap, token_block, vocab_block
         return kl_sum, nll_sum

@@ -9,7 +9,8 @@ slice of 256 positions holds 256 MiB of fp32 logits. :func:`linear_cross_entropy
 in blocks of ``token_block`` positions x ``vocab_block`` vocabulary rows: each block's logits
 (16 MiB at the defaults) are folded into a running log-sum-exp while they are still in cache,
 and the target logit is gathered from the block that holds it (so it carries exactly the same
-rounding as the normaliser). Forward only: training losses take the logits from the model.
+rounding as the normaliser); the block routine is the training losses' own
+(:func:`retrofit.ops.head_loss.block_statistics`). Forward only, per token, no ignore_index.
 :func:`linear_cross_entropy_reference` is the dense form it is tested against.
 """
 from __future__ import annotations
@@ -17,16 +18,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from retrofit.ops.head_loss import block_statistics
+
 TOKEN_BLOCK = 2048
 VOCAB_BLOCK = 2048
 
 __all__ = ["TOKEN_BLOCK", "VOCAB_BLOCK", "linear_cross_entropy", "linear_cross_entropy_reference"]
-
-
-def _softcap_(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    if softcap:
-        logits.div_(softcap).tanh_().mul_(softcap)
-    return logits
 
 
 def linear_cross_entropy_reference(
@@ -41,7 +38,9 @@ def linear_cross_entropy_reference(
 
     hidden ``(N, D)``, weight ``(V, D)``, bias ``(V,)`` or None, targets ``(N,)`` in ``[0, V)``.
     """
-    logits = _softcap_(F.linear(hidden, weight, bias).float(), softcap)
+    logits = F.linear(hidden, weight, bias).float()
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
     return F.cross_entropy(logits, targets, reduction="none")
 
 
@@ -76,16 +75,7 @@ def linear_cross_entropy(
     hidden = hidden.to(weight.dtype)
     out = torch.empty(N, dtype=torch.float32, device=hidden.device)
     for s in range(0, N, token_block):
-        h, y = hidden[s : s + token_block], targets[s : s + token_block]
-        lse = torch.full((h.shape[0],), float("-inf"), dtype=torch.float32, device=h.device)
-        target_logit = torch.zeros_like(lse)
-        for v0 in range(0, V, vocab_block):
-            v1 = min(V, v0 + vocab_block)
-            z = F.linear(h, weight[v0:v1], None if bias is None else bias[v0:v1]).float()
-            _softcap_(z, softcap)
-            lse = torch.logaddexp(lse, torch.logsumexp(z, dim=1))
-            here = (y >= v0) & (y < v1)
-            picked = z.gather(1, (y - v0).clamp(0, v1 - v0 - 1)[:, None])[:, 0]
-            target_logit = torch.where(here, picked, target_logit)
+        lse, target_logit, _, _ = block_statistics(
+            hidden[s : s + token_block], weight, bias, softcap, vocab_block, targets[s : s + token_block])
         out[s : s + token_block] = lse - target_logit
     return out

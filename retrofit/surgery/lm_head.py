@@ -46,10 +46,7 @@ def head_logits_fn(causal_lm: nn.Module) -> Callable[[torch.Tensor], torch.Tenso
     cap = final_softcap(causal_lm)
 
     def logits(hidden: torch.Tensor) -> torch.Tensor:
-        # A (B, n, D) slice of a longer sequence has a batch stride matmul cannot fold into one
-        # GEMM, so it would run a batched GEMM against the transposed (V, D) weight (half the
-        # FLOP rate on CPU). Flattened, it is one GEMM forward and one per gradient backward.
-        out = head(hidden.reshape(-1, hidden.shape[-1])).float().view(*hidden.shape[:-1], -1)
+        out = head(hidden).float()
         return torch.tanh(out / cap) * cap if cap else out
 
     return logits
@@ -123,9 +120,7 @@ def sliced_head_terms(causal_lm: nn.Module, student: torch.Tensor, teacher: torc
 
 def _plain_linear(head: nn.Module) -> bool:
     """A bias-optional ``nn.Linear`` whose weight is all here (not a PEFT wrapper, not a ZeRO-3 shard)."""
-    weight = getattr(head, "weight", None)
-    return (isinstance(head, nn.Linear) and weight is not None and weight.dim() == 2
-            and getattr(weight, "ds_id", None) is None and weight.shape[1] == head.in_features)
+    return isinstance(head, nn.Linear) and getattr(head.weight, "ds_id", None) is None
 
 
 def _tiled_head_terms(head: nn.Linear, softcap: float | None, student: torch.Tensor, teacher: torch.Tensor | None,
