@@ -1,7 +1,11 @@
 """GPU backends against the torch reference ops, forward and backward, fp32 and bf16.
 
-Skipped without CUDA (conftest's ``cuda`` marker) and per backend without its package
-(flash-linear-attention for ``fla``, flash-attn for ``flash``; flex needs torch >= 2.5).
+Skipped without CUDA (conftest's ``cuda`` marker), and only then. A test that names a backend
+(its ``backend`` parameter) fails when that backend is missing (flash-linear-attention for
+``fla``, flash-attn for ``flash``: ``pip install 'retrofit[gpu]'``; flex needs torch >= 2.5),
+and requests are strict here (:func:`~retrofit.ops.backends.strict_backends`), so a named
+backend that cannot run a call is an error, never a quiet fallback to the torch kernel that
+would then be compared with itself.
 Tolerances: bf16 inputs are compared with the torch op run in fp32 on the same bf16-rounded
 inputs, by relative error of the whole tensor (||a - b|| / ||b||, ||b|| floored at an RMS of
 1e-3 for gradients that vanish analytically, e.g. d/dk at T = 1); fla's fp32 path uses
@@ -9,7 +13,6 @@ Triton dots (TF32 on Ampere+), hence its looser fp32 bound.
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
 
 import pytest
@@ -24,14 +27,31 @@ from tests.ops._inputs import padding_mask
 
 pytestmark = pytest.mark.cuda
 
-needs_fla = pytest.mark.skipif(importlib.util.find_spec("fla") is None, reason="flash-linear-attention not installed")
-needs_flash = pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash-attn not installed")
-needs_flex = pytest.mark.skipif(
-    importlib.util.find_spec("torch.nn.attention.flex_attention") is None, reason="torch has no flex attention"
-)
-
 DEV = "cuda"
 TOL = {torch.float32: 5e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(autouse=True)
+def _strict_requests(monkeypatch):
+    """Named backends raise instead of falling back; no process-wide request leaks in."""
+    monkeypatch.delenv(backends.ENV_VAR, raising=False)
+    backends.set_default_backend(None)
+    with backends.strict_backends():
+        yield
+
+
+def _require(*names: str) -> None:
+    """Fail (never skip) the test when a backend it names is not installed, saying how to get it."""
+    missing = [n for n in names if not backends.is_installed(n)]
+    if missing:
+        hints = ", ".join(f"{n}: {backends.get_backend(n).install_hint}" for n in missing)
+        pytest.fail(f"backend {', '.join(missing)} not installed ({hints}): pip install 'retrofit[gpu]'", pytrace=False)
+
+
+def _assert_runs_on(op: str, backend: str, dtype: torch.dtype, requested: str | None = None, **features) -> None:
+    """The registry resolves ``op`` on CUDA/``dtype`` to exactly ``backend``."""
+    got = backends.resolve_backend(op, DEV, dtype, requested if requested is not None else backend, **features)
+    assert got == backend, f"{op} resolved to {got}, not {backend}"
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -72,17 +92,19 @@ def _latte_inputs(B, H, T, L, D, dtype):
 # fla
 
 
-@needs_fla
+@pytest.mark.parametrize("backend", ["fla"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 63, 200, 1000])
 @pytest.mark.parametrize("padded", [False, True])
-def test_fla_latte_chunked_matches_torch(dtype, T, padded):
+def test_latte_chunked_matches_torch(backend, dtype, T, padded):
+    _require(backend)
+    _assert_runs_on("causal_latte_chunked", backend, dtype, key_padding_mask=padded)
     B, H, L, D = 2, 4, 16, 64
     q, k, v = _latte_inputs(B, H, T, L, D, dtype)
     mask = padding_mask(B, T, [0, min(5, T - 1)]).to(DEV) if padded else None
 
     def fla(q, k, v):
-        return ops.causal_latte_chunked(q, k, v, key_padding_mask=mask, output_final_state=True, backend="fla")
+        return ops.causal_latte_chunked(q, k, v, key_padding_mask=mask, output_final_state=True, backend=backend)
 
     def ref(q, k, v):  # fp32 torch op on the same (rounded) inputs
         out, st = causal_latte_chunked(q.float(), k.float(), v.float(), key_padding_mask=mask, output_final_state=True)
@@ -95,14 +117,16 @@ def test_fla_latte_chunked_matches_torch(dtype, T, padded):
     torch.testing.assert_close(got[2].z, want[2].z, atol=1e-4, rtol=1e-4)
 
 
-@needs_fla
+@pytest.mark.parametrize("backend", ["fla"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fla_latte_continues_from_a_state_and_steps(dtype):
+def test_latte_continues_from_a_state_and_steps(backend, dtype):
+    _require(backend)
+    _assert_runs_on("causal_latte_step", backend, dtype)
     B, H, L, D = 2, 4, 16, 64
     q, k, v = _latte_inputs(B, H, 300, L, D, dtype)
     _, state = causal_latte_chunked(q[:, :, :200].float(), k[:, :, :200].float(), v[:, :, :200].float(), output_final_state=True)
     out, st = ops.causal_latte_chunked(
-        q[:, :, 200:], k[:, :, 200:], v[:, :, 200:], initial_state=state, output_final_state=True, backend="fla"
+        q[:, :, 200:], k[:, :, 200:], v[:, :, 200:], initial_state=state, output_final_state=True, backend=backend
     )
     ref, ref_st = causal_latte_chunked(
         q[:, :, 200:].float(), k[:, :, 200:].float(), v[:, :, 200:].float(), initial_state=state, output_final_state=True
@@ -110,7 +134,7 @@ def test_fla_latte_continues_from_a_state_and_steps(dtype):
     assert _rel(out, ref) < TOL[dtype] and _rel(st.m, ref_st.m) < TOL[dtype]
 
     valid = torch.tensor([True, False], device=DEV)
-    o1, s1 = ops.causal_latte_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], state, valid=valid, backend="fla")
+    o1, s1 = ops.causal_latte_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], state, valid=valid, backend=backend)
     o2, s2 = causal_latte_step(q[:, :, 0].float(), k[:, :, 0].float(), v[:, :, 0].float(), state, valid=valid)
     assert _rel(o1[0], o2[0]) < TOL[dtype] and (o1[1] == 0).all()
     assert _rel(s1.m, s2.m) < TOL[dtype]
@@ -118,25 +142,29 @@ def test_fla_latte_continues_from_a_state_and_steps(dtype):
     torch.testing.assert_close(s1.z, s2.z)
 
 
-@needs_fla
+@pytest.mark.parametrize("backend", ["fla"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fla_exp_linear_matches_torch(dtype):
+def test_exp_linear_matches_torch(backend, dtype):
+    _require(backend)
+    _assert_runs_on("exp_linear_attention", backend, dtype)
+    _assert_runs_on("exp_linear_attention_step", backend, dtype)
     B, H, T, d = 2, 4, 257, 64
     q, k, v = (torch.randn(B, H, T, d, device=DEV).to(dtype) for _ in range(3))
-    fla = lambda q, k, v: ops.exp_linear_attention(q, k, v, output_final_state=True, backend="fla")  # noqa: E731
+    fla = lambda q, k, v: ops.exp_linear_attention(q, k, v, output_final_state=True, backend=backend)  # noqa: E731
     ref = lambda q, k, v: exp_linear_attention(q.float(), k.float(), v.float(), output_final_state=True)  # noqa: E731
     got, want = _run(fla, (q, k, v)), _run(ref, (q, k, v))
     _compare(got, want, dtype)
-    o1, _ = ops.exp_linear_attention_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], got[2], backend="fla")
+    o1, _ = ops.exp_linear_attention_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], got[2], backend=backend)
     o2, _ = exp_linear_attention_step(q[:, :, 0].float(), k[:, :, 0].float(), v[:, :, 0].float(), want[2])
     assert _rel(o1, o2) < TOL[dtype]
 
 
-@needs_fla
-def test_fla_latte_survives_large_logit_spread():
+@pytest.mark.parametrize("backend", ["fla"])
+def test_latte_survives_large_logit_spread(backend):
+    _require(backend)
     q, k, v = _latte_inputs(1, 2, 512, 16, 64, torch.bfloat16)
     k = (k.float() * 30).to(torch.bfloat16)  # spreads of hundreds inside a chunk
-    out, _ = ops.causal_latte_chunked(q, k, v, backend="fla")
+    out, _ = ops.causal_latte_chunked(q, k, v, backend=backend)
     ref, _ = causal_latte_chunked(q.float(), k.float(), v.float())
     assert torch.isfinite(out).all() and _rel(out, ref) < TOL[torch.bfloat16]
 
@@ -152,24 +180,28 @@ def _swa_inputs(B, Hq, Hkv, T, d, dtype, num_past=0):
     return q, k, v
 
 
-@needs_flash
+@pytest.mark.parametrize("backend", ["flash"])
 @pytest.mark.parametrize("T,window", [(100, 16), (1000, 128), (777, 128)])
 @pytest.mark.parametrize("softcap", [None, 50.0])
 @pytest.mark.parametrize("gqa", [1, 4])
-def test_flash_sliding_window_matches_reference(T, window, softcap, gqa):
+def test_sliding_window_matches_reference(backend, T, window, softcap, gqa):
+    _require(backend)
     dtype = torch.bfloat16
+    _assert_runs_on("sliding_window_attention", backend, dtype, head_dim=128, value_dim=128)
     q, k, v = _swa_inputs(2, 8, 8 // gqa, T, 128, dtype)
     kw = dict(softcap=softcap, scaling=0.07)
-    flash = lambda q, k, v: (ops.sliding_window_attention(q, k, v, window, backend="flash", **kw), None)  # noqa: E731
+    flash = lambda q, k, v: (ops.sliding_window_attention(q, k, v, window, backend=backend, **kw), None)  # noqa: E731
     ref = lambda q, k, v: (sliding_window_attention_reference(q.float(), k.float(), v.float(), window, **kw), None)  # noqa: E731
     _compare(_run(flash, (q, k, v)), _run(ref, (q, k, v)), dtype)
 
 
-@needs_flash
+@pytest.mark.parametrize("backend", ["flash", "flex"])
 @pytest.mark.parametrize("num_past", [1, 50, 300])
-def test_flash_sliding_window_with_cached_keys(num_past):
+def test_sliding_window_with_cached_keys(backend, num_past):
+    _require(backend)
+    _assert_runs_on("sliding_window_attention", backend, torch.bfloat16, head_dim=64, value_dim=64)
     q, k, v = _swa_inputs(2, 8, 2, 7, 64, torch.bfloat16, num_past=num_past)
-    out = ops.sliding_window_attention(q, k, v, 128, num_past=num_past, backend="flash")
+    out = ops.sliding_window_attention(q, k, v, 128, num_past=num_past, backend=backend)
     ref = sliding_window_attention_reference(q.float(), k.float(), v.float(), 128, num_past=num_past)
     assert _rel(out, ref) < TOL[torch.bfloat16]
     off = sliding_window_attention_reference(q.float(), k.float(), v.float(), 127, num_past=num_past)
@@ -177,14 +209,16 @@ def test_flash_sliding_window_with_cached_keys(num_past):
         assert _rel(out, off) > 2 * TOL[torch.bfloat16]
 
 
-@needs_flex
+@pytest.mark.parametrize("backend", ["flex"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("padded", [False, True])
-def test_flex_sliding_window_matches_reference(dtype, padded):
+def test_padded_sliding_window_matches_reference(backend, dtype, padded):
+    _require(backend)
+    _assert_runs_on("sliding_window_attention", backend, dtype, key_padding_mask=padded, head_dim=64, value_dim=64)
     q, k, v = _swa_inputs(2, 8, 2, 600, 64, dtype)
     mask = padding_mask(2, 600, [0, 33]).to(DEV) if padded else None
     kw = dict(softcap=30.0, key_padding_mask=mask)
-    flex = lambda q, k, v: (ops.sliding_window_attention(q, k, v, 128, backend="flex", **kw), None)  # noqa: E731
+    flex = lambda q, k, v: (ops.sliding_window_attention(q, k, v, 128, backend=backend, **kw), None)  # noqa: E731
     ref = lambda q, k, v: (sliding_window_attention_reference(q.float(), k.float(), v.float(), 128, **kw), None)  # noqa: E731
     _compare(_run(flex, (q, k, v)), _run(ref, (q, k, v)), dtype)
 
@@ -193,29 +227,51 @@ def test_flex_sliding_window_matches_reference(dtype, padded):
 # the full Macchiato op and auto dispatch
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_macchiato_auto_matches_torch(dtype, caplog):
+def _macchiato_inputs(dtype):
     B, Hq, Hkv, T, d, L = 2, 8, 2, 700, 128, 16
     q, k, v = _swa_inputs(B, Hq, Hkv, T, d, dtype)
     mix = torch.randn(B, Hq, T, L + 1, device=DEV).to(dtype)
     lat = (torch.randn(B, Hq, T, L, device=DEV) * 3).to(dtype)
+    return q, k, v, mix, lat
+
+
+def _macchiato_matches_torch(dtype, requested):
+    run = lambda *x: macchiato_attention(*x, window=128, softcap=50.0, backend=requested)  # noqa: E731
+    ref = lambda *x: macchiato_attention(*(t.float() for t in x), window=128, softcap=50.0, backend="torch")  # noqa: E731
+    inputs = _macchiato_inputs(dtype)
+    _compare(_run(run, inputs), _run(ref, inputs), dtype)
+
+
+@pytest.mark.parametrize("latte,window,dtype", [
+    ("fla", "flash", torch.bfloat16), ("fla", "flex", torch.bfloat16), ("fla", "flex", torch.float32),
+])
+def test_macchiato_on_named_backends_matches_torch(latte, window, dtype):
+    _require(latte, window)
+    requested = f"{latte},{window}"
+    _assert_runs_on("causal_latte_chunked", latte, dtype, requested)
+    _assert_runs_on("sliding_window_attention", window, dtype, requested, head_dim=128, value_dim=128)
+    _macchiato_matches_torch(dtype, requested)
+
+
+def test_macchiato_auto_takes_the_gpu_backends_in_bf16(caplog):
+    """auto on CUDA: fla and flash in bf16 (the ``gpu`` extra), torch in fp32 (TF32 stays off)."""
+    _require("fla", "flash")
+    _assert_runs_on("causal_latte_chunked", "fla", torch.bfloat16, "auto")
+    _assert_runs_on("sliding_window_attention", "flash", torch.bfloat16, "auto", head_dim=128, value_dim=128)
+    _assert_runs_on("causal_latte_chunked", "torch", torch.float32, "auto")
     caplog.set_level(logging.INFO, logger="retrofit.ops.backends")
     backends._reset_log_memory()
-    auto = lambda *x: macchiato_attention(*x, window=128, softcap=50.0)  # noqa: E731
-    ref = lambda *x: macchiato_attention(*(t.float() for t in x), window=128, softcap=50.0, backend="torch")  # noqa: E731
-    _compare(_run(auto, (q, k, v, mix, lat)), _run(ref, (q, k, v, mix, lat)), dtype)
+    _macchiato_matches_torch(torch.bfloat16, None)
     ran = " ".join(r.getMessage() for r in caplog.records)
-    if dtype == torch.bfloat16 and backends.is_installed("fla"):
-        assert "causal_latte_chunked runs on the fla backend" in ran
-    if dtype == torch.bfloat16 and backends.is_installed("flash"):
-        assert "sliding_window_attention runs on the flash backend" in ran
-    if dtype == torch.float32:
-        assert "runs on the torch backend" in ran
+    assert "causal_latte_chunked runs on the fla backend" in ran
+    assert "sliding_window_attention runs on the flash backend" in ran
 
 
-def test_empty_state_roundtrip_on_cuda():
+@pytest.mark.parametrize("backend", ["torch", "fla"])
+def test_empty_state_roundtrip_on_cuda(backend):
+    _require(backend)
     st = LatteState.empty(1, 2, 3, 4, device=DEV)
     q, k, v = _latte_inputs(1, 2, 5, 3, 4, torch.bfloat16)
-    out, _ = ops.causal_latte_chunked(q, k, v, initial_state=st)
+    out, _ = ops.causal_latte_chunked(q, k, v, initial_state=st, backend=backend)
     ref, _ = causal_latte_chunked(q.float(), k.float(), v.float())
     assert _rel(out, ref) < TOL[torch.bfloat16]

@@ -145,6 +145,30 @@ def test_requested_backend_that_cannot_run_the_call_falls_back_with_the_reason(_
     ]
 
 
+def test_strict_requests_raise_instead_of_falling_back(_clean_dispatch_state, monkeypatch):
+    """What the CUDA tests rely on: a named backend whose package does not import is an error
+    naming the pip extra, not a quiet run of the torch kernel compared with itself."""
+    added = _clean_dispatch_state
+    ghost = _fake(added, "ghost", 50, ("causal_latte_chunked",), package="retrofit_no_such_package",
+                  install_hint="ghost-kernels")
+    q, k, v = _latte()
+    with backends.strict_backends():
+        with pytest.raises(backends.BackendUnavailable) as err:
+            ops.causal_latte_chunked(q, k, v, backend="ghost")
+        msg = str(err.value)
+        assert "\n" not in msg and "requested the ghost backend but ghost is not installed" in msg
+        assert "pip install 'retrofit[gpu]' or ghost-kernels" in msg
+        ops.causal_latte_chunked(q, k, v)  # auto is unaffected: it never names a backend
+    assert isinstance(err.value, SpecError)
+    ops.causal_latte_chunked(q, k, v, backend="ghost")  # not strict: falls back (with a warning)
+    monkeypatch.setenv(backends.STRICT_ENV_VAR, "1")
+    with pytest.raises(backends.BackendUnavailable):  # the remembered fallback is not reused
+        ops.causal_latte_chunked(q, k, v, backend="ghost")
+    assert ghost["causal_latte_chunked"] == 0
+    monkeypatch.setenv(backends.STRICT_ENV_VAR, "0")
+    assert backends.resolve_backend("causal_latte_chunked", "cpu", torch.float32, "ghost") == "torch"
+
+
 def test_feature_checks_rule_a_backend_out(_clean_dispatch_state):
     added = _clean_dispatch_state
     nopad = _fake(added, "nopad", 50, ("sliding_window_attention",),

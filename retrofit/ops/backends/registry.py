@@ -15,7 +15,10 @@ first listed backend that has a kernel for it, and ``auto`` if none does.
 * ``auto`` tries the backends with a kernel for the op, highest priority first, skipping those
   that cannot run the call or that only run it on request (the reason is logged at DEBUG).
 * A requested backend that cannot run the call (wrong device or dtype, package missing,
-  unsupported feature) warns once with the reason and runs what ``auto`` picks.
+  unsupported feature) warns once with the reason and runs what ``auto`` picks - unless
+  requests are strict (:func:`strict_backends`, ``RETROFIT_BACKEND_STRICT=1``): then it is a
+  :class:`BackendUnavailable` error with that reason (what a test of a named backend needs:
+  a missing package must fail it, not compare the torch kernel with itself).
 * An unknown name is a :class:`~retrofit.errors.SpecError` naming the registered backends.
 * The first call of each (op, backend, device, dtype) is logged at INFO:
   ``retrofit.ops: <op> runs on the <backend> backend (<device>, <dtype>)``.
@@ -38,7 +41,9 @@ from retrofit.errors import SpecError
 __all__ = [
     "AUTO",
     "ENV_VAR",
+    "STRICT_ENV_VAR",
     "Backend",
+    "BackendUnavailable",
     "Call",
     "Kernel",
     "Op",
@@ -51,6 +56,7 @@ __all__ = [
     "resolve",
     "resolve_backend",
     "set_default_backend",
+    "strict_backends",
     "unregister",
     "use_backend",
 ]
@@ -58,7 +64,12 @@ __all__ = [
 logger = logging.getLogger("retrofit.ops.backends")
 
 ENV_VAR = "RETROFIT_BACKEND"
+STRICT_ENV_VAR = "RETROFIT_BACKEND_STRICT"
 AUTO = "auto"
+
+
+class BackendUnavailable(SpecError):
+    """A strictly requested backend cannot run a call (the message says why and how to install it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,6 +231,27 @@ def get_default_backend() -> str:
     return _default_backend or os.environ.get(ENV_VAR, "").strip() or AUTO
 
 
+_strict: bool = False
+
+
+def _is_strict() -> bool:
+    """Whether a requested backend that cannot run a call is an error (strict_backends or the env var)."""
+    return _strict or os.environ.get(STRICT_ENV_VAR, "").strip().lower() in ("1", "true", "yes")
+
+
+@contextlib.contextmanager
+def strict_backends(on: bool = True) -> Iterator[None]:
+    """``with strict_backends(): ...`` - a requested backend that cannot run a call raises
+    :class:`BackendUnavailable` instead of falling back to what ``auto`` picks."""
+    global _strict
+    old = _strict
+    _strict = on
+    try:
+        yield
+    finally:
+        _strict = old
+
+
 @contextlib.contextmanager
 def use_backend(name: str | None) -> Iterator[None]:
     """``with use_backend("torch"): ...`` - temporary process-wide request."""
@@ -272,7 +304,7 @@ _resolved: dict[tuple, Backend] = {}
 
 def resolve(op: str, call: Call, requested: str | None = None) -> Backend:
     """The backend that runs ``call`` of ``op``; ``requested`` None or "auto": the default request."""
-    key = (op, call, requested, _default_backend, os.environ.get(ENV_VAR))
+    key = (op, call, requested, _default_backend, os.environ.get(ENV_VAR), _is_strict())
     chosen = _resolved.get(key)
     if chosen is None:
         chosen = _resolved[key] = _resolve(op, call, requested)
@@ -289,6 +321,8 @@ def _resolve(op: str, call: Call, requested: str | None) -> Backend:
         reason = explicit.why_not(op, call)
         if reason is None:
             chosen = explicit
+        elif _is_strict():
+            raise BackendUnavailable(f"{op} requested the {explicit.name} backend but {reason} (strict backend requests)")
         else:
             chosen = _auto(op, call, quiet=True)  # the warning below says why
             _log_once(logging.WARNING, ("fallback", op, explicit.name, reason),
