@@ -44,7 +44,7 @@ from retrofit.ops import capped_sink_keys, capped_sinks, first_valid, macchiato_
 __all__ = ["DEFAULT_INIT_SWA_SHARE", "MacchiatoAttention", "MacchiatoConfig", "build_macchiato", "swa_bias"]
 
 # Initial sliding-window share p(0|t) of a fresh layer. Chosen by the ablation in BENCHMARKS.md
-# ("Continual pretraining (CPU)", scripts/swa_share_ablation.py, Gemma 3 270M, 100 steps): 0.9
+# ("Which defaults training chose", scripts/research/swa_share_ablation.py, Gemma 3 270M, 100 steps): 0.9
 # starts closest to the base model (held-out loss 4.27 vs 5.96 at 0.5 and 6.95 at 0.25) and is
 # still best after training (3.704 vs 3.713 and 3.814). The one constant every default reads
 # (MacchiatoConfig's default, re-exported as retrofit.surgery.DEFAULT_INIT_SWA_SHARE).

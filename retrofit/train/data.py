@@ -1,7 +1,7 @@
 """A recipe's data: the training stream of one rank and the fixed held-out sequences.
 
 Used by the training loop and by anything that must score a model on exactly the sequences a
-run evaluates on (e.g. the base model in scripts/swa_share_ablation.py).
+run evaluates on (e.g. the base model in scripts/research/swa_share_ablation.py).
 """
 from __future__ import annotations
 

@@ -1,12 +1,12 @@
 """Time one decoding step three ways, interleaved: the base, the hybrid through its in-place
-window slots, and the hybrid through the general (concatenating) path (issue 16; BENCHMARKS.md).
+window slots, and the hybrid through the general (concatenating) path (measured 2026-11-23; scripts/research/README.md).
 
 A random Gemma-3-270M-shaped model with 6 layers (5 sliding + 1 global; hidden 640, 4 query heads,
 1 KV head, head_dim 256) is converted like the demo (the global layer -> Macchiato, w = 2048,
 L = 128, 4 sinks), each variant is prefilled with ``--context`` tokens, and the steps of the three
 alternate so load drift hits all alike. Prints median and min step time in ms.
 
-    python scripts/time_decode_paths.py --context 1024 4096
+    python scripts/research/time_decode_paths.py --context 1024 4096
 """
 from __future__ import annotations
 

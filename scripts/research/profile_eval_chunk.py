@@ -1,13 +1,13 @@
-"""Where one chunk of a long-context perplexity forward spends its time, by module kind (issue 13;
-BENCHMARKS.md, "Evaluation speed").
+"""Where one chunk of a long-context perplexity forward spends its time, by module kind (measured
+2026-11-24; scripts/research/README.md).
 
 The model runs ``--past`` tokens of a book through its cache in ``--chunk``-token chunks, as
 ``retrofit eval ppl --chunk-size`` does; the next chunk is then timed per attention kind (one row
 per attention class and ``config.layer_types`` entry), MLPs, and the LM head + cross-entropy.
 
-    python scripts/profile_eval_chunk.py gemma3-270m --past 28672 --attention stock
-    python scripts/profile_eval_chunk.py gemma3-270m --past 28672 --attention scoring
-    python scripts/profile_eval_chunk.py runs/demo/train/final --past 28672
+    python scripts/research/profile_eval_chunk.py gemma3-270m --past 28672 --attention stock
+    python scripts/research/profile_eval_chunk.py gemma3-270m --past 28672 --attention scoring
+    python scripts/research/profile_eval_chunk.py runs/demo/train/final --past 28672
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import torch
 from retrofit.eval import loading, nll
 from retrofit.layers.cache import cache_keyword, output_cache
 
-BOOKS = Path(os.environ.get("RETROFIT_PG_BOOKS", Path(__file__).resolve().parents[2] / "shared" / "data" / "pg-books"))
+BOOKS = Path(os.environ.get("RETROFIT_PG_BOOKS", Path(__file__).resolve().parents[3] / "shared" / "data" / "pg-books"))
 
 
 def _timed(module: torch.nn.Module, key: str, acc: dict[str, float]) -> None:

@@ -7,8 +7,8 @@ books is recorded before training (step 0 = the converted-but-untrained model) a
 ``eval.every`` steps. The unconverted base model scored on the very same sequences is the
 reference line.
 
-    python scripts/swa_share_ablation.py --shares 0.5 0.9
-    python scripts/swa_share_ablation.py --shares 0.5 0.9 train.max_steps=60   # recipe overrides
+    python scripts/research/swa_share_ablation.py --shares 0.5 0.9
+    python scripts/research/swa_share_ablation.py --shares 0.5 0.9 train.max_steps=60   # recipe overrides
 
 Writes OUT/ablation.json and a PNG (held-out and training loss per step), prints a markdown table.
 A killed ablation continues where it stopped (each share's run resumes from its checkpoints).
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @torch.no_grad()
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"{recipe.model.name} -> Latte Macchiato (w {recipe.conversion.get('window')}, L {recipe.conversion.get('latents')}): "
              f"{steps} steps x {recipe.train.batch_size} x {recipe.data.seq_len} tokens, lr {recipe.train.lr:g}")
     plot(results, base, Path(args.plot), title)
-    summary = {"command": " ".join(["python", "scripts/swa_share_ablation.py", *(argv if argv is not None else sys.argv[1:])]),
+    summary = {"command": " ".join(["python", "scripts/research/swa_share_ablation.py", *(argv if argv is not None else sys.argv[1:])]),
                "recipe": str(args.recipe), "overrides": args.overrides, "base_heldout_loss": base, "shares": results}
     out.mkdir(parents=True, exist_ok=True)
     (out / "ablation.json").write_text(json.dumps(summary, indent=2) + "\n")

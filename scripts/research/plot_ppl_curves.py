@@ -3,7 +3,7 @@
 One curve per ``--series LABEL=WHO@FILE[,FILE...]``: WHO is ``model`` or ``baseline``; the files'
 lengths are merged (a later file wins at a length both hold). ``FILE#KEY`` reads dataset KEY of that
 file, else ``--dataset``, else the file's first dataset. The command behind
-docs/hybrid_sink_cap_1k_128k.png is in BENCHMARKS.md ("Sinks re-positioned").
+docs/hybrid_sink_cap_1k_128k.png is in scripts/research/README.md.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Time an LM head's training loss (forward + backward) two ways, on random data of a head's shape.
 
-    python scripts/profile_head_loss.py                      # Gemma 3 270M's head: V=262144, D=640
-    python scripts/profile_head_loss.py --positions 4096 --train-weight
+    python scripts/research/profile_head_loss.py                      # Gemma 3 270M's head: V=262144, D=640
+    python scripts/research/profile_head_loss.py --positions 4096 --train-weight
 
 * ``tiled``: :func:`retrofit.ops.head_loss.linear_head_losses` (tiles of positions x vocabulary);
 * ``slices``: what a head that is not a plain ``nn.Linear`` still takes (``sliced_head_terms``'

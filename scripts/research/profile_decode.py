@@ -1,11 +1,11 @@
 """Count the aten calls of one decoding step, base vs hybrid conversion: the per-token overhead
-of the converted layers, independent of machine load (issue 16; BENCHMARKS.md).
+of the converted layers, independent of machine load (measured 2026-11-23; scripts/research/README.md).
 
 A small random Gemma-3-shaped model (6 layers, 5 sliding + 1 global, as Gemma 3's 5:1 pattern)
 is converted like the demo (global layers -> Macchiato with sinks), prefilled with ``--context``
 tokens, stepped a few tokens, then one step is profiled with torch.profiler.
 
-    python scripts/profile_decode.py --context 1024 --window 256 --latents 32 --sinks 4
+    python scripts/research/profile_decode.py --context 1024 --window 256 --latents 32 --sinks 4
 """
 from __future__ import annotations
 

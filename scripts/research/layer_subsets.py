@@ -1,14 +1,14 @@
 """Which converted layers cost retrieval: passkey and perplexity of a model with only some layers
-converted (untrained), as in BENCHMARKS.md, "Which layers carry retrieval" (issue 13).
+converted (untrained), as in BENCHMARKS.md, "Which layers carry retrieval" (measured 2026-11-24).
 
 The base model is converted in memory with the demo's Macchiato options (w = 2048, 4 sinks,
 L = 128) on ``--layers`` only (``none``: the base itself), then scored with the same functions
 ``retrofit eval passkey`` / ``retrofit eval ppl`` use. Results go to ``--out`` as their usual
 results.json / table.md files.
 
-    python scripts/layer_subsets.py --layers 17 --passkey-lengths 4096 8192 --depths 0 0.5 1
-    python scripts/layer_subsets.py --layers 5,11 --passkey-lengths 4096 --depths 0
-    python scripts/layer_subsets.py --layers 17 --ppl-lengths 4096 16384 32768 65536 \\
+    python scripts/research/layer_subsets.py --layers 17 --passkey-lengths 4096 8192 --depths 0 0.5 1
+    python scripts/research/layer_subsets.py --layers 5,11 --passkey-lengths 4096 --depths 0
+    python scripts/research/layer_subsets.py --layers 17 --ppl-lengths 4096 16384 32768 65536 \\
         --ppl-dataset <folder holding only jack-sheppard.txt>
 """
 from __future__ import annotations
