@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 def _converted(family, method, **kw):
     if method == "macchiato":
         kw = dict(window=W, latents=8, **kw)
-    else:  # exp-linear has no window / latents / conv / sinks keys (an error since issue 12)
+    else:  # exp-linear has no window / latents / conv / sinks keys (an error since f39ba40)
         assert not any(kw.pop(k, 0) for k in ("conv_size", "sinks"))
     model = convert(tiny_model(family), ConversionSpec(method=method, chunk_size=16, **kw))
     params = dict(model.named_parameters())

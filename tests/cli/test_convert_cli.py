@@ -85,7 +85,7 @@ def test_errors(base, tmp_path, capsys):
     (out / "keep.txt").write_text("mine")
     _fails(["convert", str(base), "--out", str(out), "--window", "8", "--latents", "8"], capsys, "already exists")
     assert os.listdir(out) == ["keep.txt"]
-    # --overwrite replaces checkpoints only, never a folder holding other files (issue 15)
+    # --overwrite replaces checkpoints only, never a folder holding other files
     _fails(["convert", str(base), "--out", str(out), "--window", "8", "--latents", "8", "--overwrite",
             "--probe-tokens", "0"], capsys, "not a checkpoint folder")
     assert os.listdir(out) == ["keep.txt"]

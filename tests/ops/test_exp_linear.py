@@ -94,7 +94,7 @@ def test_gradients_match_reference_fp32(chunk):
 
 
 # --------------------------------------------------------------------------------------
-# the chunked linear-attention form (issue 16): fast path taken, agrees forward and backward
+# the chunked linear-attention form (since 2026-11-23): fast path taken, agrees forward and backward
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Fault injection for issue 15: each numbered case of the issue, reproduced on tiny models.
+"""Fault injection: each fault case (a bad input, a full disk, a crash mid-write, ...) reproduced on tiny models.
 
 Every case asserts the clear refusal (one ``error:`` line, exit 1, no traceback), that no input
 file changed, and that nothing partial (temporary folders, locks, half checkpoints) remains.

@@ -1,4 +1,4 @@
-"""A method is one unit (issue 12): config dataclass + layer + builder + registration in one module.
+"""A method is one unit (since f39ba40): config dataclass + layer + builder + registration in one module.
 
 Flags and recipe keys derived from the method configs, inapplicable keys as errors, every
 default written once, records of earlier versions still loading, and a method defined in this
@@ -148,7 +148,7 @@ def test_flags_from_a_recipe_are_checked_against_its_method(tmp_path):
 # ---------------------------------------------------------------------- records of earlier versions
 @pytest.mark.parametrize("name", sorted(RECORDS))
 def test_records_written_by_earlier_versions_load(name, tmp_path):
-    """The exact config.retrofit dicts the code before issue 12 wrote (tests/surgery/fixtures)."""
+    """The exact config.retrofit dicts the code before f39ba40 wrote (tests/surgery/fixtures)."""
     family, record = RECORDS[name]["family"], RECORDS[name]["record"]
     spec = spec_from_record(record)
     assert spec.method == record["method"] and spec.layers == record["layers"] and spec.seed == record["seed"]

@@ -1,0 +1,52 @@
+"""Tracked files speak of versions, dates and commits, never of internal work periods or issue
+numbers ("the twelfth session", "issue 13"): they mean nothing to a reader of the project."""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PATHS = ["README.md", "BENCHMARKS.md", "benchmarks", "docs", "configs", "scripts", "retrofit", "eval",
+         "patches", "tests", "Dockerfile", "pyproject.toml"]
+ORDINALS = ("first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|thirteenth|"
+            "fourteenth|fifteenth|sixteenth|seventeenth|eighteenth|nineteenth|twentieth")
+# built from parts, so that this file does not match itself
+PATTERN = re.compile(r"\b(?:(?:" + ORDINALS + r"|this|previous|last|next) " + "session" + r"s?\b"
+                     r"|" + "issue" + r"s? #?[0-9]+|" + "session" + r"s? [0-9]+)", re.IGNORECASE)
+
+
+def _tracked_text_files() -> list[Path]:
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    out = subprocess.run(["git", "ls-files", "-z", "--", *PATHS], cwd=ROOT, capture_output=True, check=True).stdout
+    return [ROOT / p for p in out.decode().split("\0") if p]
+
+
+def test_no_file_names_work_periods_or_issue_numbers():
+    hits = []
+    for path in _tracked_text_files():
+        if not path.is_file():
+            continue  # deleted in the working tree
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue  # binary
+        for n, line in enumerate(text.splitlines(), 1):
+            m = PATTERN.search(line)
+            if m:
+                hits.append(f"{path.relative_to(ROOT)}:{n}: {m.group(0)!r}")
+    assert not hits, "use versions, dates or commits instead:\n" + "\n".join(hits)
+
+
+@pytest.mark.parametrize("text", ["the twelfth session", "Issue 13", "issues 12", "sessions 3", "the previous session"])
+def test_pattern_catches(text):
+    assert PATTERN.search(text)
+
+
+@pytest.mark.parametrize("text", ['@pytest.fixture(scope="session")', "a session token", "issue a warning"])
+def test_pattern_spares(text):
+    assert not PATTERN.search(text)
