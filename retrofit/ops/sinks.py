@@ -17,8 +17,8 @@ as in the kernel.
 
 Capped sink distance (``far``, :func:`capped_sinks`): past the pretraining context a query would
 see its sinks at RoPE distances the model never saw (the Gemma 3 270M hybrid, pretrained at 32K:
-perplexity 31.5 over tokens 32K-64K of a held-out book uncapped, 22.2 capped; BENCHMARKS.md,
-"Sinks re-positioned"). Like StreamingLLM, which gives the
+perplexity 31.5 over tokens 32K-64K of a held-out book uncapped, 22.2 capped; BENCHMARKS.md as
+of 38c339f, "Sinks re-positioned"). Like StreamingLLM, which gives the
 cached sinks positions just before the window, a pair farther apart than ``distance`` is scored
 as if exactly ``distance`` apart: ``R(distance - t) q_t . R(-j) k_j`` (:mod:`retrofit.ops.rope`).
 Within ``distance`` nothing changes. Shapes: q ``(B, Hq, Tq, d)``, k/v ``(B, Hkv, num_past + Tq, d)``,

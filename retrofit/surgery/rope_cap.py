@@ -4,8 +4,8 @@ A layer that stays softmax attention over the whole context (a converted model's
 or any layer of a base model) sees, past its pretraining context, RoPE distances it never saw.
 Capped at ``distance``, a pair farther apart is scored at ``distance`` (nothing changes within
 it): Gemma 3 270M, pretrained at 32K, scores 29.8 perplexity on a 64K window of a held-out book
-uncapped and 22.9 with its three global layers capped at 32767 (BENCHMARKS.md, "RoPE distance
-cap"). The math is :func:`retrofit.ops.capped_rope_attention`; the layer carries a
+uncapped and 22.9 with its three global layers capped at 32767 (BENCHMARKS.md, "Past the
+pretraining context, beside zero-shot baselines"). The math is :func:`retrofit.ops.capped_rope_attention`; the layer carries a
 :class:`retrofit.patches.attention.RopeCap` that the ``"retrofit"`` attention reads, so the
 model runs under that implementation afterwards.
 
