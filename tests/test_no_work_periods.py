@@ -1,5 +1,6 @@
-"""Tracked files speak of versions, dates and commits, never of internal work periods or issue
-numbers ("the twelfth session", "issue 13"): they mean nothing to a reader of the project."""
+"""Tracked files speak of versions, dates and commits, never of internal work periods (by ordinal)
+or issue numbers: they mean nothing to a reader of the project. The pattern and its examples are
+built from parts, so that neither this file nor a grep of the repository matches them."""
 from __future__ import annotations
 
 import re
@@ -42,7 +43,10 @@ def test_no_file_names_work_periods_or_issue_numbers():
     assert not hits, "use versions, dates or commits instead:\n" + "\n".join(hits)
 
 
-@pytest.mark.parametrize("text", ["the twelfth session", "Issue 13", "issues 12", "sessions 3", "the previous session"])
+S, I = "session", "issue"
+
+
+@pytest.mark.parametrize("text", [f"the twelfth {S}", f"{I.title()} 13", f"{I}s 12", f"{S}s 3", f"the previous {S}"])
 def test_pattern_catches(text):
     assert PATTERN.search(text)
 
