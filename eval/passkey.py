@@ -16,7 +16,9 @@ model: its constant-memory decoding path); a trial counts as correct when the fi
 the continuation equals the key exactly. Accuracy per (length, depth) is averaged over trials.
 A prompt longer than ``prefill_chunk`` tokens is first run through the model's cache in chunks
 (a 64K prompt of Gemma 3 270M in one prefill peaked at 18 GB of RSS), and ``generate`` continues
-from that cache.
+from that cache. With a chat template (``chat_template``: auto = when the tokenizer has one), the
+intro, haystack and question form the user turn and ``The pass key is`` opens the assistant's
+(:mod:`retrofit.eval.prompting`); the prompt is still exactly L tokens.
 """
 from __future__ import annotations
 
@@ -29,10 +31,9 @@ from typing import Any
 import torch
 
 from retrofit.errors import DataError
-from retrofit.eval import corpora, loading, report
-from retrofit.eval.nll import forward_chunks
+from retrofit.eval import corpora, loading, prompting, report, variants
+from retrofit.eval.generation import generate_answer, prefill  # noqa: F401  (their former home)
 from retrofit.eval.windows import encode, encode_prefix
-from retrofit.layers.cache import cache_keyword, output_cache
 
 INTRO = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -40,6 +41,7 @@ INTRO = (
 )
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key. "
 QUESTION = "\n\nWhat is the pass key? The pass key is"
+QUESTION_ASK, ANSWER_PREFIX = "\n\nWhat is the pass key?", "The pass key is"  # split around a chat turn's end
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULT_PREFILL_CHUNK = 4096  # longer prompts reach generate through a cache filled in chunks
@@ -72,14 +74,22 @@ def build_prompt(
     key: str,
     *,
     bos_id: int | None,
+    frame: prompting.Frame | None = None,
 ) -> tuple[list[int], int]:
-    """Token ids of a passkey prompt of exactly ``length`` tokens, and the needle's start index."""
+    """Token ids of a passkey prompt of exactly ``length`` tokens, and the needle's start index.
+
+    frame: a chat frame (:func:`retrofit.eval.prompting.build_frame`): the question ends the user
+    turn and ``The pass key is`` opens the assistant's; None or a plain frame: the prompt above."""
     if not 0.0 <= depth <= 1.0:
         raise DataError(f"depth {depth} must be in [0, 1]")
     intro = encode(tokenizer, INTRO)
     needle = encode(tokenizer, NEEDLE.format(key=key))
-    question = encode(tokenizer, QUESTION)
-    prefix = [bos_id] if bos_id is not None else []
+    if frame is not None and frame.chat:
+        prefix = list(frame.head)
+        question = encode(tokenizer, QUESTION_ASK) + frame.tail + prompting.answer_prefix_ids(tokenizer, frame, ANSWER_PREFIX)
+    else:
+        prefix = [bos_id] if bos_id is not None else []
+        question = encode(tokenizer, QUESTION)
     budget = length - len(prefix) - len(intro) - len(needle) - len(question)
     if budget < 0:
         raise DataError(
@@ -99,43 +109,6 @@ def parse_answer(text: str) -> str | None:
     return m.group(0) if m else None
 
 
-@torch.no_grad()
-def prefill(model: Any, input_ids: torch.Tensor, chunk_size: int) -> Any:
-    """Run ``input_ids`` [1, T] through the decoder ``chunk_size`` tokens at a time (no LM head) and
-    return the filled cache: the model's own (a converted model's constant-memory state, a plain
-    model's KV cache), so a long prompt never meets a T x T mask or whole-prompt activations."""
-    cache = None
-    for _, out in forward_chunks(model, input_ids, chunk_size):
-        cache = output_cache(out)
-        del out
-    return cache
-
-
-@torch.no_grad()
-def generate_answer(model: Any, tokenizer: Any, ids: list[int], max_new_tokens: int, *,
-                    chunk_size: int | None = None) -> str:
-    """Greedy continuation of ``ids`` through ``model.generate``; returns the decoded new text.
-
-    ``chunk_size``: a prompt longer than this is first run through the model's cache in chunks
-    (all but its last token), and ``generate`` continues from that cache: the same tokens as one
-    prefill, in memory bounded by the chunk instead of the prompt."""
-    device = next(model.parameters()).device
-    input_ids = torch.tensor([ids], dtype=torch.long, device=device)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    extra = {}
-    if chunk_size and input_ids.shape[1] > chunk_size:
-        extra[cache_keyword(model.forward)] = prefill(model, input_ids[:, :-1], chunk_size)
-    out = model.generate(
-        input_ids=input_ids,
-        attention_mask=torch.ones_like(input_ids),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=pad,
-        **extra,
-    )
-    return tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True)
-
-
 def run_passkey(
     model: Any,
     *,
@@ -148,6 +121,7 @@ def run_passkey(
     haystack: str = "pg-books",
     key_digits: int = 5,
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
+    chat_template: str = "auto",
     seed: int = 0,
     bos: str = "auto",
     device: str = "cpu",
@@ -156,6 +130,7 @@ def run_passkey(
     out: str | Path | None = None,
     progress: bool = True,
     command: str | None = None,
+    zero_shot: list[str] | tuple[str, ...] = (),
 ) -> dict:
     """Passkey accuracy over a (length x depth) grid for ``model`` (and ``baseline``).
 
@@ -163,6 +138,9 @@ def run_passkey(
         stretch (the same prompts for every model). haystack: a corpus name or path.
     prefill_chunk: a prompt longer than this is run through the model's cache in chunks of this many
         tokens before ``generate`` continues from it (bounded memory; None or 0: one prefill).
+    chat_template: ``auto`` (the tokenizer's chat template when it has one), ``on`` or ``off``.
+    zero_shot: variant specs scored beside the two (:mod:`retrofit.eval.variants`), e.g. ``yarn:4``,
+        ``cap:8191``, ``closed``.
     Returns the results dict; with ``out``, writes results.json, table.md, passkey.png.
     """
     from tqdm.auto import tqdm
@@ -173,14 +151,14 @@ def run_passkey(
         raise DataError("trials must be at least 1")
     if prefill_chunk is not None and prefill_chunk < 0:
         raise DataError(f"prefill_chunk must be a positive number of tokens (0 = one prefill), got {prefill_chunk}")
-    m, tok, m_label = loading.resolve(model, tokenizer, device=device, dtype=dtype, rope_cap=rope_cap)
-    roles: dict[str, tuple[Any, Any, str]] = {"model": (m, tok, m_label)}
-    if baseline is not None:
-        b, btok, b_label = loading.resolve(baseline, baseline_tokenizer, device=device, dtype=dtype, rope_cap=rope_cap)
-        loading.check_same_tokenizer(tok, btok, m_label, b_label)
-        roles = {"baseline": (b, btok, b_label if b_label != m_label else f"{b_label} (baseline)"), **roles}
+    roles = variants.resolve_roles(model, tokenizer, baseline, baseline_tokenizer,
+                                   variants=variants.parse_variants(zero_shot), device=device, dtype=dtype,
+                                   rope_cap=rope_cap)
+    m, tok, m_label = roles["model"]
     use_bos = loading.needs_bos(m, tok, bos)
     bos_id = tok.bos_token_id if use_bos else None
+    chat = prompting.use_chat_template(tok, chat_template)
+    frame = prompting.build_frame(tok, chat=chat, bos_id=bos_id)
 
     stride = 7919  # filler offset between trials (a prime: stretches do not line up with books)
     stream = haystack_tokens(tok, haystack, need=max(lengths) + stride * trials)
@@ -192,7 +170,7 @@ def run_passkey(
                 key = str(rng.randrange(10 ** (key_digits - 1), 10**key_digits))
                 off = (t * stride) % len(stream)
                 filler = (stream[off:] + stream[:off])[:L]
-                ids, pos = build_prompt(tok, filler, L, d, key, bos_id=bos_id)
+                ids, pos = build_prompt(tok, filler, L, d, key, bos_id=bos_id, frame=frame)
                 prompts.append({"length": L, "depth": d, "trial": t, "key": key, "needle_at": pos, "ids": ids})
 
     results: dict[str, dict] = {}
@@ -249,7 +227,7 @@ def run_passkey(
         "settings": {
             "lengths": lengths, "depths": depths, "trials": trials, "haystack": haystack,
             "key_digits": key_digits, "seed": seed, "bos_used": use_bos, "device": device, "dtype": dtype,
-            "prefill_chunk": prefill_chunk or None,
+            "prefill_chunk": prefill_chunk or None, "chat_template": chat,
             "decoding": "greedy, model.generate", "attention": attention,
         },
         "results": results,
@@ -259,7 +237,8 @@ def run_passkey(
     res["description"] = (
         f"Passkey retrieval accuracy (%, exact match of a {key_digits}-digit key, {trials} trial(s) "
         f"per cell, greedy decoding); rows: needle depth (0 = start of the haystack, 1 = end); "
-        f"columns: prompt length in tokens. Haystack: {haystack}."
+        f"columns: prompt length in tokens. Haystack: {haystack}. "
+        f"Chat template: {'on' if chat else 'off'}."
     )
     res["table"] = table_markdown(res)
     return report.finish_results(res, out, plot_heatmap, "passkey.png")
@@ -269,7 +248,7 @@ def table_markdown(res: dict) -> str:
     """One block per model: rows depths (+ mean), columns lengths; accuracy in percent."""
     lengths = res["settings"]["lengths"]
     depths = res["settings"]["depths"]
-    roles = [r for r in ("baseline", "model") if r in res["results"]]
+    roles = [r for r in report.role_order(res["models"]) if r in res["results"]]
     header = ["Model", "Depth"] + [report.fmt_length(L) for L in lengths]
     rows = []
     for role in roles:
@@ -296,7 +275,7 @@ def plot_heatmap(res: dict, path: str | Path) -> Path:
     plt = report.pyplot()
     lengths = res["settings"]["lengths"]
     depths = res["settings"]["depths"]
-    roles = [r for r in ("baseline", "model") if r in res["results"]]
+    roles = [r for r in report.role_order(res["models"]) if r in res["results"]]
     width = len(roles) * (1.6 + 0.75 * len(lengths)) + 1.2
     fig, axes = plt.subplots(1, len(roles), figsize=(width, 0.45 * len(depths) + 2.0), squeeze=False,
                              constrained_layout=True)

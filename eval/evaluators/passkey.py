@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from retrofit.eval.evaluators import Evaluator, depth_arg, length_arg, register_evaluator
+from retrofit.eval.evaluators._generation import add_generation_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser, prefix: str) -> None:
@@ -15,17 +16,14 @@ def add_arguments(p: argparse.ArgumentParser, prefix: str) -> None:
     g.add_argument("--trials", type=int, default=5, help="prompts per (length, depth) cell")
     g.add_argument("--haystack", default="pg-books", help="corpus for the filler text (default pg-books)")
     g.add_argument("--key-digits", type=int, default=5)
-    g.add_argument("--prefill-chunk", type=int, default=4096, metavar="TOKENS",
-                   help="run a longer prompt through the model's cache this many tokens at a time before "
-                        "generating (bounded memory; the same answer as one prefill); 0 = one prefill "
-                        "(default 4096)")
+    add_generation_arguments(p)
 
 
 def kwargs(args: argparse.Namespace) -> dict:
     return dict(
         lengths=args.passkey_lengths, depths=args.depths, trials=args.trials, haystack=args.haystack,
         key_digits=args.key_digits, seed=args.seed, bos=args.bos, progress=not args.quiet,
-        prefill_chunk=args.prefill_chunk,
+        prefill_chunk=args.prefill_chunk, chat_template=args.chat_template,
     )
 
 

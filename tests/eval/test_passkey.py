@@ -94,3 +94,69 @@ def test_chunked_prefill_generates_the_same_tokens(which, converted_dir, base_di
 def test_negative_prefill_chunk_is_a_clear_error_before_loading(tmp_path):
     with pytest.raises(DataError, match="prefill_chunk"):
         passkey.run_passkey(str(tmp_path / "no-such-model"), lengths=[256], prefill_chunk=-1, progress=False)
+
+
+# ------------------------------------------------------------------ scores of models whose answers are known
+def _passkey_score(model, tokenizer, tmp_path=None, **kw):
+    res = passkey.run_passkey(model, tokenizer=tokenizer, lengths=[256, 320], depths=[0.0, 0.5, 1.0], trials=2,
+                              prefill_chunk=0, progress=False, out=tmp_path, **kw)
+    return res["results"]["model"]
+
+
+def test_a_model_that_copies_the_key_scores_100(tokenizer, tmp_path):
+    from .stubs import copier
+
+    r = _passkey_score(copier(), tokenizer, tmp_path)
+    assert r["mean_accuracy"] == 1.0
+    assert all(v == 1.0 for row in r["accuracy"].values() for v in row.values())
+    assert all(t["answer"] == t["key"] for t in r["trials"])
+    assert "| 100 | 100 |" in (tmp_path / "table.md").read_text()
+
+
+def test_a_model_that_never_finds_the_key_scores_0(tokenizer):
+    from .stubs import says
+
+    r = _passkey_score(says(tokenizer, " 7, I guess"), tokenizer)
+    assert r["mean_accuracy"] == 0.0
+    assert all(t["answer"] == "7" and t["correct"] is False for t in r["trials"])
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer(tokenizer):
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    return tok
+
+
+def test_chat_template_prompt_is_exact_and_framed(chat_tokenizer, filler):
+    from retrofit.eval import prompting
+
+    frame = prompting.build_frame(chat_tokenizer, chat=True, bos_id=chat_tokenizer.bos_token_id)
+    ids, at = passkey.build_prompt(chat_tokenizer, filler, 500, 0.5, "48213", bos_id=1, frame=frame)
+    assert len(ids) == 500 and ids[: len(frame.head)] == frame.head and ids[0] == chat_tokenizer.bos_token_id
+    text = chat_tokenizer.decode(ids, skip_special_tokens=True)
+    assert text.startswith("<|user|>\nThere is an important")
+    assert text.endswith("What is the pass key?<|end|>\n<|assistant|>\nThe pass key is")
+    assert text.count("48213") == 2
+
+
+@pytest.mark.parametrize("policy, used", [("auto", True), ("on", True), ("off", False)])
+def test_chat_template_policy_is_recorded_and_the_copier_still_scores_100(chat_tokenizer, policy, used):
+    from .stubs import copier
+
+    res = passkey.run_passkey(copier(), tokenizer=chat_tokenizer, lengths=[256], depths=[0.0, 1.0], trials=1,
+                              prefill_chunk=0, progress=False, chat_template=policy)
+    assert res["settings"]["chat_template"] is used
+    assert f"Chat template: {'on' if used else 'off'}" in res["description"]
+    assert res["results"]["model"]["mean_accuracy"] == 1.0
+
+
+def test_chat_template_on_without_a_template_is_a_clear_error(tokenizer):
+    from .stubs import copier
+
+    with pytest.raises(DataError, match="no chat template"):
+        passkey.run_passkey(copier(), tokenizer=tokenizer, lengths=[256], depths=[0.0], trials=1,
+                            progress=False, chat_template="on")

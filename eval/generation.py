@@ -1,0 +1,150 @@
+"""Generation-scored evaluation: greedy answers through ``model.generate`` and their scores.
+
+Shared by passkey, RULER and NIAH: the chunked prefill that bounds memory at 64K+ tokens, the
+greedy continuation, the loop over prompts x models (same prompts for every model; an
+out-of-memory length marks that length and longer ones ``OOM`` for that model), and RULER's
+scoring (recall of every expected string in the generated text).
+"""
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from retrofit.eval import loading, report
+from retrofit.eval.nll import forward_chunks
+from retrofit.layers.cache import cache_keyword, output_cache
+
+_CONTROL = re.compile(r"[\x00-\x1f]")
+
+
+@torch.no_grad()
+def prefill(model: Any, input_ids: torch.Tensor, chunk_size: int) -> Any:
+    """Run ``input_ids`` [1, T] through the decoder ``chunk_size`` tokens at a time (no LM head) and
+    return the filled cache: the model's own (a converted model's constant-memory state, a plain
+    model's KV cache), so a long prompt never meets a T x T mask or whole-prompt activations."""
+    cache = None
+    for _, out in forward_chunks(model, input_ids, chunk_size):
+        cache = output_cache(out)
+        del out
+    return cache
+
+
+@torch.no_grad()
+def generate_answer(model: Any, tokenizer: Any, ids: list[int], max_new_tokens: int, *,
+                    chunk_size: int | None = None) -> str:
+    """Greedy continuation of ``ids`` through ``model.generate``; returns the decoded new text.
+
+    ``chunk_size``: a prompt longer than this is first run through the model's cache in chunks
+    (all but its last token), and ``generate`` continues from that cache: the same tokens as one
+    prefill, in memory bounded by the chunk instead of the prompt."""
+    device = next(model.parameters()).device
+    input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    extra = {}
+    if chunk_size and input_ids.shape[1] > chunk_size:
+        extra[cache_keyword(model.forward)] = prefill(model, input_ids[:, :-1], chunk_size)
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=torch.ones_like(input_ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=pad,
+        **extra,
+    )
+    return tokenizer.decode(out[0, input_ids.shape[1] :], skip_special_tokens=True)
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Whether an exception is an out-of-memory error (CUDA or host)."""
+    msg = str(exc).lower()
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in msg or "not enough memory" in msg
+
+
+def postprocess(text: str) -> str:
+    """RULER's answer clean-up: strip, control characters to newlines, strip again."""
+    return _CONTROL.sub("\n", text.strip()).strip()
+
+
+def recall(prediction: str, expected: Sequence[str]) -> float:
+    """RULER's ``string_match_all`` for one answer: the fraction of ``expected`` strings found
+    (case-insensitive) in the post-processed prediction, in [0, 1]."""
+    pred = postprocess(prediction).lower()
+    return sum(1.0 for r in expected if r.lower() in pred) / len(expected) if expected else 0.0
+
+
+def resolve_roles(model: Any, tokenizer: Any, baseline: Any, baseline_tokenizer: Any, *, device: str,
+                  dtype: str | None, rope_cap: int | None) -> dict[str, tuple[Any, Any, str]]:
+    """``{"baseline": (model, tokenizer, label), "model": (...)}`` (baseline first, as in tables),
+    loaded or taken as given; a baseline that tokenizes differently is refused."""
+    m, tok, m_label = loading.resolve(model, tokenizer, device=device, dtype=dtype, rope_cap=rope_cap)
+    roles: dict[str, tuple[Any, Any, str]] = {"model": (m, tok, m_label)}
+    if baseline is not None:
+        b, btok, b_label = loading.resolve(baseline, baseline_tokenizer, device=device, dtype=dtype, rope_cap=rope_cap)
+        loading.check_same_tokenizer(tok, btok, m_label, b_label)
+        roles = {"baseline": (b, btok, b_label if b_label != m_label else f"{b_label} (baseline)"), **roles}
+    return roles
+
+
+def run_prompts(
+    roles: dict[str, tuple[Any, Any, str]],
+    prompts: list[dict],
+    *,
+    score: Callable[[dict, str], float],
+    max_new_tokens: Callable[[dict, Any], int],
+    prefill_chunk: int | None,
+    desc: str,
+    progress: bool = True,
+    keep: Sequence[str] = (),
+) -> tuple[dict[str, list[dict]], dict[str, dict[str, float]], dict[str, str | None]]:
+    """Answer every prompt with every model, greedily, and score the answers.
+
+    prompts: dicts with ``ids`` (the prompt's token ids), ``length`` and the fields named in
+    ``keep`` (copied into each record). score(prompt, text) -> [0, 1]; max_new_tokens(prompt,
+    tokenizer) -> the generation bound. Once a length runs out of memory, that length and longer
+    ones are recorded as ``OOM`` (score None) for that model.
+    Returns ``(records per role, seconds per length per role, attention implementation per role)``.
+    """
+    from tqdm.auto import tqdm
+
+    records: dict[str, list[dict]] = {}
+    seconds: dict[str, dict[str, float]] = {}
+    attention: dict[str, str | None] = {}
+    bar = tqdm(total=len(prompts) * len(roles), desc=desc, unit="prompt", disable=not progress)
+    for role, (mdl, mtok, label) in roles.items():
+        out: list[dict] = []
+        oom_from: int | None = None
+        secs: dict[str, float] = {}
+        with loading.scoring_attention(mdl) as attention[role]:
+            for p in prompts:
+                L = p["length"]
+                bar.set_postfix_str(f"{label} {report.fmt_length(L)}")
+                rec = {k: p[k] for k in ("length", *keep) if k in p}
+                if oom_from is not None and L >= oom_from:
+                    rec.update(output=None, score=None, error="OOM")
+                else:
+                    t0 = time.perf_counter()
+                    try:
+                        text = generate_answer(mdl, mtok, p["ids"], max_new_tokens(p, mtok), chunk_size=prefill_chunk)
+                    except Exception as exc:
+                        if not is_oom(exc):
+                            raise
+                        oom_from = L
+                        rec.update(output=None, score=None, error="OOM")
+                    else:
+                        secs[str(L)] = secs.get(str(L), 0.0) + time.perf_counter() - t0
+                        rec.update(output=text[:300], score=score(p, text))
+                out.append(rec)
+                bar.update(1)
+        records[role], seconds[role] = out, secs
+    bar.close()
+    return records, seconds, attention
+
+
+def mean_or_none(values: Sequence[float | None]) -> float | None:
+    """Mean of the values that are not None (None if none are)."""
+    vals = [v for v in values if v is not None]
+    return sum(vals) / len(vals) if vals else None
