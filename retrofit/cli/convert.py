@@ -215,6 +215,7 @@ def _run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     check_replaceable(out, overwrite=args.overwrite, protect=[args.model])
     with output_lock(out):  # a second convert into the same --out fails now, not after the work
+        check_replaceable(out, overwrite=args.overwrite, protect=[args.model])  # a killed swap may be settled now
         return _convert(args, spec, out)
 
 
@@ -224,6 +225,8 @@ def _convert(args: argparse.Namespace, spec, out) -> int:
     import time
 
     say = functools.partial(print, file=sys.stderr) if args.json else print
+    if args.quiet:  # -q: only warnings and errors
+        say = lambda *a, **k: None  # noqa: E731
     summary: dict = {"model": args.model, "out": str(args.out)}
 
     from retrofit.patches import get_patch
@@ -334,17 +337,20 @@ def _ranked_spec(args: argparse.Namespace, spec, model, tokenizer, out):
         ids = P.probe_ids(tokenizer, max(args.probe_tokens, 64), model.config.vocab_size, seed=spec.seed)
         what = f"{ids.shape[1]} probe tokens"
     ranking = P.rank_layers(model, spec, ids, last)
-    print(f"layer ranking on {what}, KL(base || only that layer converted), most costly first "
-          f"[{time.perf_counter() - t0:.1f}s]:")
+    show = print
+    if args.quiet and not args.rank_layers:  # -q: the ranking is a step of the conversion, not its result
+        show = lambda *a, **k: None  # noqa: E731
+    show(f"layer ranking on {what}, KL(base || only that layer converted), most costly first "
+         f"[{time.perf_counter() - t0:.1f}s]:")
     for r in ranking:
-        print(f"  layer {r['layer']:>3}  KL {r['kl']:.4f}")
+        show(f"  layer {r['layer']:>3}  KL {r['kl']:.4f}")
     if args.rank_layers and not args.keep_full:
         out.mkdir(parents=True, exist_ok=True)
         (out / "layer_ranking.json").write_text(json.dumps({
             "spec": spec.to_dict(), "probe": args.rank_probe, "probe_tokens": int(ids.shape[1]),
             "scored_positions": int(last or ids.shape[1]), "ranking": ranking}, indent=1) + "\n")
-        print(f"wrote {out / 'layer_ranking.json'}")
+        show(f"wrote {out / 'layer_ranking.json'}")
         return None
     keep = {r["layer"] for r in ranking[: args.keep_full]}
-    print(f"keeping layers {sorted(keep)} as full attention")
+    show(f"keeping layers {sorted(keep)} as full attention")
     return dataclasses.replace(spec, layers=[i for i in candidates if i not in keep])
