@@ -71,6 +71,22 @@ def _add_verbosity(parser: argparse.ArgumentParser) -> None:
                             help="also show what transformers / DeepSpeed / lm-eval log (load reports, notices)")
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record is emitted (not the stream at set-up:
+    a caller that swaps stderr, as test captures do, would leave it writing to a closed file)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property
+    def stream(self):  # noqa: D102
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:  # StreamHandler.__init__ assigns it
+        pass
+
+
 class _DropBelowError(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return record.levelno >= logging.ERROR
@@ -85,7 +101,7 @@ def configure_output(args: argparse.Namespace) -> None:
     quiet = bool(getattr(args, "quiet", False)) and not verbose
     retrofit_log = logging.getLogger("retrofit")
     if not retrofit_log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("[retrofit] %(levelname)s: %(message)s"))
         retrofit_log.addHandler(handler)
         retrofit_log.propagate = False

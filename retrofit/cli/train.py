@@ -48,6 +48,6 @@ def _run(args: argparse.Namespace) -> int:
     from retrofit.train.entry import train
 
     result = train(recipe)
-    if result.final_dir is not None:
+    if result.final_dir is not None and not args.quiet:
         print(f"[retrofit] done: {result.steps} steps, {result.tokens:,} tokens; model in {result.final_dir}")
     return 0

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Iterator
 
 from retrofit.errors import CheckpointError
-from retrofit.fs.guard import check_replaceable
+from retrofit.fs.guard import check_replaceable, write_manifest
 from retrofit.fs.locks import output_lock
-from retrofit.fs.tempdirs import clean_stale_temps, make_temp_dir
+from retrofit.fs.tempdirs import SWAP_KIND, clean_stale_temps, make_temp_dir, settle_swap
 
 __all__ = [
     "atomic_directory", "atomic_file", "fsync_dir", "json_text", "save_figure_atomic", "write_bytes_atomic", "write_json_atomic",
@@ -133,18 +133,36 @@ def save_figure_atomic(fig: Any, path: str | os.PathLike, *, dpi: int = 120) -> 
     return path
 
 
+def _swap(new: Path, target: Path) -> None:
+    """Replace ``target`` by ``new`` through a swap folder; interrupted, the swap is settled, never lost."""
+    swap = make_temp_dir(target.parent, target.name, kind=SWAP_KIND)
+    try:
+        os.rename(new, swap / "new")
+        os.rename(target, swap / "old")
+        os.rename(swap / "new", target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            settle_swap(target, swap, undo=True)  # this write failed: the previous version stays
+        raise
+    shutil.rmtree(swap, ignore_errors=True)
+    fsync_dir(target.parent)
+
+
 @contextlib.contextmanager
 def atomic_directory(
     out_dir: str | os.PathLike, *, overwrite: bool = False, protect: Iterable[str | os.PathLike | None] = (),
 ) -> Iterator[Path]:
     """Yield a fresh temporary folder next to ``out_dir``; rename it to ``out_dir`` on success.
 
+    The finished folder gets a manifest of its files (:func:`retrofit.fs.guard.write_manifest`).
     The target is locked for the whole write (``.NAME.lock``, see :mod:`retrofit.fs.locks`). An
     existing target is replaced only with ``overwrite`` and only if it is a checkpoint folder that
     neither is nor contains the current directory or a ``protect`` path (see
     :func:`retrofit.fs.check_replaceable`). The temporary folder is named after this process
     (``.NAME.tmp-PID-HOST-RAND``): a failure or SIGTERM removes it, and after a SIGKILL the next
-    writer of the same target removes it.
+    writer of the same target removes it. Replacing goes through a swap folder (see
+    :mod:`retrofit.fs.tempdirs`): an exception between its renames is settled at once, a SIGKILL
+    by the next writer, so the target is never lost.
     """
     out = Path(out_dir)
     check_replaceable(out, overwrite=overwrite, protect=protect)
@@ -157,13 +175,11 @@ def atomic_directory(
                                   "output folder") from None
         try:
             yield tmp
+            write_manifest(tmp)  # what proves, later, that --overwrite may replace it
             os.chmod(tmp, 0o755)
             if out.exists() or out.is_symlink():
                 check_replaceable(out, overwrite=overwrite, protect=protect)  # appeared or changed meanwhile
-                trash = make_temp_dir(out.parent, out.name, kind="old")
-                os.rename(out, trash / "old")
-                os.rename(tmp, out)
-                shutil.rmtree(trash, ignore_errors=True)
+                _swap(tmp, out)
             else:
                 os.rename(tmp, out)
         except OSError as exc:

@@ -1,27 +1,26 @@
 """What an output path may be, and what ``--overwrite`` may replace.
 
-``--overwrite`` replaces only a folder that is a model checkpoint written by this toolkit or by
-transformers (``config.json`` with weights, or a retrofit delta, and nothing but the files
-such folders hold), and never a folder that is or contains a protected path: the current
-directory, the input model, a delta's base.
+``--overwrite`` replaces only a folder this toolkit wrote (:func:`retrofit.fs.atomic_directory`
+leaves a manifest, ``.retrofit-files.json``, listing every file it wrote) that holds nothing
+beyond those files (a user's note dropped in makes it irreplaceable: unknown files are never
+deleted), and never a folder that is or contains a protected path: the current directory, the
+input model, a delta's base.
 """
 from __future__ import annotations
 
+import json
 import os
-import re
 from pathlib import Path
 from typing import Iterable
 
 from retrofit.errors import CheckpointError
 
-__all__ = ["check_output_folder", "check_replaceable", "is_replaceable_checkpoint", "protected_paths"]
+__all__ = [
+    "MANIFEST", "check_output_folder", "check_replaceable", "folder_files", "is_replaceable_checkpoint",
+    "protected_paths", "write_manifest",
+]
 
-# the files save_pretrained / tokenizer.save_pretrained / retrofit write into a model folder
-_CHECKPOINT_FILE = re.compile(
-    r"^(.*\.(json|safetensors|bin|model|jinja|txt|tiktoken)|README\.md|\.gitattributes|"
-    r"\.[^/]+\.(json|safetensors)\.[0-9a-f]{8})$"
-)
-_WEIGHTS = re.compile(r"^(model|pytorch_model|delta)(-\d+-of-\d+)?\.(safetensors|bin)$|^.*\.safetensors\.index\.json$")
+MANIFEST = ".retrofit-files.json"
 
 
 def _real(p: str | os.PathLike) -> Path:
@@ -41,20 +40,53 @@ def check_output_folder(out: str | os.PathLike, what: str = "--out") -> Path:
     return path
 
 
+def folder_files(folder: str | os.PathLike) -> tuple[list[str], list[str]]:
+    """``(files, odd)`` under ``folder`` as relative POSIX paths: plain files, and links / other entries."""
+    files, odd = [], []
+    for root, dirs, names in os.walk(folder):
+        rel = Path(root).relative_to(folder)
+        for name in sorted(dirs):
+            if os.path.islink(os.path.join(root, name)):
+                odd.append((rel / name).as_posix())
+        for name in names:
+            full = os.path.join(root, name)
+            (files if os.path.isfile(full) and not os.path.islink(full) else odd).append((rel / name).as_posix())
+    return sorted(files), sorted(odd)
+
+
+def write_manifest(folder: str | os.PathLike) -> Path:
+    """Record every file now in ``folder`` as written by retrofit (what makes it replaceable later)."""
+    files, _ = folder_files(folder)
+    path = Path(folder) / MANIFEST
+    path.write_text(json.dumps({"written_by": "retrofit", "files": [f for f in files if f != MANIFEST]}, indent=1) + "\n")
+    return path
+
+
+def _manifest(folder: Path) -> set[str] | None:
+    try:
+        data = json.loads((folder / MANIFEST).read_text())
+        files = data["files"] if isinstance(data, dict) and data.get("written_by") == "retrofit" else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return set(map(str, files)) if isinstance(files, list) else None
+
+
+def _listed(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "") if names else "nothing"
+
+
 def is_replaceable_checkpoint(folder: str | os.PathLike) -> tuple[bool, str]:
-    """``(ok, why_not)``: whether ``folder`` looks like a model checkpoint folder and holds nothing else."""
+    """``(ok, why_not)``: whether retrofit wrote ``folder`` (its manifest) and it holds no other file."""
     folder = Path(folder)
     if folder.is_symlink() or not folder.is_dir():
         return False, "it is not a folder"
-    names = {p.name: p for p in folder.iterdir()}
-    marker = ("config.json" in names and any(_WEIGHTS.match(n) for n in names)) or "retrofit_delta.json" in names
-    if not marker:
-        listed = ", ".join(sorted(names)[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
-        return False, f"no config.json with model weights nor a retrofit delta; it holds {listed or 'nothing'}"
-    foreign = sorted(n for n, p in names.items() if p.is_dir() or p.is_symlink() or not _CHECKPOINT_FILE.match(n))
+    files, odd = folder_files(folder)
+    known = _manifest(folder)
+    if known is None:
+        return False, f"retrofit did not write it (no readable {MANIFEST}); it holds {_listed(files + odd)}"
+    foreign = sorted(odd + [f for f in files if f != MANIFEST and f not in known])
     if foreign:
-        shown = ", ".join(foreign[:5]) + (f" (+{len(foreign) - 5} more)" if len(foreign) > 5 else "")
-        return False, f"it also holds {shown}, which a checkpoint does not"
+        return False, f"it also holds {_listed(foreign)}, which retrofit did not write there"
     return True, ""
 
 
@@ -91,4 +123,5 @@ def check_replaceable(
     ok, why = is_replaceable_checkpoint(out)
     if not ok:
         raise CheckpointError(f"{out} exists and is not a checkpoint folder ({why}); --overwrite only replaces "
-                              "model checkpoints: remove it yourself or choose another output folder")
+                              "checkpoints retrofit wrote, as it wrote them: remove it yourself or choose another "
+                              "output folder")

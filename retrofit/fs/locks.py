@@ -3,7 +3,8 @@
 Two writers of the same target cannot both proceed: the second gets :class:`LockError` naming
 the holder. A lock whose pid is dead on this host (a killed run) is stale and taken over. The
 lock is re-entrant within a process (a CLI that locks its ``--out`` can call a saver that locks
-it again).
+it again). Taking the lock first settles a replacement of the target that a killed writer left
+half done (:func:`retrofit.fs.tempdirs.recover_interrupted_swaps`).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Iterator
 
 from retrofit.errors import CheckpointError
-from retrofit.fs.tempdirs import host_name, pid_alive
+from retrofit.fs.tempdirs import host_name, pid_alive, recover_interrupted_swaps
 
 __all__ = ["LockError", "lock_path", "output_lock"]
 
@@ -85,6 +86,8 @@ def output_lock(target: str | os.PathLike) -> Iterator[Path]:
         _acquire(Path(target), lock)
         _HELD[key] = 1
     try:
+        if _HELD[key] == 1:
+            recover_interrupted_swaps(target)
         yield lock
     finally:
         _HELD[key] -= 1

@@ -9,7 +9,8 @@ weights, which PEFT holds as ``modules_to_save``. :func:`export_lora` writes, ne
 * ``OUTPUT_DIR/adapter-base/``: the converted model the adapter was trained on (pretrained
   weights, new weights at their initial values), a ``retrofit.load`` / ``AutoModelForCausalLM``
   folder. ``peft.AutoPeftModelForCausalLM.from_pretrained(OUTPUT_DIR/adapter)`` then gives the
-  same logits as ``OUTPUT_DIR/final``.
+  same logits as ``OUTPUT_DIR/final``; the adapter's README.md names ``adapter-base`` as its
+  ``base_model`` too (not the unconverted base, which would load the adapter without the new weights).
 """
 from __future__ import annotations
 
@@ -67,8 +68,16 @@ def export_lora(peft_model: nn.Module, output_dir: str | Path, *, tokenizer: Any
     base_sd = adapter_base_state_dict(peft_model)
     for cfg in peft_model.peft_config.values():
         cfg.base_model_name_or_path = str(base_dir.resolve())
+    config = peft_model.get_base_model().config
+    typed_base = config._name_or_path
     with atomic_directory(adapter_dir, overwrite=True) as tmp:
-        peft_model.save_pretrained(str(tmp), safe_serialization=True, save_embedding_layers=False)
+        # PEFT's card names config._name_or_path as base_model: the unconverted base, on which the adapter
+        # loads silently without the new weights; name the converted model it was trained on instead
+        config._name_or_path = str(base_dir.resolve())
+        try:
+            peft_model.save_pretrained(str(tmp), safe_serialization=True, save_embedding_layers=False)
+        finally:
+            config._name_or_path = typed_base
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
     merged = peft_model.merge_and_unload()

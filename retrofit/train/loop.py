@@ -16,8 +16,10 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 import time
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -84,6 +86,11 @@ def total_steps(recipe: Recipe) -> int:
     return int(min(steps))
 
 
+def quiet() -> bool:
+    """Whether info lines are off: ``-q`` sets the ``retrofit`` logger to WARNING (unset: not quiet)."""
+    return logging.getLogger("retrofit").level > logging.INFO
+
+
 def _fingerprint(recipe: Recipe) -> dict:
     """What a resumed run must share with the run that wrote the checkpoint."""
     d = recipe.to_dict()
@@ -111,10 +118,15 @@ def _load_data_state(folder: Path, rank: int) -> dict:
     meta_file, arr_file = folder / f"data_state_rank{rank}.json", folder / f"data_state_rank{rank}.npz"
     if not meta_file.is_file() or not arr_file.is_file():
         raise CheckpointError(f"{folder} has no data state for rank {rank}: was it written with another number of ranks?")
-    meta = json.loads(meta_file.read_text())
-    meta["rng"] = (meta["rng"][0], tuple(meta["rng"][1]), meta["rng"][2])
-    with np.load(arr_file) as arrays:
-        meta.update(carry=arrays["carry"], pool=arrays["pool"])
+    try:
+        meta = json.loads(meta_file.read_text())
+        meta["rng"] = (meta["rng"][0], tuple(meta["rng"][1]), meta["rng"][2])
+        with np.load(arr_file, allow_pickle=False) as arrays:
+            meta.update(carry=arrays["carry"], pool=arrays["pool"])
+    except (OSError, ValueError, KeyError, TypeError, IndexError, EOFError, zipfile.BadZipFile) as exc:
+        what = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{folder}: its data position (data_state_rank{rank}.json/.npz) is damaged ({what}); "
+                              "resume from an earlier checkpoint (checkpoint.resume=PATH) or delete this one") from None
     return meta
 
 
@@ -138,7 +150,8 @@ class _Run:
         self.resources = contextlib.ExitStack()  # the output folder's lock; closed by train()
 
     def log(self, msg: str) -> None:
-        if self.main:
+        """Print an info line on rank 0 (with ``-q`` only notes and warnings)."""
+        if self.main and (not quiet() or "note:" in msg or "warning" in msg.lower()):
             print(msg, flush=True)
 
     # ------------------------------------------------------------------ set-up
@@ -146,7 +159,7 @@ class _Run:
         from accelerate import Accelerator
         from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs, set_seed
 
-        from retrofit.fs import check_output_folder, output_lock
+        from retrofit.fs import check_output_folder, check_replaceable, output_lock
         from retrofit.train.data import data_files
         from retrofit.train.data_checks import check_decodable
 
@@ -154,6 +167,10 @@ class _Run:
         self.files = data_files(r)  # a bad data path fails here, before any model loads
         check_decodable(r, self.files)  # and so does undecodable text
         check_output_folder(self.output_dir, "checkpoint.output_dir")
+        if r.checkpoint.export:  # the export replaces these at the end: refuse a folder it may not replace now
+            for name in ("final", "adapter", "adapter-base"):
+                if (self.output_dir / name).exists():
+                    check_replaceable(self.output_dir / name, overwrite=True)
         if self.main:  # one run per output folder: a second one fails here, before touching it
             self.resources.enter_context(output_lock(self.output_dir))
         self.precision = resolve_precision(r.train.precision, self.cuda)
@@ -217,10 +234,11 @@ class _Run:
                                    head_positions=r.train.head_positions)
 
         from retrofit.surgery import retrofit_record
-        from retrofit.surgery.fingerprint import section_digest, weights_fingerprint
+        from retrofit.surgery.fingerprint import section_digest, tokenizer_digest, weights_fingerprint
         from retrofit.train.data_checks import check_positions
 
         self.section_digest = section_digest(retrofit_record(model) or {})
+        self.tokenizer_digest = tokenizer_digest(self.tokenizer)
         model = apply_trainable(model, r.trainable.mode, new, lora=dataclasses.asdict(r.trainable.lora),
                                 extra=r.trainable.extra)
         # the frozen base weights, recorded in every checkpoint and checked on resume
@@ -301,10 +319,38 @@ class _Run:
             raise CheckpointError(f"{folder} was written by a different recipe (differs in: {', '.join(diff)}); "
                                   "resume with the same model, conversion, trainable set, data and batch, or use "
                                   "another checkpoint.output_dir")
-        if state.get("section_digest") is not None and state["section_digest"] != self.section_digest:
+        self._check_identity(folder, state)
+        if int(state.get("total_steps", self.total_steps)) != self.total_steps:
+            self.log(f"[retrofit] note: the run was planned for {state['total_steps']} steps, now {self.total_steps}: "
+                     "the LR schedule after the resume point follows the new length")
+        from retrofit.train.safe_load import check_random_states, weights_only_loads
+
+        check_random_states(folder, self.rank)  # accelerate swallows a refused RNG file and resumes without it
+        with weights_only_loads():  # DeepSpeed/accelerate pickles: tensors and plain data only, never code
+            self.acc.load_state(str(folder), load_module_strict=False)
+        self.train_data.load_state_dict(_load_data_state(folder, self.rank))
+        self.step = int(state["step"])
+        self.tokens = int(state["tokens"])
+        self.last_saved = folder
+
+    def _check_identity(self, folder: Path, state: dict) -> None:
+        """The checkpoint was written for this retrofit section, tokenizer and base weights."""
+        for key, what in (("section_digest", "retrofit section digest"), ("tokenizer_digest", "tokenizer digest"),
+                          ("base_fingerprint", "base fingerprint")):
+            if not state.get(key):
+                raise CheckpointError(f"{folder / ckpt.STATE_FILE} has no {what} ({key}): it was edited or written "
+                                      "by an older version, so this run cannot tell whether the model is the same; "
+                                      "start fresh in another checkpoint.output_dir")
+        if state["section_digest"] != self.section_digest:
             raise CheckpointError(f"{folder} was written for another retrofit section (digest {state['section_digest']}, "
                                   f"this model's is {self.section_digest}): the converted model's config.json was "
                                   "edited; restore it or start fresh in another checkpoint.output_dir")
+        recorded_tok = state["tokenizer_digest"]
+        if recorded_tok != self.tokenizer_digest:
+            raise CheckpointError(f"{folder} was trained with another tokenizer than {self.recipe.model.name} holds now "
+                                  f"(digest {recorded_tok} recorded, {self.tokenizer_digest} now): the same text would "
+                                  "become other token ids; restore the original tokenizer files, or start fresh in "
+                                  "another checkpoint.output_dir")
         from retrofit.surgery.fingerprint import compare_fingerprints
 
         why = compare_fingerprints(state.get("base_fingerprint"), self.base_fingerprint)
@@ -312,17 +358,6 @@ class _Run:
             raise CheckpointError(f"{folder} was trained on other base weights than {self.recipe.model.name} holds now "
                                   f"({why}): resume with the original base model, or start fresh in another "
                                   "checkpoint.output_dir")
-        if int(state.get("total_steps", self.total_steps)) != self.total_steps:
-            self.log(f"[retrofit] note: the run was planned for {state['total_steps']} steps, now {self.total_steps}: "
-                     "the LR schedule after the resume point follows the new length")
-        from retrofit.train.safe_load import weights_only_loads
-
-        with weights_only_loads():  # DeepSpeed/accelerate pickles: tensors and plain data only, never code
-            self.acc.load_state(str(folder), load_module_strict=False)
-        self.train_data.load_state_dict(_load_data_state(folder, self.rank))
-        self.step = int(state["step"])
-        self.tokens = int(state["tokens"])
-        self.last_saved = folder
 
     # ------------------------------------------------------------------ pieces of a step
     def _set_lr(self) -> float:
@@ -453,6 +488,7 @@ class _Run:
                 state = {"step": self.step, "tokens": self.tokens, "world_size": self.world,
                          "total_steps": self.total_steps, "fingerprint": _fingerprint(self.recipe),
                          "base_fingerprint": self.base_fingerprint, "section_digest": self.section_digest,
+                         "tokenizer_digest": self.tokenizer_digest,
                          "time": time.time()}
                 ckpt.publish(tmp, final, state)
                 ckpt.rotate(self.output_dir, self.recipe.checkpoint.keep_last)
@@ -535,7 +571,7 @@ class _Run:
                     self._record("train", metrics)
                     bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
                                     gnorm=f"{metrics['grad_norm']:.3g}", tok_s=f"{metrics['tokens_per_s']:.0f}")
-                    if bar.disable and self.main:
+                    if bar.disable and self.main and not quiet():
                         print(f"[retrofit] step {self.step}/{self.total_steps} loss {metrics['loss']:.4f} "
                               f"lr {metrics['lr']:.3e} grad_norm {metrics['grad_norm']:.3g} "
                               f"tokens/s {metrics['tokens_per_s']:.0f}"

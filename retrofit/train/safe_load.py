@@ -18,7 +18,7 @@ import torch
 
 from retrofit.errors import CheckpointError
 
-__all__ = ["allowed_globals", "weights_only_loads"]
+__all__ = ["allowed_globals", "check_random_states", "weights_only_loads"]
 
 
 def allowed_globals() -> list[Any]:
@@ -49,8 +49,13 @@ def allowed_globals() -> list[Any]:
 
 @contextlib.contextmanager
 def weights_only_loads() -> Iterator[None]:
-    """Within the block, ``torch.load`` refuses everything but tensors, plain data and :func:`allowed_globals`."""
+    """Within the block, ``torch.load`` refuses everything but tensors, plain data and :func:`allowed_globals`.
+
+    A refusal is raised again when the block ends even if the caller swallowed it (accelerate
+    catches any error loading its RNG file and resumes without it).
+    """
     original = torch.load
+    refused: list[CheckpointError] = []
 
     def safe_load(f, *args: Any, **kwargs: Any):
         kwargs["weights_only"] = True
@@ -59,11 +64,12 @@ def weights_only_loads() -> Iterator[None]:
         except pickle.UnpicklingError as exc:
             first = str(exc).strip().splitlines()
             detail = next((line for line in first if "GLOBAL" in line or "Unsupported" in line), first[0] if first else "")
-            raise CheckpointError(
+            refused.append(CheckpointError(
                 f"{f}: refusing to load it: it holds objects outside the allow-list of plain training state "
                 f"({detail.strip()[:200]}). Resume only from checkpoints this toolkit wrote; if you did write it, "
                 "the file was altered or the DeepSpeed version stores a new type (see docs/training.md, trust model)"
-            ) from None
+            ))
+            raise refused[-1] from None
 
     with torch.serialization.safe_globals(allowed_globals()):
         torch.load = safe_load
@@ -71,3 +77,24 @@ def weights_only_loads() -> Iterator[None]:
             yield
         finally:
             torch.load = original
+    if refused:
+        raise refused[0]
+
+
+def check_random_states(folder: Any, rank: int) -> None:
+    """``random_states_<rank>.pkl`` loads as plain data (accelerate would resume without it, silently)."""
+    from pathlib import Path
+
+    path = Path(folder) / f"random_states_{rank}.pkl"
+    if not path.is_file():
+        return
+    with weights_only_loads():
+        try:
+            torch.load(path, map_location="cpu")
+        except CheckpointError:
+            raise
+        except Exception as exc:  # truncated or garbage: unreadable, whatever the pickle error
+            detail = (str(exc).strip().splitlines() or [""])[0][:160]
+            raise CheckpointError(f"{path}: cannot be read ({type(exc).__name__}: {detail}); its random "
+                                  "states would be lost: resume from an earlier checkpoint (checkpoint.resume=PATH) "
+                                  "or delete this one") from None

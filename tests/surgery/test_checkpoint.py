@@ -67,7 +67,7 @@ def test_delta_round_trip_reattaches_to_its_base(base_dir, tmp_path):
     model, _ = load_any(base_dir)
     _trained(convert(model, ConversionSpec(window=8, latents=8)))
     out = save_delta(model, tmp_path / "delta")
-    assert sorted(os.listdir(out)) == ["delta.safetensors", "retrofit_delta.json"]
+    assert sorted(os.listdir(out)) == [".retrofit-files.json", "delta.safetensors", "retrofit_delta.json"]
     assert sorted(load_file(out / "delta.safetensors")) == sorted(new_parameter_names(model))
     again, tok = load_delta(out)  # base from the record
     _assert_same(model, again)
