@@ -14,8 +14,8 @@ from retrofit.eval.evaluators import Evaluator, evaluators, get_evaluator, regis
 
 
 def test_builtin_kinds_in_order():
-    assert [e.name for e in evaluators()] == ["perplexity", "harness", "passkey"]
-    assert [e.command for e in evaluators()] == ["ppl", "harness", "passkey"]
+    assert [e.name for e in evaluators()] == ["perplexity", "harness", "passkey", "niah", "ruler"]
+    assert [e.command for e in evaluators()] == ["ppl", "harness", "passkey", "niah", "ruler"]
     assert get_evaluator("passkey").run == "retrofit.eval.passkey:run_passkey"
     for ev in evaluators():
         assert callable(ev.runner())
@@ -72,7 +72,7 @@ def test_a_new_kind_reaches_cli_suite_and_report(echo_kind, tmp_path, capsys):
     import torch
 
     res = suite.run_all(torch.nn.Linear(2, 2), tokenizer=object(), out=tmp_path / "all",
-                        skip=["perplexity", "harness", "passkey"], echo={"words": ["w1", "w2"]})
+                        skip=["perplexity", "harness", "passkey", "niah", "ruler"], echo={"words": ["w1", "w2"]})
     assert res["echo"]["words"] == ["w1", "w2"] and (tmp_path / "all" / "echo" / "table.md").is_file()
     assert "## Echo section" in (tmp_path / "all" / "report.md").read_text()
     with pytest.raises(RetrofitError, match="not evaluators"):

@@ -60,11 +60,18 @@ def test_cli_all_writes_one_report(converted_dir, base_dir, tmp_path, capsys):
         "--ppl-lengths", "64", "--datasets", "pg-books", "--max-windows", "1",
         "--tasks", "retrofit_tiny_mc", "--limit", "3", "--bootstrap-iters", "0",
         "--passkey-lengths", "256", "--depths", "0", "1", "--trials", "1",
+        "--niah-lengths", "400", "--niah-depths", "0.5", "--niah-max-new-tokens", "4",
+        "--ruler-lengths", "600", "--ruler-tasks", "niah_single_1,ruler_fwe", "--ruler-samples", "1",
+        "--ruler-max-new-tokens", "4", "--chat-template", "off",
     ])
     assert rc == 0
     md = (out / "report.md").read_text()
-    for heading in ("## Long-context perplexity", "## Few-shot benchmarks (lm-eval)", "## Passkey retrieval"):
+    for heading in ("## Long-context perplexity", "## Few-shot benchmarks (lm-eval)", "## Passkey retrieval",
+                    "## Needle in a haystack", "## RULER-style retrieval"):
         assert heading in md
+    assert "![niah](niah/niah.png)" in md and "![ruler](ruler/ruler.png)" in md
+    for sub in ("niah", "ruler"):
+        assert json.loads((out / sub / "results.json").read_text())["settings"]["chat_template"] is False
     assert "![perplexity](ppl/perplexity.png)" in md and "![passkey](passkey/passkey.png)" in md
     for sub in ("ppl", "harness", "passkey"):
         assert (out / sub / "results.json").is_file() and (out / sub / "table.md").is_file()
