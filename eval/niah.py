@@ -185,7 +185,8 @@ def run_niah(
     res["description"] = (
         f"Needle in a haystack (score %, recall of {', '.join(repr(a) for a in answers)} in the greedy answer, "
         f"{trials} trial(s) per cell); rows: needle depth (0 = start of the haystack, 1 = end); columns: "
-        f"prompt length in tokens. Haystack: {hay.name}{' (fallback: the essays are not installed)' if hay.fallback else ''}. "
+        f"prompt length in tokens. Haystack: {hay.name}"
+        f"{' (fallback: the essays are not installed)' if hay.fallback else ''}. "
         f"Chat template: {'on' if chat else 'off'}."
     )
     res["table"] = table_markdown(res)
@@ -197,7 +198,7 @@ def table_markdown(res: dict) -> str:
     lengths, depths = res["settings"]["lengths"], res["settings"]["depths"]
     header = ["Model", "Depth"] + [report.fmt_length(L) for L in lengths]
     rows = []
-    for role in [r for r in ("baseline", "model") if r in res["results"]]:
+    for role in res["results"]:  # in table order (baseline first)
         label = res["models"][role]["label"]
         grid = res["results"][role]["score"]
         for i, d in enumerate(depths):
@@ -217,7 +218,7 @@ def plot_heatmap(res: dict, path: str | Path) -> Path:
     plt = report.pyplot()
     cmap = LinearSegmentedColormap.from_list("niah", ["#F0496E", "#EBB839", "#0CD79F"])
     lengths, depths = res["settings"]["lengths"], res["settings"]["depths"]
-    roles = [r for r in ("baseline", "model") if r in res["results"]]
+    roles = list(res["results"])  # table order (baseline first)
     width = len(roles) * (1.8 + 0.7 * len(lengths)) + 1.2
     fig, axes = plt.subplots(1, len(roles), figsize=(width, 0.38 * len(depths) + 2.2), squeeze=False,
                              constrained_layout=True)

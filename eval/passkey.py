@@ -86,7 +86,8 @@ def build_prompt(
     needle = encode(tokenizer, NEEDLE.format(key=key))
     if frame is not None and frame.chat:
         prefix = list(frame.head)
-        question = encode(tokenizer, QUESTION_ASK) + frame.tail + prompting.answer_prefix_ids(tokenizer, frame, ANSWER_PREFIX)
+        answer = prompting.answer_prefix_ids(tokenizer, frame, ANSWER_PREFIX)
+        question = encode(tokenizer, QUESTION_ASK) + frame.tail + answer
     else:
         prefix = [bos_id] if bos_id is not None else []
         question = encode(tokenizer, QUESTION)

@@ -140,7 +140,7 @@ def table_markdown(res: dict) -> str:
     tasks = res["settings"]["tasks"]
     header = ["Model", "Task"] + [report.fmt_length(L) for L in lengths]
     rows = []
-    for role in [r for r in ("baseline", "model") if r in res["results"]]:
+    for role in res["results"]:  # in table order (baseline first)
         label = res["models"][role]["label"]
         r = res["results"][role]
         for i, t in enumerate(tasks):
@@ -156,7 +156,7 @@ def plot_heatmap(res: dict, path: str | Path) -> Path:
     plt = report.pyplot()
     lengths = res["settings"]["lengths"]
     rows = [*res["settings"]["tasks"], "average"]
-    roles = [r for r in ("baseline", "model") if r in res["results"]]
+    roles = list(res["results"])  # table order (baseline first)
     width = len(roles) * (2.6 + 0.75 * len(lengths)) + 1.2
     fig, axes = plt.subplots(1, len(roles), figsize=(width, 0.4 * len(rows) + 2.0), squeeze=False,
                              constrained_layout=True)

