@@ -87,8 +87,6 @@ def _converter(tp):
     import types
     import typing
 
-    import yaml
-
     args = typing.get_args(tp) if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else (tp,)
     base = [a for a in args if a is not type(None)]
     if len(base) == 1 and base[0] in (int, float, str):
@@ -101,7 +99,28 @@ def _converter(tp):
 
         convert.__name__ = kind.__name__  # argparse names the type in its error message
         return convert
-    return yaml.safe_load  # Any: parsed as YAML, checked by the method's config
+    def any_value(text: str):  # Any: parsed as YAML, checked by the method's config
+        try:
+            return yaml_value(text, "the value")
+        except Exception as exc:  # argparse reports it as one line naming the flag
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    any_value.__name__ = "YAML"
+    return any_value
+
+
+def yaml_value(text: str, what: str):
+    """``text`` parsed as one plain YAML value (no tags that build objects): SpecError otherwise."""
+    import yaml
+
+    from retrofit.errors import SpecError
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        problem = str(getattr(exc, "problem", None) or exc).splitlines()[0]
+        raise SpecError(f"{what}: {text!r} is not a plain YAML value ({problem}); give a number, a string, "
+                        "a list or a mapping") from None
 
 
 def add_method_flags(p: argparse.ArgumentParser) -> None:
@@ -119,8 +138,6 @@ def add_method_flags(p: argparse.ArgumentParser) -> None:
 
 def _given_method_keys(args: argparse.Namespace) -> dict:
     """The method keys given as flags (``--window 8``) or ``--option KEY=VALUE``."""
-    import yaml
-
     from retrofit.errors import SpecError
 
     keys = {dest: getattr(args, dest) for dest in method_flags() if getattr(args, dest, None) is not None}
@@ -128,7 +145,7 @@ def _given_method_keys(args: argparse.Namespace) -> dict:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SpecError(f"--option expects KEY=VALUE, got {item!r}")
-        keys[key.strip()] = yaml.safe_load(value)
+        keys[key.strip()] = yaml_value(value, f"--option {key.strip()}")
     return keys
 
 

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from retrofit.errors import CheckpointError
+from retrofit.errors import CheckpointError, RetrofitError
 from retrofit.fs.atomic import atomic_directory
 
 __all__ = [
@@ -127,12 +127,31 @@ def _file_key(path: Path) -> str:
     return h.hexdigest()[:16]
 
 
+def _check_gguf_magic(gguf: Path) -> None:
+    """A file that does not start with the GGUF magic is refused before the GGUF loader sees it."""
+    try:
+        with open(gguf, "rb") as fh:
+            magic = fh.read(4)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {gguf}: {exc.strerror or exc}") from None
+    if magic != b"GGUF":
+        raise CheckpointError(f"{gguf} is not a GGUF file (it does not start with the GGUF magic bytes); pass a "
+                              ".gguf model file, a model folder, a hub id or an alias")
+
+
 def gguf_to_folder(gguf: Path, folder: Path, *, show: Callable[[str], None] = print) -> Path:
     """Load ``gguf`` once and store it as a safetensors folder at ``folder`` (atomic; reused if present)."""
     if (folder / "config.json").is_file():
         return folder
+    _check_gguf_magic(gguf)
     show(f"[retrofit] loading {gguf.name} with transformers' GGUF loader (about a minute, once); caching to {folder}")
-    model, tokenizer = _gguf_to_model(gguf)
+    try:
+        model, tokenizer = _gguf_to_model(gguf)
+    except RetrofitError:
+        raise
+    except Exception as exc:  # GGUF magic, then a truncated or garbage body
+        raise CheckpointError(f"{gguf} is not a readable GGUF model ({type(exc).__name__}: {first_line(exc)}); "
+                              "the file is truncated, damaged or not a model: download it again") from None
     try:
         with atomic_directory(folder, overwrite=False) as tmp:
             model.save_pretrained(tmp)
@@ -188,9 +207,34 @@ def locate(name_or_path: str | os.PathLike) -> tuple[Path | None, str, str | Non
         path = gguf_to_folder(path, cache_root() / "gguf" / f"{path.stem}-{_file_key(path)}")
     if path.is_dir():
         return path, str(path), alias
-    if Path(name).is_absolute() or name.startswith((".", "~")) or (os.sep in name and Path(name).parent.exists()):
+    if (Path(name).is_absolute() or name.startswith((".", "~")) or name.lower().endswith(".gguf")
+            or (os.sep in name and Path(name).parent.exists())):
         raise CheckpointError(f"{name} does not exist")
+    _check_hub_reachable(name)
     return None, name, alias  # a hub id
+
+
+def _check_hub_reachable(name: str, timeout: float = 3.0) -> None:
+    """A hub id not in the local cache needs the hub: without a network, say so at once (transformers
+    would retry for about a minute before failing)."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return  # transformers reads the local cache only, and fails fast
+    with contextlib.suppress(Exception):
+        from huggingface_hub import try_to_load_from_cache
+
+        if isinstance(try_to_load_from_cache(name, "config.json"), str):
+            return  # cached: loadable without the network
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host, port = url.hostname or "huggingface.co", url.port or (80 if url.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        raise CheckpointError(f"{name} is not a local path, and the Hugging Face hub ({host}) cannot be reached "
+                              f"({exc.strerror or exc or 'timed out'}): pass a local model folder, a .gguf file or an "
+                              "alias, or set HF_HUB_OFFLINE=1 to load from the local hub cache") from None
 
 
 def read_config(folder: Path) -> dict:
