@@ -111,6 +111,10 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
 
 
 def _apply_backend(args: argparse.Namespace) -> None:
+    """Check ``--device`` (one error line, before any work) and apply ``--backend``."""
+    from retrofit.cli.devices import check_device
+
+    check_device(getattr(args, "device", None))
     if getattr(args, "backend", None):
         from retrofit.ops.backends import set_default_backend
 

@@ -51,7 +51,7 @@ def _run(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model.to(device)
     torch.manual_seed(args.seed)
-    inputs = tokenizer(prompt, return_tensors="pt").to(device)
+    inputs = _encode(tokenizer, prompt).to(device)
     cache = RetrofitCache(model) if is_converted(model) else None
     sample = args.temperature > 0
     gen_kwargs = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p) if sample else dict(do_sample=False)
@@ -70,3 +70,21 @@ def _run(args: argparse.Namespace) -> int:
         stats += f", cache {cache.memory_bytes() / 2**20:.2f} MiB for {out.shape[1]} tokens"
     print(stats + "]", file=sys.stderr)
     return 0
+
+
+def _encode(tokenizer, prompt: str):
+    """The prompt's ids; an empty prompt is the BOS token alone, or an error where there is none."""
+    from retrofit.errors import RetrofitError
+
+    inputs = tokenizer(prompt, return_tensors="pt")
+    if inputs["input_ids"].shape[1] > 0:
+        return inputs
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        raise RetrofitError("--prompt is empty and the tokenizer adds no BOS token, so there is nothing to continue: "
+                            "give a prompt of at least one token")
+    import torch
+
+    inputs["input_ids"] = torch.tensor([[bos]])
+    inputs["attention_mask"] = torch.ones(1, 1, dtype=torch.long)
+    return inputs

@@ -6,6 +6,8 @@ into BOS/EOS pairs, positions the model never saw, text with replacement charact
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from retrofit.data.sources import LOCAL_FORMATS, load_documents, shard_documents
@@ -13,18 +15,38 @@ from retrofit.data.text import check_utf8
 from retrofit.errors import DataError
 from retrofit.train.recipe import Recipe
 
-__all__ = ["check_decodable", "check_positions", "check_enough_tokens"]
+__all__ = ["check_decodable", "check_json_lines", "check_positions", "check_enough_tokens"]
 
 _TEXT_SUFFIXES = tuple(s for s, fmt in LOCAL_FORMATS.items() if fmt in ("text", "json"))
 
 
 def check_decodable(recipe: Recipe, files: Any) -> None:
-    """Under ``data.text_errors=strict``, every local txt/jsonl file must be valid UTF-8 (error: file + byte offset)."""
-    if recipe.data.text_errors != "strict":
-        return
-    for f in [*(files.train or []), *files.held_out]:
-        if f.suffix.lower() in _TEXT_SUFFIXES:
-            check_utf8(f, option="data.text_errors=replace")
+    """Under ``data.text_errors=strict``, every local txt/jsonl file must be valid UTF-8 (error: file + byte
+    offset); every line of a .jsonl file must be a JSON object (error: file + line), whatever the policy."""
+    local = [*(files.train or []), *files.held_out]
+    if recipe.data.text_errors == "strict":
+        for f in local:
+            if f.suffix.lower() in _TEXT_SUFFIXES:
+                check_utf8(f, option="data.text_errors=replace")
+    for f in local:
+        if f.suffix.lower() == ".jsonl":
+            check_json_lines(f, errors=recipe.data.text_errors)
+
+
+def check_json_lines(path: Path, errors: str = "strict") -> None:
+    """Every non-blank line of the JSON Lines file ``path`` is a JSON object, else one DataError naming the line."""
+    with open(path, encoding="utf-8", errors=errors) as fh:
+        for number, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                raise DataError(f"{path}: line {number} is not valid JSON ({str(exc).splitlines()[0]}); fix or "
+                                "delete that line") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{path}: line {number} is a JSON {type(record).__name__}, not an object with the "
+                                "text field; fix or delete that line")
 
 
 def check_positions(recipe: Recipe, config: Any) -> None:

@@ -327,3 +327,72 @@ def test_quiet_convert_and_train_print_only_warnings_and_errors(base, books, tmp
     assert "[retrofit]" not in out and "INFO" not in err, (out, err)
     assert main(convert_argv(base, tmp_path / "loud")) == 0  # without -q the info lines are there
     assert "converted" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------- one error line, not a traceback
+@pytest.mark.parametrize("device", ["mps", "xpu", "meta"])
+def test_unusable_devices_are_one_error_line(base, tmp_path, capsys, device):
+    import torch
+
+    if device == "mps" and torch.backends.mps.is_available():
+        pytest.skip("this machine has MPS")
+    if device == "xpu" and hasattr(torch, "xpu") and torch.xpu.is_available():
+        pytest.skip("this machine has an XPU")
+    fails(["generate", str(base), "--prompt", "a", "--max-new-tokens", "1", "--device", device], capsys,
+          f"--device {device}", "use")
+    fails(["bench", "decode", "--quick", "--device", device, "--out", str(tmp_path / "b")], capsys, f"--device {device}")
+    assert not (tmp_path / "b").exists()
+
+
+def test_files_that_are_not_gguf_models_are_one_error_line(tmp_path, capsys):
+    (tmp_path / "notes.gguf").write_text("hello")
+    (tmp_path / "garbage.gguf").write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x07" * 21)
+    before = snapshot(tmp_path)
+    fails(["generate", str(tmp_path / "notes.gguf"), "--prompt", "a"], capsys, "is not a GGUF file")
+    fails(["generate", str(tmp_path / "garbage.gguf"), "--prompt", "a"], capsys, "is not a readable GGUF model")
+    assert snapshot(tmp_path) == before and not leftovers(tmp_path)
+
+
+def test_a_missing_gguf_file_is_not_a_hub_id_and_an_unreachable_hub_fails_at_once(tmp_path, capsys, monkeypatch):
+    import time
+
+    monkeypatch.chdir(tmp_path)
+    fails(["generate", "x.gguf", "--prompt", "a"], capsys, "x.gguf does not exist")
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there: as good as no network
+    t0 = time.perf_counter()
+    fails(["generate", "someone/no-such-model", "--prompt", "a"], capsys, "cannot be reached", "HF_HUB_OFFLINE=1")
+    assert time.perf_counter() - t0 < 15  # not a minute of retries
+
+
+def test_an_empty_prompt_without_bos_is_one_error_line(tmp_path, capsys):
+    base = tiny.save_base(tmp_path / "nobos")
+    spec = json.loads((base / "tokenizer.json").read_text())
+    spec["post_processor"] = None  # no BOS added: an empty prompt is zero tokens
+    (base / "tokenizer.json").write_text(json.dumps(spec))
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("bos_token", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    fails(["generate", str(base), "--prompt", "", "--max-new-tokens", "1"], capsys, "--prompt is empty")
+    assert main(["generate", str(tiny.save_base(tmp_path / "bos")), "--prompt", "", "--max-new-tokens", "1"]) == 0
+
+
+def test_a_yaml_tag_in_an_option_is_one_error_line(base, tmp_path, capsys):
+    fails(convert_argv(base, tmp_path / "o", "--option", "window=!!python/name:os.system"), capsys,
+          "--option window", "is not a plain YAML value")
+    fails(convert_argv(base, tmp_path / "o", "--option", "window=[1"), capsys, "is not a plain YAML value")
+    assert not (tmp_path / "o").exists() and not leftovers(tmp_path)
+
+
+def test_a_jsonl_file_with_one_bad_line_fails_before_training(base, tmp_path, capsys):
+    from tests.reliability.test_faults import recipe_file
+
+    data = tmp_path / "data"
+    good = [json.dumps({"text": tiny.book_text(chars=2_000)}) for _ in range(3)]
+    data.mkdir()
+    (data / "a.jsonl").write_text("\n".join([*good, '{"text": "cut short', *good]) + "\n")
+    recipe = recipe_file(tmp_path, base, data, eval={"sequences": 0})
+    fails(["train", str(recipe)], capsys, "a.jsonl: line 4 is not valid JSON", "fix or delete that line")
+    (data / "a.jsonl").write_text("\n".join([*good, "[1, 2]"]) + "\n")
+    fails(["train", str(recipe)], capsys, "a.jsonl: line 4 is a JSON list")
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
