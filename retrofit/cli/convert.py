@@ -60,12 +60,22 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
 
 
 class _MethodFlagsParser(argparse.ArgumentParser):
-    """Adds one flag per method config field (``--window``, ``--segment``, ...) before parsing."""
+    """Adds one flag per method config field (``--window``, ``--segment``, ...) before parsing.
+
+    For ``--help`` alone the flags come from :mod:`retrofit.cli.method_flag_table` (the built-in
+    methods' table, checked against the configs by the tests), so the help needs no torch import.
+    """
 
     def parse_known_args(self, args=None, namespace=None):
         if not getattr(self, "_method_flags_added", False):
             self._method_flags_added = True
-            add_method_flags(self)
+            given = list(sys.argv[1:] if args is None else args)
+            if any(a in ("-h", "--help") for a in given):
+                from retrofit.cli.method_flag_table import TABLE
+
+                add_method_flags(self, TABLE)
+            else:
+                add_method_flags(self)
         return super().parse_known_args(args, namespace)
 
 
@@ -83,14 +93,33 @@ def method_flags() -> dict[str, dict]:
     return flags
 
 
-def _converter(tp):
+def _kind(tp) -> tuple[str, bool]:
+    """``(kind, nullable)`` of a config field's type: kind int | float | str | bool | yaml."""
     import types
     import typing
 
+    if tp is bool:
+        return "bool", False
     args = typing.get_args(tp) if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else (tp,)
     base = [a for a in args if a is not type(None)]
     if len(base) == 1 and base[0] in (int, float, str):
-        kind, nullable = base[0], type(None) in args
+        return base[0].__name__, type(None) in args
+    return "yaml", False
+
+
+def method_flag_table() -> dict[str, dict]:
+    """``dest -> {flag, kind, nullable, help}`` of every registered method's flags (what --help shows)."""
+    table = {}
+    for dest, e in method_flags().items():
+        kind, nullable = _kind(e["type"])
+        table[dest] = {"flag": e["flag"], "kind": kind, "nullable": nullable,
+                       "help": f"{e['help']} [{', '.join(e['defaults'])}]"}
+    return table
+
+
+def _converter(kind_name: str, nullable: bool):
+    if kind_name in ("int", "float", "str"):
+        kind = {"int": int, "float": float, "str": str}[kind_name]
 
         def convert(text: str):
             if nullable and text.strip().lower() in ("none", "null"):
@@ -99,6 +128,7 @@ def _converter(tp):
 
         convert.__name__ = kind.__name__  # argparse names the type in its error message
         return convert
+
     def any_value(text: str):  # Any: parsed as YAML, checked by the method's config
         try:
             return yaml_value(text, "the value")
@@ -123,15 +153,16 @@ def yaml_value(text: str, what: str):
                         "a list or a mapping") from None
 
 
-def add_method_flags(p: argparse.ArgumentParser) -> None:
-    for dest, e in method_flags().items():
+def add_method_flags(p: argparse.ArgumentParser, table: dict[str, dict] | None = None) -> None:
+    """One flag per method key of ``table`` (default: :func:`method_flag_table`, which imports the methods)."""
+    for dest, e in (method_flag_table() if table is None else table).items():
         if e["flag"] in p._option_string_actions:
             continue
-        text = f"{e['help']} [{', '.join(e['defaults'])}]".replace("%", "%%")
-        if e["type"] is bool:
+        text = e["help"].replace("%", "%%")
+        if e["kind"] == "bool":
             p.add_argument(e["flag"], dest=dest, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
-            conv = _converter(e["type"])
+            conv = _converter(e["kind"], e["nullable"])
             p.add_argument(e["flag"], dest=dest, type=conv, default=None, help=text,
                            metavar="N" if conv.__name__ in ("int", "float") else "VALUE")
 

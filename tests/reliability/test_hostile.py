@@ -396,3 +396,17 @@ def test_a_jsonl_file_with_one_bad_line_fails_before_training(base, tmp_path, ca
     (data / "a.jsonl").write_text("\n".join([*good, "[1, 2]"]) + "\n")
     fails(["train", str(recipe)], capsys, "a.jsonl: line 4 is a JSON list")
     assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+# ---------------------------------------------------------------------- convert --help stays instant
+def test_convert_help_imports_no_torch_and_its_flag_table_matches_the_method_configs():
+    from retrofit.cli.convert import method_flag_table
+    from retrofit.cli.method_flag_table import TABLE
+
+    assert TABLE == method_flag_table(), "regenerate retrofit/cli/method_flag_table.py (see its docstring)"
+    code = ("import sys\nfrom retrofit.cli.main import main\ntry:\n    main(['convert', '--help'])\n"
+            "except SystemExit:\n    pass\nprint('torch imported:', 'torch' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "--window" in run.stdout and "--segment" in run.stdout and "torch imported: False" in run.stdout

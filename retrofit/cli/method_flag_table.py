@@ -1,0 +1,71 @@
+"""The built-in conversion methods' ``retrofit convert`` flags, so that ``--help`` imports no torch.
+
+Generated from the method configs by :func:`retrofit.cli.convert.method_flag_table`; a test checks
+that it still matches them. Regenerate after changing a method's config fields::
+
+    python -c "import pprint; from retrofit.cli.convert import method_flag_table; pprint.pp(method_flag_table(), width=110)"
+"""
+
+TABLE: dict[str, dict] = {'chunk_size': {'flag': '--chunk-size',
+                'kind': 'int',
+                'nullable': False,
+                'help': 'chunk length of the chunked linear-attention scan [exp-linear: 64, macchiato: 64]'},
+ 'window': {'flag': '--window',
+            'kind': 'int',
+            'nullable': True,
+            'help': "local window w in tokens (default 128, or the family's native window with --layers "
+                    'global) [lavo: None, macchiato: None]'},
+ 'bases': {'flag': '--bases',
+           'kind': 'int',
+           'nullable': True,
+           'help': 'orthonormal bases r per head (default min(64, head_dim)) [lavo: None]'},
+ 'global_weight': {'flag': '--global-weight',
+                   'kind': 'float',
+                   'nullable': False,
+                   'help': 'initial g of out = (1-g) local + g global (the paper averages: 0.5) [lavo: 0.5]'},
+ 'learn_global_weight': {'flag': '--learn-global-weight',
+                         'kind': 'bool',
+                         'nullable': False,
+                         'help': 'train g (off: g stays fixed) [lavo: True]'},
+ 'relative_bias': {'flag': '--relative-bias',
+                   'kind': 'bool',
+                   'nullable': False,
+                   'help': "the paper's relative position bias on the local branch [lavo: True]"},
+ 'dissect': {'flag': '--dissect',
+             'kind': 'bool',
+             'nullable': False,
+             'help': "memory of the complete windows before the query's own (paper 3.2); off = eq. 4 [lavo: "
+                     'True]'},
+ 'memory_scaling': {'flag': '--memory-scaling',
+                    'kind': 'float',
+                    'nullable': True,
+                    'help': 'read temperature of the memory (default: the pretrained scaling) [lavo: None]'},
+ 'segment': {'flag': '--segment',
+             'kind': 'int',
+             'nullable': False,
+             'help': 'segment s in tokens: queries see their own half-segment of s/2 and the previous one '
+                     '[llp: 512]'},
+ 'latents': {'flag': '--latents',
+             'kind': 'int',
+             'nullable': False,
+             'help': 'latent states L in total over the query heads (L / heads per head) [macchiato: 128]'},
+ 'init_swa_share': {'flag': '--init-swa-share',
+                    'kind': 'float',
+                    'nullable': False,
+                    'help': 'initial sliding-window share p(0|t) in (0, 1] (1 = latent path closed) '
+                            '[macchiato: 0.9]'},
+ 'conv_size': {'flag': '--conv-size',
+               'kind': 'int',
+               'nullable': False,
+               'help': 'causal depthwise conv size before the latent projections (0 or 1 = none) [macchiato: '
+                       '0]'},
+ 'sinks': {'flag': '--sinks',
+           'kind': 'int',
+           'nullable': False,
+           'help': 'attention sinks: the window branch also sees the first n tokens [macchiato: 0]'},
+ 'sink_distance': {'flag': '--sink-distance',
+                   'kind': 'int',
+                   'nullable': True,
+                   'help': 'cap on the RoPE distance a query sees to a sink (StreamingLLM-style '
+                           "re-positioning; default the base's max_position_embeddings - 1, so nothing "
+                           'changes inside its context; 0 = no cap) [macchiato: None]'}}
