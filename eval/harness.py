@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from retrofit.errors import RetrofitError
-from retrofit.eval import loading, report
+from retrofit.eval import loading, report, variants
 
 PAPER_TASKS = ("mmlu", "hellaswag", "lambada_openai", "arc_challenge", "arc_easy", "winogrande", "piqa", "boolq")
 PAPER_FEWSHOT: dict[str, int] = {
@@ -192,6 +192,7 @@ def run_harness(
     rope_cap: int | None = None,
     out: str | Path | None = None,
     command: str | None = None,
+    zero_shot: list[str] | tuple[str, ...] = (),
 ) -> dict:
     """lm-eval few-shot benchmarks for ``model`` (and ``baseline``); JSON + markdown table.
 
@@ -199,6 +200,7 @@ def run_harness(
     tasks: lm-eval task or group names (list or comma-separated string).
     num_fewshot: None = :data:`PAPER_FEWSHOT` (task default elsewhere); an int; or a map.
     limit: examples per task (for smoke runs). include_path: extra folders of task YAMLs.
+    zero_shot: variant specs scored beside the two (:mod:`retrofit.eval.variants`).
     """
     from retrofit.eval.lm_model import RetrofitLM
 
@@ -208,12 +210,9 @@ def run_harness(
     if not tasks:
         raise RetrofitError("no tasks given")
     fewshot = parse_fewshot(num_fewshot)
-    resolved = {"model": loading.resolve(model, tokenizer, device=device, dtype=dtype, rope_cap=rope_cap)}
-    if baseline is not None:
-        b = loading.resolve(baseline, baseline_tokenizer, device=device, dtype=dtype, rope_cap=rope_cap)
-        if b[2] == resolved["model"][2]:
-            b = (b[0], b[1], f"{b[2]} (baseline)")
-        resolved = {"baseline": b, **resolved}
+    resolved = variants.resolve_roles(model, tokenizer, baseline, baseline_tokenizer,
+                                      variants=variants.parse_variants(zero_shot), device=device, dtype=dtype,
+                                      rope_cap=rope_cap)
     models: dict[str, dict] = {}
     raw: dict[str, dict] = {}
     for role, (m, t, label) in resolved.items():
@@ -294,9 +293,7 @@ def table_markdown(res: dict) -> str:
         shots = any_entry.get("num_fewshot")
         header.append(f"{t}{mark}" + (f" [{shots}]" if shots is not None else ""))
     rows = []
-    for role in ("baseline", "model"):
-        if role not in res["models"]:
-            continue
+    for role in report.role_order(res["models"]):
         row = [res["models"][role]["label"]]
         for t in cols:
             e = res["results"][t].get(role)
@@ -313,7 +310,7 @@ def plot_scores(res: dict, path: str | Path) -> Path | None:
     """Grouped bars of the percent-type primary metrics, one bar per model; None if nothing to plot."""
     import numpy as np
 
-    roles = [r for r in ("baseline", "model") if r in res["models"]]
+    roles = report.role_order(res["models"])
     cols = []
     for t in _columns(res):
         metric = next(iter(res["results"][t].values())).get("primary_metric") or ""

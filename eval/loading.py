@@ -55,13 +55,13 @@ def resolve(
     """
     if isinstance(model, (str, Path)):
         m, tok = load_model(str(model), device=device, dtype=dtype)
-        _apply_rope_cap(m, rope_cap)
+        apply_rope_cap(m, rope_cap)
         label = model_label(str(model))
         m._retrofit_eval_label = label  # later resolve() calls on this object keep the name
         return m, (tokenizer if tokenizer is not None else tok), label
     if tokenizer is None:
         raise RetrofitError("pass the tokenizer together with an already-loaded model")
-    _apply_rope_cap(model, rope_cap)
+    apply_rope_cap(model, rope_cap)
     model.eval()
     label = getattr(model, "_retrofit_eval_label", None)
     if label is None:
@@ -78,7 +78,20 @@ def _rope_caps(model: Any) -> dict[str, int] | None:
     return {str(k): v for k, v in caps.items()} or None
 
 
-def _apply_rope_cap(model: Any, rope_cap: int | None) -> None:
+def _rope_scaling(model: Any) -> dict | None:
+    from retrofit.surgery.rope_scaling import rope_scaling_of
+
+    return rope_scaling_of(model)
+
+
+def _latent_path_closed(model: Any) -> bool | None:
+    """True when every Macchiato layer's latent path is closed, None for models without one."""
+    flags = [bool(m.latent_path_closed) for m in model.modules() if hasattr(m, "latent_path_closed")]
+    return all(flags) if flags else None
+
+
+def apply_rope_cap(model: Any, rope_cap: int | None) -> None:
+    """Cap (or with 0 un-cap) the model's full-attention RoPE distances; None leaves it as it is."""
     if rope_cap is None:
         return
     from retrofit.surgery.rope_cap import cap_rope
@@ -149,6 +162,8 @@ def model_info(model: Any, label: str) -> dict:
         "model_type": getattr(cfg, "model_type", None),
         "converted": is_converted(model),
         "rope_cap": _rope_caps(model),
+        "rope_scaling": _rope_scaling(model),
+        "latent_path_closed": _latent_path_closed(model),
         "parameters": n_params,
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
         "max_position_embeddings": getattr(cfg, "max_position_embeddings", None),

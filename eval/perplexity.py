@@ -14,10 +14,10 @@ import torch
 
 from retrofit.errors import DataError
 from retrofit.eval import corpora, loading, nll, report
+from retrofit.eval import variants as variants_mod
 from retrofit.eval.windows import Window, build_windows
 
 DEFAULT_LENGTHS = (4096, 8192, 16384)
-ROLES = ("baseline", "model")  # column order in tables: the base model first, as in Table 4
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -162,6 +162,7 @@ def run_perplexity(
     progress: bool = True,
     command: str | None = None,
     reuse_prefixes: bool = True,
+    zero_shot: list[str] | tuple[str, ...] = (),
 ) -> dict:
     """Perplexity at each length on each dataset for ``model`` (and ``baseline``), same windows.
 
@@ -179,21 +180,24 @@ def run_perplexity(
     out: folder for results.json, table.md, perplexity.png (written atomically).
     reuse_prefixes: score lengths longest first and take a window that begins a longer scored
         window (window 0 of a document at every length) from that window's per-token NLLs
-        (see :class:`PrefixCache`); False runs every window on its own.
+        (see :class:`PrefixCache`); False runs every window on its own. Length-dependent variants
+        (dynamic NTK) never reuse prefixes.
+    zero_shot: variant specs scored beside the two (:mod:`retrofit.eval.variants`): ``yarn:4``,
+        ``dynamic:4``, ``linear:4``, ``cap:8191`` on the baseline; ``closed`` on the model.
 
     Returns the results dict (also written to ``out/results.json``).
     """
     from tqdm.auto import tqdm
 
     lengths = sorted(set(int(x) for x in lengths))
-    m, tok, m_label = loading.resolve(model, tokenizer, device=device, dtype=dtype, rope_cap=rope_cap)
-    roles: dict[str, tuple[Any, str, int | None]] = {"model": (m, m_label, chunk_size)}
-    if baseline is not None:
-        b, btok, b_label = loading.resolve(baseline, baseline_tokenizer, device=device, dtype=dtype, rope_cap=rope_cap)
-        loading.check_same_tokenizer(tok, btok, m_label, b_label)
-        if b_label == m_label:
-            b_label = f"{b_label} (baseline)"
-        roles["baseline"] = (b, b_label, baseline_chunk_size)
+    resolved = variants_mod.resolve_roles(model, tokenizer, baseline, baseline_tokenizer,
+                                          variants=variants_mod.parse_variants(zero_shot),
+                                          device=device, dtype=dtype, rope_cap=rope_cap)
+    m, tok, _ = resolved["model"]
+    roles: dict[str, tuple[Any, str, int | None]] = {
+        role: (mdl, label, chunk_size if role.startswith("model") else baseline_chunk_size)
+        for role, (mdl, _, label) in resolved.items()
+    }
     use_bos = loading.needs_bos(m, tok, bos)
     bos_id = tok.bos_token_id if use_bos else None
 
@@ -225,9 +229,10 @@ def run_perplexity(
     attention: dict[str, str | None] = {}
     for role, (mdl, label, chunk) in roles.items():
         with loading.scoring_attention(mdl) as attention[role]:
+            variant = variants_mod.variant_of(role)
             _score_role(
-                role, mdl, label, chunk, datasets, lengths, all_windows, results,
-                logit_budget=logit_budget, reuse_prefixes=reuse_prefixes, bar=bar,
+                role, mdl, label, chunk, datasets, lengths, all_windows, results, logit_budget=logit_budget,
+                reuse_prefixes=reuse_prefixes and not (variant is not None and variant.length_dependent), bar=bar,
             )
     bar.close()
 
@@ -245,6 +250,7 @@ def run_perplexity(
             "baseline_chunk_size": baseline_chunk_size,
             "logit_budget": logit_budget,
             "reuse_prefixes": reuse_prefixes,
+            "zero_shot": [v.spec for v in variants_mod.parse_variants(zero_shot)],
             "attention": attention,
             "device": device,
             "dtype": dtype,
@@ -320,9 +326,19 @@ def describe(res: dict) -> str:
 
 
 def table_markdown(res: dict) -> str:
-    """Rows: datasets; columns: lengths, grouped by model (baseline first) as in the paper's Table 4."""
+    """Two models: rows are datasets, columns lengths grouped by model (baseline first), as in the
+    paper's Table 4. More (zero-shot variants): one row per dataset and model, columns lengths."""
     lengths = res["settings"]["lengths"]
-    roles = [r for r in ROLES if r in res["models"]]
+    roles = report.role_order(res["models"])
+
+    def cell(e: dict) -> str:
+        return e.get("error") if e.get("ppl") is None and e.get("error") else report.fmt_num(e.get("ppl"))
+
+    if len(roles) > 2:
+        header = ["Dataset", "Model"] + [report.fmt_length(L) for L in lengths]
+        rows = [[ds, res["models"][role]["label"]] + [cell(per_len[str(L)].get(role, {})) for L in lengths]
+                for ds, per_len in res["results"].items() for role in roles]
+        return report.markdown_table(header, rows)
     header = ["Dataset"]
     for role in roles:
         header += [f"{res['models'][role]['label']} {report.fmt_length(L)}" for L in lengths]
@@ -331,24 +347,24 @@ def table_markdown(res: dict) -> str:
         row = [ds]
         for role in roles:
             for L in lengths:
-                e = per_len[str(L)].get(role, {})
-                row.append(e.get("error") if e.get("ppl") is None and e.get("error") else report.fmt_num(e.get("ppl")))
+                row.append(cell(per_len[str(L)].get(role, {})))
         rows.append(row)
     return report.markdown_table(header, rows)
 
 
 def plot_perplexity(res: dict, path: str | Path) -> Path:
-    """Perplexity vs length (log-log): one colour per dataset, solid = model, dashed = baseline."""
+    """Perplexity vs length (log-log). Two models: one colour per dataset, solid = model, dashed =
+    baseline; more: one colour per model, one line style per dataset."""
     plt = report.pyplot()
     lengths = res["settings"]["lengths"]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     all_ys: list[float] = []
-    styles = {"model": ("-", "o"), "baseline": ("--", "s")}
+    roles = report.role_order(res["models"])
+    many = len(roles) > 2  # one colour per model, one line style per dataset
+    lines, markers = ("-", "--", ":", "-."), ("o", "s", "^", "D", "v", "P", "X")
     for i, (ds, per_len) in enumerate(res["results"].items()):
-        for role in ROLES:
-            if role not in res["models"]:
-                continue
+        for j, role in enumerate(roles):
             xs, ys = [], []
             for L in lengths:
                 p = per_len[str(L)].get(role, {}).get("ppl")
@@ -357,9 +373,13 @@ def plot_perplexity(res: dict, path: str | Path) -> Path:
                     ys.append(p)
             if xs:
                 all_ys += ys
-                ls, mk = styles[role]
-                ax.plot(xs, ys, ls, marker=mk, color=colors[i % len(colors)],
-                        label=f"{res['models'][role]['label']} - {ds}")
+                if many:
+                    ls, mk, color = lines[i % len(lines)], markers[j % len(markers)], colors[j % len(colors)]
+                else:  # one colour per dataset: solid = model, dashed = baseline
+                    ls, mk = ("-", "o") if role == "model" else ("--", "s")
+                    color = colors[i % len(colors)]
+                name = res["models"][role]["label"] + (f" - {ds}" if len(res["results"]) > 1 or not many else "")
+                ax.plot(xs, ys, ls, marker=mk, color=color, label=name)
     trained = (res["models"].get("baseline") or {}).get("max_position_embeddings")
     if trained and lengths and min(lengths) < trained <= max(lengths) * 2:
         # where the base model's pretraining context ends: past it, its curve may rise

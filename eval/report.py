@@ -16,10 +16,16 @@ from retrofit.eval.evaluators import evaluators
 from retrofit.fs.atomic import write_json_atomic, write_text_atomic
 from retrofit.results import markdown_table, pyplot, save_figure as _save_figure, write_results
 
-__all__ = ["atomic_write_text", "fmt_length", "fmt_num", "markdown_table", "pyplot", "save_figure", "save_results", "write_json",
+__all__ = ["role_order", "atomic_write_text", "fmt_length", "fmt_num", "markdown_table", "pyplot", "save_figure", "save_results", "write_json",
            "write_report", "write_results"]
 
 atomic_write_text = write_text_atomic  # the old name (retrofit.eval.report.atomic_write_text)
+
+
+def role_order(models: dict) -> list[str]:
+    """The roles of a results file's ``models`` in table order: ``baseline`` first (as in the paper's
+    tables), then the zero-shot variants in the order run, ``model`` last."""
+    return sorted(models, key=lambda r: (r != "baseline", r == "model"))
 
 
 def write_json(path: str | Path, obj: Any) -> Path:

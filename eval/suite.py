@@ -12,6 +12,7 @@ from typing import Any
 from retrofit.errors import RetrofitError
 from retrofit.eval import loading, report
 from retrofit.eval.evaluators import evaluators
+from retrofit.eval.variants import takes_zero_shot
 
 
 
@@ -28,6 +29,7 @@ def run_all(
     rope_cap: int | None = None,
     title: str | None = None,
     command: str | None = None,
+    zero_shot: list[str] | tuple[str, ...] = (),
     **sections: dict | None,
 ) -> dict:
     """Run every registered evaluator (:mod:`retrofit.eval.evaluators`) into ``out/<subdir>`` and
@@ -53,11 +55,15 @@ def run_all(
     if baseline is not None:
         b, btok, b_label = loading.resolve(baseline, baseline_tokenizer, device=device, dtype=dtype, rope_cap=rope_cap)
         common.update(baseline=b, baseline_tokenizer=btok)
+    if zero_shot:  # each evaluator that takes them builds its variants (copies of the models loaded here)
+        common["zero_shot"] = list(zero_shot)
     results: dict[str, dict] = {}
     for ev in kinds:
         if ev.name in skip:
             continue
-        results[ev.name] = ev.runner()(m, out=out / ev.subdir, **common, **(sections.get(ev.name) or {}))
+        runner = ev.runner()
+        kwargs = common if takes_zero_shot(runner) else {k: v for k, v in common.items() if k != "zero_shot"}
+        results[ev.name] = runner(m, out=out / ev.subdir, **kwargs, **(sections.get(ev.name) or {}))
     title = title or f"Evaluation: {m_label}" + (f" vs {b_label}" if baseline is not None else "")
     pre = f"Command: `{command}`" if command else ""
     rep = report.write_report(out, results, title=title, preamble=pre)

@@ -6,7 +6,7 @@
     retrofit eval all MODEL --baseline BASE --out runs/eval/report
 
 MODEL / BASE: a converted checkpoint folder, a base HF folder or hub id, a .gguf file, or
-`gemma3-270m`. Each command writes results.json, table.md and PNGs into --out and prints its table.
+an alias (`retrofit ls models`). Each command writes results.json, table.md and PNGs into --out and prints its table.
 """
 from __future__ import annotations
 
@@ -17,12 +17,14 @@ import shlex
 import sys
 from pathlib import Path
 
+from retrofit.errors import RetrofitError
 from retrofit.eval.evaluators import Evaluator, evaluators, get_evaluator
+from retrofit.eval.variants import takes_zero_shot
 from retrofit.eval.evaluators import depth_arg as _depth, length_arg as _length  # noqa: F401  (old names)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", metavar="MODEL", help="converted folder, HF folder/hub id, .gguf file or gemma3-270m")
+    p.add_argument("model", metavar="MODEL", help="converted folder, HF folder/hub id, .gguf file or alias (gemma3-270m, smollm2-135m)")
     p.add_argument("--baseline", metavar="BASE", help="a model to evaluate beside MODEL (e.g. its base model)")
     p.add_argument("--out", type=Path, help="output folder (default: runs/eval/<model>/<command>)")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
@@ -33,6 +35,11 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="cap the RoPE distance of MODEL's and BASE's full-attention layers at TOKENS (ReRoPE-style: "
                         "farther pairs scored at TOKENS; e.g. 32767 for a base pretrained at 32K; 0 removes a "
                         "converted model's cap; default: as loaded)")
+    p.add_argument("--zero-shot", nargs="+", default=[], metavar="VARIANT",
+                   help="zero-shot baselines scored beside MODEL and BASE in the same table: yarn:F, dynamic:F, "
+                        "linear:F (transformers' RoPE scaling of BASE by factor F), cap:N (BASE's RoPE distance "
+                        "capped at N), closed (MODEL with its latent path closed: the frozen window and sinks "
+                        "alone, i.e. StreamingLLM); e.g. --zero-shot yarn:4 dynamic:4 cap:8191 closed")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--text-errors", choices=("strict", "replace"), default="strict",
                    help="local text that is not UTF-8: strict = error naming file and byte offset (default), "
@@ -74,9 +81,16 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
 
 def _out(args: argparse.Namespace, name: str) -> Path:
     from retrofit.cli.devices import check_device
+    from retrofit.eval.variants import parse_variants
     from retrofit.fs import check_output_folder
 
     check_device(args.device)  # every eval command calls _out first: bad flags fail before any model loads
+    variants = parse_variants(args.zero_shot)
+    if any(v.applies_to == "baseline" for v in variants) and not args.baseline:
+        raise RetrofitError("--zero-shot " + " ".join(v.spec for v in variants if v.applies_to == "baseline")
+                            + " changes the base model: pass it with --baseline BASE")
+    if args.zero_shot and name != "all" and not takes_zero_shot(get_evaluator(args.evaluator).runner()):
+        raise RetrofitError(f"retrofit eval {name} does not score zero-shot variants; drop --zero-shot")
     for ev in evaluators():
         if ev.check is not None and (name == "all" or ev.command == name):
             ev.check(args)
@@ -115,9 +129,11 @@ def _finish(res: dict, out: Path, as_json: bool = False) -> int:
 def _run_one(args: argparse.Namespace) -> int:
     ev: Evaluator = get_evaluator(args.evaluator)
     out = _out(args, ev.command)
+    runner = ev.runner()
+    zero_shot = {"zero_shot": args.zero_shot} if takes_zero_shot(runner) else {}
     with _text_policy(args) if ev.reads_text else contextlib.nullcontext():
-        res = ev.runner()(args.model, baseline=args.baseline, device=args.device, dtype=args.dtype, out=out,
-                          rope_cap=args.rope_cap, command=_command(), **ev.kwargs(args))
+        res = runner(args.model, baseline=args.baseline, device=args.device, dtype=args.dtype, out=out,
+                     rope_cap=args.rope_cap, command=_command(), **zero_shot, **ev.kwargs(args))
     return _finish(res, out, args.json)
 
 
@@ -141,6 +157,6 @@ def _run_all_sections(args: argparse.Namespace, out: Path) -> dict:
 
     return run_all(
         args.model, baseline=args.baseline, out=out, skip=args.skip, device=args.device, dtype=args.dtype,
-        rope_cap=args.rope_cap, command=_command(),
+        rope_cap=args.rope_cap, command=_command(), zero_shot=args.zero_shot,
         **{ev.name: ev.kwargs(args) for ev in evaluators() if ev.name not in args.skip},
     )

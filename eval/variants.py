@@ -1,0 +1,179 @@
+"""Zero-shot baselines scored beside a model: the base with RoPE scaling or a RoPE cap, and a
+converted model with its latent path closed.
+
+A long-context result means something only beside what a user gets for free from the base
+(design notes, section 10): transformers' RoPE scaling (``yarn:F``, ``dynamic:F``, ``linear:F``),
+a ReRoPE-style distance cap (``cap:N``), and StreamingLLM (a converted model's frozen window and
+sinks alone: ``closed``, the model's own ablation). ``retrofit eval ... --zero-shot yarn:4 cap:8191
+closed`` adds one row per variant to the same table and plot.
+
+    variants = parse_variants(["yarn:4", "closed"])
+    roles = resolve_roles(model, tok, baseline, btok, variants=variants)   # {role: (model, tok, label)}
+
+Roles are ordered as tables show them: ``baseline``, the baseline's variants, the model's
+variants, ``model``. A variant's role name is its spec prefixed by whom it applies to
+(``baseline:yarn:4``, ``model:closed``).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from retrofit.errors import RetrofitError
+from retrofit.eval import loading
+
+__all__ = ["KINDS", "Variant", "apply_variant", "parse_variant", "parse_variants", "resolve_roles", "takes_zero_shot",
+           "variant_of"]
+
+# kind -> (applies to, label template, takes a value)
+KINDS: dict[str, tuple[str, str, bool]] = {
+    "yarn": ("baseline", "{label} + YaRN x{value:g}", True),
+    "dynamic": ("baseline", "{label} + dynamic NTK x{value:g}", True),
+    "linear": ("baseline", "{label} + linear PI x{value:g}", True),
+    "cap": ("baseline", "{label} + RoPE cap {value:d}", True),
+    "closed": ("model", "{label}, latent path closed", False),
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One zero-shot variant: ``kind`` in :data:`KINDS` and its value (factor or cap)."""
+
+    kind: str
+    value: float | int | None = None
+
+    @property
+    def spec(self) -> str:
+        return self.kind if self.value is None else f"{self.kind}:{self.value:g}"
+
+    @property
+    def applies_to(self) -> str:
+        """``baseline`` (RoPE variants of the base) or ``model`` (the converted model's ablation)."""
+        return KINDS[self.kind][0]
+
+    @property
+    def role(self) -> str:
+        return f"{self.applies_to}:{self.spec}"
+
+    @property
+    def length_dependent(self) -> bool:
+        """Scores of a window depend on the window's length (dynamic NTK): no prefix reuse."""
+        return self.kind == "dynamic"
+
+    def label(self, base_label: str) -> str:
+        return KINDS[self.kind][1].format(label=base_label, value=self.value)
+
+
+def parse_variant(text: str) -> Variant:
+    """``"yarn:4"`` -> ``Variant("yarn", 4.0)``; one ``RetrofitError`` line for anything else."""
+    kind, _, raw = str(text).strip().partition(":")
+    if kind not in KINDS:
+        raise RetrofitError(f"unknown zero-shot variant {text!r}; use yarn:F, dynamic:F, linear:F (factor F > 1), "
+                            f"cap:N (RoPE distance cap, N >= 1 tokens) or closed (the latent path closed)")
+    takes_value = KINDS[kind][2]
+    if not takes_value:
+        if raw:
+            raise RetrofitError(f"zero-shot variant {kind!r} takes no value, got {text!r}")
+        return Variant(kind)
+    try:
+        value = int(raw) if kind == "cap" else float(raw)
+    except ValueError:
+        value = None
+    if value is None or (kind == "cap" and value < 1) or (kind != "cap" and not value > 1.0):
+        need = "an integer number of tokens >= 1" if kind == "cap" else "a factor > 1"
+        raise RetrofitError(f"zero-shot variant {text!r}: {kind} needs {need}, e.g. {kind}:{8191 if kind == 'cap' else 4}")
+    return Variant(kind, value)
+
+
+def parse_variants(texts: list[str] | tuple[str, ...] | None) -> list[Variant]:
+    """Parse and de-duplicate (first occurrence wins) a list of variant specs."""
+    out: list[Variant] = []
+    for text in texts or ():
+        v = parse_variant(text)
+        if v not in out:
+            out.append(v)
+    return out
+
+
+def apply_variant(model: Any, variant: Variant) -> Any:
+    """Apply ``variant`` to ``model`` in place (returns it). ``closed`` needs a Macchiato model."""
+    if variant.kind in ("yarn", "dynamic", "linear"):
+        from retrofit.surgery.rope_scaling import scale_rope
+
+        scale_rope(model, variant.kind, float(variant.value))
+    elif variant.kind == "cap":
+        from retrofit.surgery.rope_cap import cap_rope
+
+        if not cap_rope(model, int(variant.value)):
+            raise RetrofitError(f"zero-shot variant {variant.spec!r}: the model has no full-attention layer to cap")
+    elif variant.kind == "closed":
+        layers = [m for m in model.modules() if hasattr(m, "latent_path_closed")]
+        if not layers:
+            raise RetrofitError("zero-shot variant 'closed' needs a converted Macchiato model (its latent path "
+                                "is what is closed); MODEL has no Macchiato layer")
+        for m in layers:
+            m.latent_path_closed = True
+    return model
+
+
+def _copy_of(source: Any, loaded: Any, *, device: str, dtype: str | None, rope_cap: int | None) -> Any:
+    """A fresh model to mutate: loaded again from its path, or a deep copy of a loaded model."""
+    if isinstance(source, (str, Path)):
+        m, _ = loading.load_model(str(source), device=device, dtype=dtype)
+        loading.apply_rope_cap(m, rope_cap)
+        return m
+    return copy.deepcopy(loaded)
+
+
+def resolve_roles(
+    model: Any,
+    tokenizer: Any = None,
+    baseline: Any = None,
+    baseline_tokenizer: Any = None,
+    *,
+    variants: list[Variant] | None = None,
+    device: str = "cpu",
+    dtype: str | None = None,
+    rope_cap: int | None = None,
+) -> dict[str, tuple[Any, Any, str]]:
+    """``{role: (model, tokenizer, label)}`` for the model, its baseline and every variant, in table order.
+
+    A baseline variant needs ``baseline`` (the base model it scales or caps); labels that collide
+    get `` (baseline)`` appended to the baseline's. Every model is in eval mode on ``device``.
+    """
+    variants = list(variants or [])
+    m, tok, m_label = loading.resolve(model, tokenizer, device=device, dtype=dtype, rope_cap=rope_cap)
+    roles: dict[str, tuple[Any, Any, str]] = {}
+    b = None
+    if baseline is not None:
+        b, btok, b_label = loading.resolve(baseline, baseline_tokenizer, device=device, dtype=dtype, rope_cap=rope_cap)
+        loading.check_same_tokenizer(tok, btok, m_label, b_label)
+        roles["baseline"] = (b, btok, b_label if b_label != m_label else f"{b_label} (baseline)")
+    for v in variants:
+        if v.applies_to == "baseline" and b is None:
+            raise RetrofitError(f"zero-shot variant {v.spec!r} changes the base model: pass it with --baseline BASE")
+    ordered = [v for v in variants if v.applies_to == "baseline"] + [v for v in variants if v.applies_to == "model"]
+    for v in ordered:
+        if v.applies_to == "baseline":
+            fresh = _copy_of(baseline, b, device=device, dtype=dtype, rope_cap=rope_cap)
+            roles[v.role] = (apply_variant(fresh, v).eval(), roles["baseline"][1], v.label(roles["baseline"][2]))
+        else:
+            fresh = _copy_of(model, m, device=device, dtype=dtype, rope_cap=rope_cap)
+            roles[v.role] = (apply_variant(fresh, v).eval(), tok, v.label(m_label))
+    roles["model"] = (m, tok, m_label)
+    return roles
+
+
+def variant_of(role: str) -> Variant | None:
+    """The variant a role name stands for (``baseline:yarn:4`` -> yarn 4), None for model/baseline."""
+    head, _, spec = role.partition(":")
+    return parse_variant(spec) if spec and head in ("baseline", "model") else None
+
+
+def takes_zero_shot(runner: Any) -> bool:
+    """Whether an evaluator's run function scores zero-shot variants (has a ``zero_shot`` parameter)."""
+    import inspect
+
+    return "zero_shot" in inspect.signature(runner).parameters

@@ -1,0 +1,92 @@
+"""Zero-shot RoPE scaling of a loaded model through transformers' own ``rope_parameters``.
+
+The context extensions a user tries first on a base model, before any conversion: YaRN
+(``yarn``), dynamic NTK (``dynamic``) and position interpolation (``linear``), each with a
+``factor``. transformers implements them from the config (``ROPE_INIT_FUNCTIONS``); this module
+only rewrites the loaded model's config and rebuilds its rotary-embedding modules from it, so the
+numbers are transformers' own. For a hybrid whose config has one entry per layer type (Gemma 3),
+only the full-attention layers' RoPE changes, as the published Gemma 3 long-context recipe does.
+
+    scale_rope(model, "yarn", 4.0)     # base pretrained at 8K, scored at up to 32K
+
+``dynamic`` recomputes its frequencies from the longest position of each forward: a window's
+scores then depend on its length (a shorter window is not a prefix of a longer one's scores).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from torch import nn
+
+from retrofit.errors import SpecError
+
+__all__ = ["ROPE_SCALINGS", "rope_scaling_of", "scale_rope"]
+
+ROPE_SCALINGS = ("yarn", "dynamic", "linear")
+_FULL = "full_attention"
+
+
+def _text_config(model: nn.Module) -> Any:
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _scaled_parameters(params: dict, rope_type: str, factor: float, original: int) -> dict:
+    new = dict(params)
+    new.update(rope_type=rope_type, factor=float(factor))
+    if rope_type == "yarn":
+        new["original_max_position_embeddings"] = int(original)
+    return new
+
+
+def scale_rope(model: nn.Module, rope_type: str, factor: float) -> int:
+    """Rebuild ``model``'s rotary embeddings with ``rope_type`` scaled by ``factor`` (in place).
+
+    The pretraining context (``max_position_embeddings``) is the one scaled from; the config keeps
+    it, as transformers' dynamic NTK expects. Returns how many rotary modules were rebuilt.
+    Raises :class:`SpecError` for an unknown type, a factor that is not > 1, a model already
+    scaled, or a model without rotary modules built from its config.
+    """
+    if rope_type not in ROPE_SCALINGS:
+        raise SpecError(f"RoPE scaling must be one of {', '.join(ROPE_SCALINGS)}, got {rope_type!r}")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 1.0:
+        raise SpecError(f"RoPE scaling factor must be a number > 1, got {factor!r}")
+    config = _text_config(model)
+    params = getattr(config, "rope_parameters", None)
+    original = int(getattr(config, "max_position_embeddings", 0) or 0)
+    if not isinstance(params, dict) or not original:
+        raise SpecError(f"{getattr(config, 'model_type', 'this model')} has no rope_parameters / max_position_embeddings "
+                        "to scale")
+    per_type = _FULL in params and isinstance(params[_FULL], dict)
+    current = params[_FULL] if per_type else params
+    if current.get("rope_type", "default") != "default":
+        raise SpecError(f"the model's RoPE is already {current.get('rope_type')!r}; scale an unscaled base")
+    scaled = _scaled_parameters(current, rope_type, factor, original)
+    new_params = {**params, _FULL: scaled} if per_type else scaled
+    rotaries = [(name, m) for name, m in model.named_modules() if type(m).__name__.endswith("RotaryEmbedding")
+                and getattr(m, "config", None) is not None]
+    if not rotaries:
+        raise SpecError(f"{type(model).__name__} has no rotary-embedding module built from its config")
+    config.rope_parameters = new_params
+    rebuilt = 0
+    for name, module in rotaries:
+        ref = next(iter(module.buffers()), None)
+        cfg = copy.copy(module.config)
+        cfg.rope_parameters = new_params
+        fresh = type(module)(cfg) if ref is None else type(module)(cfg).to(ref.device)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, fresh)
+        rebuilt += 1
+    return rebuilt
+
+
+def rope_scaling_of(model: nn.Module) -> dict | None:
+    """``{"rope_type", "factor"}`` of the model's (full-attention) RoPE when it is scaled, else None."""
+    params = getattr(_text_config(model), "rope_parameters", None)
+    if not isinstance(params, dict):
+        return None
+    params = params.get(_FULL, params) if isinstance(params.get(_FULL), dict) else params
+    if params.get("rope_type", "default") == "default":
+        return None
+    return {"rope_type": params["rope_type"], "factor": params.get("factor")}
