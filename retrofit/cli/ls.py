@@ -1,4 +1,4 @@
-"""`retrofit ls [KIND]`: the bundled recipes, convert specs, datasets and DeepSpeed configs."""
+"""`retrofit ls [KIND]`: the bundled recipes, convert specs, datasets, DeepSpeed configs and model aliases."""
 from __future__ import annotations
 
 import argparse
@@ -8,9 +8,10 @@ _USE = {
     "convert specs": "retrofit convert MODEL --config NAME --out DIR",
     "datasets": "retrofit eval ppl MODEL --datasets NAME",
     "deepspeed": "recipe key deepspeed.config=NAME",
+    "models": "retrofit convert NAME ... / retrofit eval ppl NAME ... / model.name: NAME",
 }
 _ALIASES = {"recipes": "recipes", "convert": "convert specs", "specs": "convert specs", "datasets": "datasets",
-            "deepspeed": "deepspeed"}
+            "deepspeed": "deepspeed", "models": "models", "aliases": "models"}
 
 
 def register(sub: argparse._SubParsersAction, help_text: str) -> None:

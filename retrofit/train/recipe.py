@@ -48,7 +48,7 @@ TRAINABLE_MODES = ("new", "lora", "attention", "all")
 
 @dataclass
 class ModelSection:
-    name: str = ""  # hub id, local path, alias (gemma3-270m) or an already converted folder
+    name: str = ""  # hub id, local path, alias (gemma3-270m, smollm2-135m) or an already converted folder
     dtype: str = "auto"  # auto (bf16 on GPU, fp32 on CPU) | float32 | bfloat16
 
 
@@ -174,7 +174,7 @@ class Recipe:
         """Cross-field checks that need no model or device."""
         t, d = self.train, self.data
         if not self.model.name:
-            raise SpecError("model.name is empty: give a hub id, a local folder, an alias (gemma3-270m) "
+            raise SpecError("model.name is empty: give a hub id, a local folder, an alias (gemma3-270m, smollm2-135m) "
                             "or a converted checkpoint folder")
         if self.trainable.mode not in TRAINABLE_MODES:
             raise SpecError(f"trainable.mode must be one of {', '.join(TRAINABLE_MODES)}, got {self.trainable.mode!r}")

@@ -33,29 +33,59 @@ def write_tiny_llama_gguf(path, vocab=64, hidden=32, layers=2, heads=4, kv=2, ff
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
     rng = np.random.default_rng(0)
+    expected: dict[str, np.ndarray] = {}  # transformers name -> the weight the loader must produce
 
-    def tensor(name, *shape):
-        w.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))
+    def tensor(name, hf_name, *shape, rope_heads=None):
+        value = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+        expected[hf_name] = value
+        # llama.cpp stores q/k rows permuted for its interleaved RoPE (convert_hf_to_gguf's permute);
+        # the loader must undo it: a slip there scrambles every head's rotary pairs
+        stored = value if rope_heads is None else llama_cpp_permute(value, rope_heads)
+        w.add_tensor(name, stored)
 
-    tensor("token_embd.weight", vocab, hidden)
-    tensor("output_norm.weight", hidden)
-    tensor("output.weight", vocab, hidden)
+    tensor("token_embd.weight", "model.embed_tokens.weight", vocab, hidden)
+    tensor("output_norm.weight", "model.norm.weight", hidden)
+    tensor("output.weight", "lm_head.weight", vocab, hidden)
     d = hidden // heads
     for i in range(layers):
-        tensor(f"blk.{i}.attn_norm.weight", hidden)
-        tensor(f"blk.{i}.ffn_norm.weight", hidden)
-        tensor(f"blk.{i}.attn_q.weight", heads * d, hidden)
-        tensor(f"blk.{i}.attn_k.weight", kv * d, hidden)
-        tensor(f"blk.{i}.attn_v.weight", kv * d, hidden)
-        tensor(f"blk.{i}.attn_output.weight", hidden, heads * d)
-        tensor(f"blk.{i}.ffn_gate.weight", ff, hidden)
-        tensor(f"blk.{i}.ffn_up.weight", ff, hidden)
-        tensor(f"blk.{i}.ffn_down.weight", hidden, ff)
+        p = f"model.layers.{i}"
+        tensor(f"blk.{i}.attn_norm.weight", f"{p}.input_layernorm.weight", hidden)
+        tensor(f"blk.{i}.ffn_norm.weight", f"{p}.post_attention_layernorm.weight", hidden)
+        tensor(f"blk.{i}.attn_q.weight", f"{p}.self_attn.q_proj.weight", heads * d, hidden, rope_heads=heads)
+        tensor(f"blk.{i}.attn_k.weight", f"{p}.self_attn.k_proj.weight", kv * d, hidden, rope_heads=kv)
+        tensor(f"blk.{i}.attn_v.weight", f"{p}.self_attn.v_proj.weight", kv * d, hidden)
+        tensor(f"blk.{i}.attn_output.weight", f"{p}.self_attn.o_proj.weight", hidden, heads * d)
+        tensor(f"blk.{i}.ffn_gate.weight", f"{p}.mlp.gate_proj.weight", ff, hidden)
+        tensor(f"blk.{i}.ffn_up.weight", f"{p}.mlp.up_proj.weight", ff, hidden)
+        tensor(f"blk.{i}.ffn_down.weight", f"{p}.mlp.down_proj.weight", hidden, ff)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    write_tiny_llama_gguf.expected = expected
     return path
+
+
+def llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """The row order llama.cpp's converter gives a LLaMA q/k projection (rotary halves interleaved)."""
+    rows = weight.shape[0]
+    return (weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:]).swapaxes(1, 2)
+            .reshape(weight.shape).copy())
+
+
+def test_gguf_tensors_are_the_written_arrays(tmp_path, monkeypatch):
+    """Every loaded tensor equals what the test wrote (q/k un-permuted), not merely finite."""
+    monkeypatch.setenv("RETROFIT_CACHE", str(tmp_path / "cache"))
+    path = write_tiny_llama_gguf(tmp_path / "tiny.gguf")
+    expected = write_tiny_llama_gguf.expected
+    model, _ = load_any(path)
+    state = model.state_dict()
+    assert set(expected) <= set(state)
+    for name, value in expected.items():
+        torch.testing.assert_close(state[name], torch.from_numpy(value), rtol=0, atol=0, msg=name)
+    q = state["model.layers.0.self_attn.q_proj.weight"]
+    permuted = torch.from_numpy(llama_cpp_permute(expected["model.layers.0.self_attn.q_proj.weight"], 4))
+    assert not torch.equal(q, permuted)  # the check above would catch a loader that skipped the un-permute
 
 
 def test_gguf_is_loaded_once_then_read_from_the_cache(tmp_path, monkeypatch):
