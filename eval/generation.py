@@ -76,19 +76,6 @@ def recall(prediction: str, expected: Sequence[str]) -> float:
     return sum(1.0 for r in expected if r.lower() in pred) / len(expected) if expected else 0.0
 
 
-def resolve_roles(model: Any, tokenizer: Any, baseline: Any, baseline_tokenizer: Any, *, device: str,
-                  dtype: str | None, rope_cap: int | None) -> dict[str, tuple[Any, Any, str]]:
-    """``{"baseline": (model, tokenizer, label), "model": (...)}`` (baseline first, as in tables),
-    loaded or taken as given; a baseline that tokenizes differently is refused."""
-    m, tok, m_label = loading.resolve(model, tokenizer, device=device, dtype=dtype, rope_cap=rope_cap)
-    roles: dict[str, tuple[Any, Any, str]] = {"model": (m, tok, m_label)}
-    if baseline is not None:
-        b, btok, b_label = loading.resolve(baseline, baseline_tokenizer, device=device, dtype=dtype, rope_cap=rope_cap)
-        loading.check_same_tokenizer(tok, btok, m_label, b_label)
-        roles = {"baseline": (b, btok, b_label if b_label != m_label else f"{b_label} (baseline)"), **roles}
-    return roles
-
-
 def run_prompts(
     roles: dict[str, tuple[Any, Any, str]],
     prompts: list[dict],

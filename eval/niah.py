@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from retrofit.errors import DataError
-from retrofit.eval import essays, loading, prompting, report
-from retrofit.eval.generation import mean_or_none, recall, resolve_roles, run_prompts
+from retrofit.eval import essays, loading, prompting, report, variants
+from retrofit.eval.generation import mean_or_none, recall, run_prompts
 from retrofit.eval.passkey import haystack_tokens
 from retrofit.eval.windows import encode
 
@@ -114,6 +114,7 @@ def run_niah(
     out: str | Path | None = None,
     progress: bool = True,
     command: str | None = None,
+    zero_shot: list[str] | tuple[str, ...] = (),
 ) -> dict:
     """NIAH scores over a (length x depth) grid for ``model`` (and ``baseline``), same prompts.
 
@@ -121,6 +122,7 @@ def run_niah(
     answer contains (required with a custom needle; default: ``sandwich``, ``Dolores Park``).
     trials: prompts per cell, each from another stretch of the haystack. seed: unused by the
     prompts (they are deterministic) and kept for the common interface.
+    zero_shot: variant specs scored beside the two (:mod:`retrofit.eval.variants`), e.g. ``yarn:4``, ``closed``.
     Returns the results dict; with ``out``, writes results.json, table.md, niah.png.
     """
     if answers is None:
@@ -139,7 +141,8 @@ def run_niah(
     if prefill_chunk is not None and prefill_chunk < 0:
         raise DataError(f"prefill_chunk must be a positive number of tokens (0 = one prefill), got {prefill_chunk}")
     hay = essays.resolve_haystack(haystack)
-    roles = resolve_roles(model, tokenizer, baseline, baseline_tokenizer, device=device, dtype=dtype, rope_cap=rope_cap)
+    roles = variants.resolve_roles(model, tokenizer, baseline, baseline_tokenizer, variants=variants.parse_variants(zero_shot),
+                                   device=device, dtype=dtype, rope_cap=rope_cap)
     m, tok, _ = roles["model"]
     use_bos = loading.needs_bos(m, tok, bos)
     chat = prompting.use_chat_template(tok, chat_template)

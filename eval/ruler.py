@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from retrofit.errors import DataError
-from retrofit.eval import essays, loading, prompting, report
-from retrofit.eval.generation import mean_or_none, recall, resolve_roles, run_prompts
+from retrofit.eval import essays, loading, prompting, report, variants
+from retrofit.eval.generation import mean_or_none, recall, run_prompts
 from retrofit.eval.ruler_tasks import TASKS, EssayUnits, get_task, make_sample
 
 DEFAULT_TASKS = tuple(TASKS)
@@ -63,6 +63,7 @@ def run_ruler(
     out: str | Path | None = None,
     progress: bool = True,
     command: str | None = None,
+    zero_shot: list[str] | tuple[str, ...] = (),
 ) -> dict:
     """RULER scores (percent) per task x length for ``model`` (and ``baseline``), on the same prompts.
 
@@ -71,6 +72,7 @@ def run_ruler(
     haystack: the essay tasks' text (``essays`` = Paul Graham's, else a corpus name or path).
     max_new_tokens: the generation bound (default: each task's RULER budget). chat_template:
     auto | on | off. prefill_chunk: chunked prefill above this many tokens (0 or None: one prefill).
+    zero_shot: variant specs scored beside the two (:mod:`retrofit.eval.variants`), e.g. ``yarn:4``, ``closed``.
     Returns the results dict; with ``out``, writes results.json, table.md, ruler.png.
     """
     tasks = list(dict.fromkeys(tasks))
@@ -82,7 +84,8 @@ def run_ruler(
     if prefill_chunk is not None and prefill_chunk < 0:
         raise DataError(f"prefill_chunk must be a positive number of tokens (0 = one prefill), got {prefill_chunk}")
     hay = essays.resolve_haystack(haystack) if any(get_task(t).haystack == "essay" for t in tasks) else None
-    roles = resolve_roles(model, tokenizer, baseline, baseline_tokenizer, device=device, dtype=dtype, rope_cap=rope_cap)
+    roles = variants.resolve_roles(model, tokenizer, baseline, baseline_tokenizer, variants=variants.parse_variants(zero_shot),
+                                   device=device, dtype=dtype, rope_cap=rope_cap)
     m, tok, _ = roles["model"]
     use_bos = loading.needs_bos(m, tok, bos)
     chat = prompting.use_chat_template(tok, chat_template)

@@ -10,9 +10,10 @@ folder is built under a temporary name and renamed into place).
 from __future__ import annotations
 
 import argparse
+import sys
 
 EPILOG = (
-    "MODEL: a model folder, a hub id, a .gguf file or the alias gemma3-270m. "
+    "MODEL: a model folder, a hub id, a .gguf file or an alias (gemma3-270m, smollm2-135m; retrofit ls models). "
     "Method flags come from the method's config (retrofit/layers/<method>.py); a flag the chosen "
     "method does not have is an error. Defaults below are each method's."
 )
@@ -24,7 +25,7 @@ COMMON_FLAGS = {"method": "--method", "layers": "--layers", "dtype": "--dtype", 
 
 def register(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("convert", help=help_text, description=help_text, epilog=EPILOG)
-    p.add_argument("model", metavar="MODEL", help="model folder, hub id, .gguf file or alias (gemma3-270m)")
+    p.add_argument("model", metavar="MODEL", help="model folder, hub id, .gguf file or alias (gemma3-270m, smollm2-135m)")
     p.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")
     p.add_argument("--method", default=None, help="conversion method: macchiato | exp-linear | lavo | llp | any registered method")
     p.add_argument("--config", default=None, metavar="YAML", help="conversion recipe (configs/convert-*.yaml)")
