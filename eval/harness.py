@@ -16,6 +16,12 @@ numbers match, that of the Gemma model cards and the Open LLM Leaderboard v1:
 Override with ``num_fewshot`` (an int for every task, or a ``{task: n}`` map). Tasks outside
 the map use their YAML default. Local task YAMLs (like ``eval/tasks/retrofit_tiny``) load with
 ``include_path``; the bundled ``eval/tasks`` folder is always searched.
+
+Scoring (``score``): multiple-choice tasks are scored by log-likelihood (``loglik``, lm-eval's
+way), by generation (``generation``: the lettered prompt of
+:mod:`retrofit.eval.choice_generation`, answered greedily, scored by exact match of the letter or
+the choice text, reported as the task ``<task>:gen``), or ``both`` (the default: the two columns
+side by side). Other tasks are scored their own way in every mode.
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from retrofit.errors import RetrofitError
-from retrofit.eval import loading, report, variants
+from retrofit.eval import choice_generation, loading, report, variants
 
 PAPER_TASKS = ("mmlu", "hellaswag", "lambada_openai", "arc_challenge", "arc_easy", "winogrande", "piqa", "boolq")
 PAPER_FEWSHOT: dict[str, int] = {
@@ -49,6 +55,7 @@ PRIMARY_METRIC: dict[str, str] = {
 }
 _FALLBACK_METRICS = ("acc_norm", "acc", "exact_match", "word_perplexity", "f1", "mcc")
 _PERCENT_METRICS = ("acc", "acc_norm", "exact_match", "f1", "mcc")
+SCORES = choice_generation.SCORES
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
 
 
@@ -146,8 +153,14 @@ def evaluate_model(
     bootstrap_iters: int = 1000,
     seed: int = 1234,
     gen_kwargs: str | dict | None = None,
+    score: str = "loglik",
+    max_new_tokens: int = choice_generation.DEFAULT_MAX_NEW_TOKENS,
 ) -> dict:
-    """Run lm-eval on one LM instance; tasks with different few-shot counts run in separate calls."""
+    """Run lm-eval on one LM instance; tasks with different few-shot counts run in separate calls.
+
+    score: ``loglik`` / ``generation`` / ``both`` for the multiple-choice tasks (module docstring);
+    max_new_tokens bounds their generated answers.
+    """
     from retrofit.extras import require
 
     simple_evaluate = require("lm_eval", "lm-eval benchmarks").simple_evaluate
@@ -159,18 +172,48 @@ def evaluate_model(
     merged: dict[str, Any] = {
         "results": {}, "n-shot": {}, "n-samples": {}, "versions": {}, "groups": {}, "group_subtasks": {},
     }
+    if score not in SCORES:
+        raise RetrofitError(f"score {score!r}: use one of {', '.join(SCORES)}")
     for k, group in groups.items():
-        res = simple_evaluate(
-            model=lm, tasks=group, num_fewshot=k, limit=limit, task_manager=tm,
-            bootstrap_iters=bootstrap_iters, log_samples=False, random_seed=seed,
-            numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
-            gen_kwargs=gen_kwargs,
-        )
-        if res is None:  # non-zero rank in a distributed run
-            continue
-        for key in merged:
-            merged[key].update(res.get(key, {}) or {})
+        runs: list[tuple[list, dict[str, list[str]]]] = []
+        if score in ("loglik", "both"):
+            runs.append((list(group), {}))
+        if score in ("generation", "both"):
+            runs.append(_generation_tasks(tm, group, score == "generation", max_new_tokens))
+        for task_list, group_map in runs:
+            if not task_list:
+                continue
+            res = simple_evaluate(
+                model=lm, tasks=task_list, num_fewshot=k, limit=limit, task_manager=tm,
+                bootstrap_iters=bootstrap_iters, log_samples=False, random_seed=seed,
+                numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed,
+                gen_kwargs=gen_kwargs,
+            )
+            if res is None:  # non-zero rank in a distributed run
+                continue
+            for key in merged:
+                merged[key].update(res.get(key, {}) or {})
+            for name, entry in choice_generation.group_scores(merged["results"], group_map,
+                                                               merged["n-samples"]).items():
+                merged["results"][name] = entry
+                merged["n-shot"][name] = k
+            for name, children in group_map.items():
+                merged["group_subtasks"].setdefault(name, children)
     return merged
+
+
+def _generation_tasks(tm: Any, names: list[str], others_too: bool,
+                      max_new_tokens: int) -> tuple[list, dict[str, list[str]]]:
+    """The generation variants of the multiple-choice tasks among ``names`` (groups opened up to
+    their leaves); with ``others_too`` the other leaf tasks as well. Also the group map."""
+    loaded = tm.load(list(names))
+    tasks = []
+    for task in loaded["tasks"].values():
+        if task.OUTPUT_TYPE == "multiple_choice":
+            tasks.append(choice_generation.generation_variant(task, max_new_tokens))
+        elif others_too:
+            tasks.append(task)
+    return tasks, dict(loaded.get("group_map") or {})
 
 
 def run_harness(
@@ -193,6 +236,8 @@ def run_harness(
     out: str | Path | None = None,
     command: str | None = None,
     zero_shot: list[str] | tuple[str, ...] = (),
+    score: str = "both",
+    max_new_tokens: int = choice_generation.DEFAULT_MAX_NEW_TOKENS,
 ) -> dict:
     """lm-eval few-shot benchmarks for ``model`` (and ``baseline``); JSON + markdown table.
 
@@ -201,6 +246,8 @@ def run_harness(
     num_fewshot: None = :data:`PAPER_FEWSHOT` (task default elsewhere); an int; or a map.
     limit: examples per task (for smoke runs). include_path: extra folders of task YAMLs.
     zero_shot: variant specs scored beside the two (:mod:`retrofit.eval.variants`).
+    score: multiple-choice tasks by ``loglik``, ``generation`` or ``both`` (columns ``<task>`` and
+    ``<task>:gen``); max_new_tokens bounds the generated answers.
     """
     from retrofit.eval.lm_model import RetrofitLM
 
@@ -209,6 +256,8 @@ def run_harness(
     tasks = list(tasks)
     if not tasks:
         raise RetrofitError("no tasks given")
+    if score not in SCORES:
+        raise RetrofitError(f"score {score!r}: use one of {', '.join(SCORES)}")
     fewshot = parse_fewshot(num_fewshot)
     resolved = variants.resolve_roles(model, tokenizer, baseline, baseline_tokenizer,
                                       variants=variants.parse_variants(zero_shot), device=device, dtype=dtype,
@@ -220,7 +269,7 @@ def run_harness(
         t0 = time.perf_counter()
         raw[role] = evaluate_model(
             lm, tasks, num_fewshot=fewshot, limit=limit, include_path=include_path,
-            bootstrap_iters=bootstrap_iters, seed=seed,
+            bootstrap_iters=bootstrap_iters, seed=seed, score=score, max_new_tokens=max_new_tokens,
         )
         models[role] = {**loading.model_info(m, label), "seconds": time.perf_counter() - t0}
         del lm
@@ -242,6 +291,7 @@ def run_harness(
             "num_fewshot": {t: fewshot_for(t, fewshot) for t in tasks},
             "limit": limit, "batch_size": batch_size, "bootstrap_iters": bootstrap_iters, "seed": seed,
             "include_path": [str(p) for p in (include_path or [])], "device": device, "dtype": dtype,
+            "score": score, "max_new_tokens": max_new_tokens,
         },
         "results": results,
         "lm_eval": {
@@ -253,6 +303,9 @@ def run_harness(
     res["description"] = (
         "Scores in percent (accuracy, or normalized accuracy where marked with a dagger); "
         "perplexity-type metrics as is. Few-shot counts in brackets."
+        + (f" `:gen` columns: multiple-choice tasks answered by greedy generation (choices lettered, "
+           f"at most {max_new_tokens} new tokens), exact match of the letter or the choice text."
+           if score != "loglik" else "")
         + (f" Limited to {limit} examples per task." if limit else "")
     )
     res["table"] = table_markdown(res)
@@ -276,6 +329,9 @@ def _columns(res: dict) -> list[str]:
         else:
             for sub in subtasks.get(t, []):
                 visit(sub)
+        gen = choice_generation.variant_name(t)
+        if has_score(gen):  # its generation score beside its log-likelihood one
+            cols.append(gen)
 
     for t in res["tasks"]:
         visit(t)

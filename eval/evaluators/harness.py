@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from retrofit.eval.choice_generation import DEFAULT_MAX_NEW_TOKENS, SCORES
 from retrofit.eval.evaluators import Evaluator, register_evaluator
 from retrofit.eval.harness import PAPER_TASKS, parse_fewshot
 
@@ -19,6 +20,12 @@ def add_arguments(p: argparse.ArgumentParser, prefix: str) -> None:
     g.add_argument("--max-length", type=int, help="lm-eval context limit (default: from the model config)")
     g.add_argument("--include-path", nargs="+", default=[], help="extra folders of lm-eval task YAMLs")
     g.add_argument("--bootstrap-iters", type=int, default=1000, help="bootstrap samples for stderr (0 = none)")
+    g.add_argument("--score", choices=SCORES, default="both",
+                   help="multiple-choice tasks scored by log-likelihood (lm-eval's way), by generation (lettered "
+                        "choices answered greedily, exact match of letter or text: columns TASK:gen), or both "
+                        "(default)")
+    g.add_argument("--gen-max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
+                   help=f"bound on generated multiple-choice answers (default {DEFAULT_MAX_NEW_TOKENS})")
 
 
 def kwargs(args: argparse.Namespace) -> dict:
@@ -28,7 +35,7 @@ def kwargs(args: argparse.Namespace) -> dict:
     return dict(
         tasks=args.tasks, num_fewshot=args.num_fewshot, limit=limit, batch_size=args.batch_size,
         max_length=args.max_length, include_path=args.include_path, bootstrap_iters=args.bootstrap_iters,
-        seed=args.seed,
+        seed=args.seed, score=args.score, max_new_tokens=args.gen_max_new_tokens,
     )
 
 
