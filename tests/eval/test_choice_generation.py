@@ -134,6 +134,6 @@ def test_run_harness_tables_show_both_columns(base_dir):
     assert gen["primary_metric"] == "exact_match" and 0.0 <= gen["primary"] <= 1.0
     assert gen["samples"]["effective"] == 2
     assert res["settings"]["score"] == "both"
-    only = harness.run_harness(str(base_dir), tasks="retrofit_tiny_mc", num_fewshot=0, limit=2, bootstrap_iters=0,
+    only = harness.run_harness(str(base_dir), tasks="retrofit_tiny_mc", num_fewshot=0, limit=1, bootstrap_iters=0,
                                score="loglik")
     assert ":gen" not in only["table"]
