@@ -12,12 +12,28 @@ From the lm-eval CLI (lm-eval has no plugin entry points, so the module must be 
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from retrofit.eval import loading
+
+
+def resolve_device(device: str | None) -> str:
+    """The device to load on: none given is CUDA where there is one, else the CPU; a CUDA device on a
+    machine without CUDA (lm-eval's CLI passes ``cuda:0`` unless told otherwise) is the CPU, with a
+    warning, as lm-eval's ``hf`` model does."""
+    import torch
+
+    if not device:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        logging.getLogger(__name__).warning("device %s: CUDA is not available, evaluating on the CPU "
+                                            "(pass --device cpu to say so)", device)
+        return "cpu"
+    return str(device)
 
 
 @register_model("retrofit")
@@ -28,14 +44,14 @@ class RetrofitLM(HFLM):
         self,
         pretrained: Any,
         tokenizer: Any = None,
-        device: str | None = "cpu",
+        device: str | None = None,
         dtype: str | None = None,
         add_bos_token: bool | None = None,
         **kwargs: Any,
     ) -> None:
         if isinstance(pretrained, str):
             dtype = None if dtype in (None, "auto") else dtype
-            model, tok = loading.load_model(pretrained, device=device or "cpu", dtype=dtype)
+            model, tok = loading.load_model(pretrained, device=resolve_device(device), dtype=dtype)
             tokenizer = tokenizer if tokenizer is not None and not isinstance(tokenizer, str) else tok
         else:
             model = pretrained

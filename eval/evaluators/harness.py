@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 
+from retrofit.errors import RetrofitError
 from retrofit.eval.choice_generation import DEFAULT_MAX_NEW_TOKENS, SCORES
 from retrofit.eval.evaluators import Evaluator, register_evaluator
-from retrofit.eval.harness import PAPER_TASKS, parse_fewshot
+from retrofit.eval.harness import PAPER_TASKS, fewshot_for, parse_fewshot
 
 _DEFAULT_TASKS = ",".join(PAPER_TASKS)
 
@@ -40,9 +42,77 @@ def kwargs(args: argparse.Namespace) -> dict:
 
 
 def check(args: argparse.Namespace) -> None:
-    """A malformed ``--num-fewshot`` fails before any model loads."""
-    if getattr(args, "num_fewshot", None) is not None:
-        parse_fewshot(args.num_fewshot)
+    """Flags lm-eval would reject only after the models load fail here, with what to pass instead:
+    a ``--limit`` that is not positive (or not a whole number from 1 up), a malformed ``--num-fewshot``,
+    and a few-shot count larger than a task's pool of few-shot examples."""
+    limit = getattr(args, "limit", None)
+    if limit is not None:
+        if not math.isfinite(limit):
+            raise RetrofitError(f"--limit {limit}: pass a count of examples per task (e.g. --limit 100) or a "
+                                "fraction in (0, 1)")
+        if limit <= 0:
+            raise RetrofitError(f"--limit {limit:g} selects no examples: pass a count of examples per task "
+                                "(e.g. --limit 100), a fraction in (0, 1) (e.g. --limit 0.1), or leave it out")
+        if limit >= 1 and limit != int(limit):
+            raise RetrofitError(f"--limit {limit:g}: a count of examples must be a whole number (e.g. --limit "
+                                f"{int(limit)}); fractions of a task are in (0, 1)")
+    if getattr(args, "num_fewshot", None) is None:
+        return
+    fewshot = parse_fewshot(args.num_fewshot)
+    counts = [fewshot] if isinstance(fewshot, int) else list((fewshot or {}).values())
+    if any(n > MAX_FEWSHOT for n in counts):
+        raise RetrofitError(f"--num-fewshot {args.num_fewshot}: retrofit takes at most {MAX_FEWSHOT} "
+                            "few-shot examples (the paper's tables use 0 to 25); pass a smaller count")
+    _check_fewshot_pools(args, fewshot)
+
+
+MAX_FEWSHOT = 1000
+
+
+def _check_fewshot_pools(args: argparse.Namespace, fewshot) -> None:
+    """Each task's few-shot pool holds more than N examples (lm-eval draws N + 1 and drops the scored one)."""
+    tasks = [t.strip() for t in str(getattr(args, "tasks", "") or "").split(",") if t.strip()]
+    if not tasks:
+        return
+    try:  # only the task files and their (cached) data: no model
+        import logging
+        import warnings
+
+        from lm_eval.tasks import get_task_dict
+
+        from retrofit.eval.harness import task_manager
+
+        logging.getLogger("lm-eval").setLevel(logging.ERROR)
+        tm = task_manager(tasks, getattr(args, "include_path", None) or [])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            loaded = {name: get_task_dict([name], tm) for name in tasks}
+    except RetrofitError:
+        raise
+    except Exception:  # noqa: BLE001 - tasks that do not load here fail the same way in the run
+        return
+
+    def leaves(d: dict):
+        for value in d.values():
+            if isinstance(value, dict):
+                yield from leaves(value)
+            else:
+                yield value
+
+    for name, tree in loaded.items():
+        n = fewshot_for(name, fewshot)
+        if not n:
+            continue
+        for task in leaves(tree):
+            try:
+                pool = len(task.fewshot_docs())
+            except Exception:  # noqa: BLE001 - a pool that cannot be counted is left to lm-eval
+                continue
+            if n >= pool:
+                label = getattr(task.config, "task", None) or name
+                raise RetrofitError(f"--num-fewshot {n} for {label}: its few-shot pool has {pool} examples "
+                                    f"(one is the scored example itself): pass --num-fewshot {max(pool - 1, 0)} "
+                                    f"or less (per task: {name}=N)")
 
 
 EVALUATOR = register_evaluator(Evaluator(

@@ -26,7 +26,10 @@ from retrofit.eval.evaluators import depth_arg as _depth, length_arg as _length 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL", help="converted folder, HF folder/hub id, .gguf file or alias (gemma3-270m, smollm2-135m)")
     p.add_argument("--baseline", metavar="BASE", help="a model to evaluate beside MODEL (e.g. its base model)")
-    p.add_argument("--out", type=Path, help="output folder (default: runs/eval/<model>/<command>)")
+    p.add_argument("--out", type=Path, help="output folder (default: runs/eval/<model>/<command>); never a model "
+                                          "folder, and one holding earlier results only with --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results (results.json, table.md, report.md, plots) already in --out")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"),
                    help="cast the models (default: as loaded; auto: bfloat16 where the device has native bf16 "
@@ -95,9 +98,51 @@ def _out(args: argparse.Namespace, name: str) -> Path:
         if ev.check is not None and (name == "all" or ev.command == name):
             ev.check(args)
     if args.out is not None:
-        return check_output_folder(args.out)
-    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(str(args.model).rstrip("/")).name) or "model"
-    return check_output_folder(Path("runs") / "eval" / slug / name)
+        out = check_output_folder(args.out)
+    else:
+        slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(str(args.model).rstrip("/")).name) or "model"
+        out = check_output_folder(Path("runs") / "eval" / slug / name)
+    _check_results_folder(out, args, name)
+    return out
+
+
+# what a model folder holds (transformers, PEFT, GGUF); eval results never go into one
+_MODEL_FILES = ("config.json", "adapter_config.json", "*.safetensors", "pytorch_model*.bin", "*.gguf")
+# what an eval command writes into --out (eval all: report.md and one sub-folder per section)
+_RESULT_FILES = ("results.json", "table.md", "report.md", "*/results.json")
+
+
+def _check_results_folder(out: Path, args: argparse.Namespace, name: str) -> None:
+    """Before any model loads: ``out`` is no model folder nor inside MODEL / BASE, holds no earlier
+    results unless ``--overwrite``, and can be written (a 20-minute run must not fail at its last step)."""
+    import os
+    import tempfile
+
+    real = Path(os.path.realpath(out))
+    for role, item in (("MODEL", args.model), ("BASE", args.baseline)):
+        p = Path(os.path.expanduser(str(item))) if item else None
+        if p is not None and p.is_dir() and (real == p.resolve() or p.resolve() in real.parents):
+            raise RetrofitError(f"--out {out} is inside the model folder {item} ({role}); eval results never go "
+                                "into a model folder: choose an output folder elsewhere")
+    if out.is_dir():
+        model = [f.name for pat in _MODEL_FILES for f in out.glob(pat)]
+        if model:
+            raise RetrofitError(f"--out {out} holds a model ({', '.join(sorted(model)[:3])}); eval results never go "
+                                "into a model folder: choose an output folder elsewhere")
+        earlier = sorted(str(f.relative_to(out)) for pat in _RESULT_FILES for f in out.glob(pat))
+        if earlier and not getattr(args, "overwrite", False):
+            raise RetrofitError(f"--out {out} already holds results ({', '.join(earlier[:3])}); pass --overwrite "
+                                "to replace them or choose another output folder")
+    probe = out
+    while not probe.exists() and probe != probe.parent:  # the folder the first mkdir will write into
+        probe = probe.parent
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".retrofit-write-test-", dir=probe.absolute())
+        os.close(fd)
+        os.unlink(tmp)
+    except OSError as exc:
+        raise RetrofitError(f"--out {out} cannot be written ({probe} refuses a new file: "
+                            f"{exc.strerror or exc}); choose a writable output folder") from None
 
 
 def _text_policy(args: argparse.Namespace):

@@ -15,7 +15,7 @@ from retrofit.data.text import check_utf8
 from retrofit.errors import DataError
 from retrofit.train.recipe import Recipe
 
-__all__ = ["check_decodable", "check_json_lines", "check_positions", "check_enough_tokens"]
+__all__ = ["check_decodable", "check_heldout", "check_json_lines", "check_positions", "check_enough_tokens"]
 
 _TEXT_SUFFIXES = tuple(s for s, fmt in LOCAL_FORMATS.items() if fmt in ("text", "json"))
 
@@ -31,6 +31,28 @@ def check_decodable(recipe: Recipe, files: Any) -> None:
     for f in local:
         if f.suffix.lower() == ".jsonl":
             check_json_lines(f, errors=recipe.data.text_errors)
+
+
+def check_heldout(recipe: Recipe, files: Any) -> None:
+    """Held-out files that hold no text (empty, blank, or .jsonl without a line) would train with no
+    held-out loss and no word about it: an error naming them, unless ``eval.sequences=0`` asks for none."""
+    if not files.held_out or recipe.eval.sequences == 0:
+        return
+    empty = [f for f in files.held_out if _blank(f)]
+    if len(empty) == len(files.held_out):
+        names = ", ".join(str(f) for f in empty[:4]) + (", ..." if len(empty) > 4 else "")
+        raise DataError(f"the held-out (eval) files hold no text: {names}; fill them, point eval.files at "
+                        "other files, or set eval.sequences=0 to train without a held-out loss")
+
+
+def _blank(path: Path, limit: int = 1 << 20) -> bool:
+    """Whether a local file surely holds no document: 0 bytes, or (txt/jsonl up to ``limit`` bytes) only blanks."""
+    size = path.stat().st_size
+    if size == 0:
+        return True
+    if size > limit or path.suffix.lower() not in _TEXT_SUFFIXES:
+        return False
+    return not path.read_bytes().strip()
 
 
 def check_json_lines(path: Path, errors: str = "strict") -> None:

@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from retrofit.errors import CheckpointError, RetrofitError, SpecError, TrainingError
+from retrofit.errors import CheckpointError, DataError, RetrofitError, SpecError, TrainingError
 from retrofit.train import checkpointing as ckpt
 from retrofit.train.distributed import (
     deepspeed_config,
@@ -161,11 +161,12 @@ class _Run:
 
         from retrofit.fs import check_output_folder, check_replaceable, output_lock
         from retrofit.train.data import data_files
-        from retrofit.train.data_checks import check_decodable
+        from retrofit.train.data_checks import check_decodable, check_heldout
 
         r = self.recipe
         self.files = data_files(r)  # a bad data path fails here, before any model loads
         check_decodable(r, self.files)  # and so does undecodable text
+        check_heldout(r, self.files)  # and held-out files with no text in them
         check_output_folder(self.output_dir, "checkpoint.output_dir")
         if r.checkpoint.export:  # the export replaces these at the end: refuse a folder it may not replace now
             for name in ("final", "adapter", "adapter-base"):
@@ -286,6 +287,10 @@ class _Run:
         check_enough_tokens(self.recipe, recipe_tokenize(self.recipe, self.tokenizer), self.files, self.rank, self.world)
         self.train_data, self.data_desc = train_stream(self.recipe, self.tokenizer, self.files, self.rank, self.world)
         self.eval_data, self.eval_desc = heldout_sequences(self.recipe, self.tokenizer, self.files)
+        if self.files.held_out and self.recipe.eval.sequences and not self.eval_data:
+            raise DataError(f"the held-out (eval) files ({self.eval_desc}) hold fewer than data.seq_len="
+                            f"{self.recipe.data.seq_len} tokens, so no held-out loss could be measured: add text, "
+                            "lower data.seq_len, or set eval.sequences=0 to train without a held-out loss")
 
     def _summary(self) -> str:
         r, t = self.recipe, self.recipe.train

@@ -242,7 +242,30 @@ class Recipe:
             raise SpecError(f"deepspeed.zero_stage must be 0, 1, 2 or 3, got {self.deepspeed.zero_stage}")
         if d.files is None and d.holdout_last:
             raise SpecError("data.holdout_last needs local data.files (a streamed hub dataset has no file order)")
+        self._check_output_outside_data()
         return self
+
+    def _check_output_outside_data(self) -> None:
+        """``checkpoint.output_dir`` is not a data folder nor inside one: the next run would read the
+        run's own metrics.jsonl (and any other file written there) as training or held-out text."""
+        out = Path(self.checkpoint.output_dir).expanduser().resolve()  # as the trainer resolves it
+        for key, spec in (("data.files", self.data.files), ("eval.files", self.eval.files)):
+            for item in spec if isinstance(spec, (list, tuple)) else [] if spec is None else [spec]:
+                try:
+                    p = expand_path(str(item), self.base_dir)
+                except SpecError:
+                    continue  # reported where the data files are resolved
+                if any(ch in str(p) for ch in "*?["):  # a glob: the folder above its first wildcard
+                    parts = p.parts
+                    p = Path(*parts[:next(i for i, part in enumerate(parts) if any(c in part for c in "*?["))])
+                elif not p.is_dir():
+                    continue
+                folder = p.resolve()
+                if out == folder or folder in out.parents:
+                    where = "is" if out == folder else "lies inside"
+                    raise SpecError(f"checkpoint.output_dir {self.checkpoint.output_dir} {where} the {key} folder "
+                                    f"{folder}: the next run would train on this run's own files (metrics.jsonl); "
+                                    "set checkpoint.output_dir to a folder outside the data")
 
 
 # ----------------------------------------------------------------------------- stages
