@@ -18,6 +18,12 @@ EPILOG = (
     "method does not have is an error. Defaults below are each method's."
 )
 
+class _Default(int):
+    """An argparse default that stays recognisable (a flag given explicitly parses to a plain int)."""
+
+
+DEFAULT_PROBE_TOKENS = _Default(256)
+
 # flags of the common spec keys; the method keys' flags are derived from the registered configs
 COMMON_FLAGS = {"method": "--method", "layers": "--layers", "dtype": "--dtype", "seed": "--seed",
                 "rope_cap": "--rope-cap"}
@@ -42,7 +48,9 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing checkpoint folder (never the input, the current directory or a folder "
                         "holding anything but a checkpoint)")
-    p.add_argument("--probe-tokens", type=int, default=256, help="tokens for the KL sanity probe (0 = skip)")
+    p.add_argument("--probe-tokens", type=int, default=DEFAULT_PROBE_TOKENS, metavar="N",
+                   help="tokens for the KL sanity probe (0 = skip; at most the model's positions: a longer N "
+                        "is refused, the unset value shrinks to them)")
     p.add_argument("--rank-layers", action="store_true",
                    help="rank the candidate layers by KL(base || only that layer converted) on the probe text, "
                         "write OUT/layer_ranking.json and stop (no conversion saved)")
@@ -257,9 +265,17 @@ def _precheck_layers(model: str, spec) -> None:
 def _run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from retrofit.errors import SpecError
     from retrofit.fs import check_replaceable, output_lock
 
     spec = build_spec(args)  # bad specs fail before any model is loaded
+    args.probe_tokens_given = not isinstance(args.probe_tokens, _Default)
+    if args.probe_tokens < 0:
+        raise SpecError(f"--probe-tokens must be >= 0 (0 skips the KL probe), got {args.probe_tokens}")
+    if args.probe_tokens == 0 and (args.rank_layers or args.keep_full):
+        flag = "--rank-layers" if args.rank_layers else "--keep-full"
+        raise SpecError(f"{flag} scores the layers on the probe text: --probe-tokens 0 leaves none; pass "
+                        "--probe-tokens 64 or more (e.g. the default 256)")
     _precheck_layers(args.model, spec)
     out = Path(args.out)
     check_replaceable(out, overwrite=args.overwrite, protect=[args.model])
@@ -285,11 +301,15 @@ def _convert(args: argparse.Namespace, spec, out) -> int:
     from retrofit.surgery import probe as P
     from retrofit.surgery.rope_cap import capped_layers
 
+    def warn(text: str) -> None:  # a warning prints under -q too
+        print(f"retrofit convert: warning: {text}", file=sys.stderr)
+
     t0 = time.perf_counter()
     model, tokenizer = load_any(args.model, dtype=spec.dtype)
     t_load = time.perf_counter() - t0
     patch = get_patch(model)  # unsupported families fail here, before any work
     spec.validate_for(model.config)
+    _check_probe_positions(args, model.config)  # before the probe's minutes, not after
     summary.update(family=patch.family, num_layers=model.config.num_hidden_layers,
                    parameters=sum(p.numel() for p in model.parameters()), load_seconds=round(t_load, 3))
     say(f"loaded {args.model}: {type(model).__name__} ({patch.family}), "
@@ -307,6 +327,7 @@ def _convert(args: argparse.Namespace, spec, out) -> int:
         ids = P.probe_ids(tokenizer, args.probe_tokens, model.config.vocab_size, seed=spec.seed)
         base_lp = P.log_probs(model, ids)
 
+    shown = spec.resolved(model.config)  # the values the checkpoint records (window=None -> its default)
     t0 = time.perf_counter()
     convert(model, spec)
     t_conv = time.perf_counter() - t0
@@ -317,10 +338,13 @@ def _convert(args: argparse.Namespace, spec, out) -> int:
     summary.update(retrofit=dict(model.config.retrofit), model_type=model.config.model_type,
                    converted_layers=layers, new_tensors=len(new), new_parameters=n_new,
                    convert_seconds=round(t_conv, 3))
-    say(f"converted {len(layers)}/{model.config.num_hidden_layers} layers to {spec.describe()} [{t_conv:.1f}s]")
+    say(f"converted {len(layers)}/{model.config.num_hidden_layers} layers to {shown.describe()} [{t_conv:.1f}s]")
     say(f"new weights: {len(new)} tensors, {n_new / 1e6:.3f}M params (trainable); pretrained weights frozen")
     caps = capped_layers(model)
     summary.update(rope_capped_layers=sorted(caps))
+    if not caps and args.rope_cap:  # spec.rope_cap from --rope-cap alone: a --config cap is the recipe's choice
+        warn(f"--rope-cap {args.rope_cap} has no effect: no layer is left as full attention "
+             "(every attention layer was converted); drop the flag")
     if caps:
         kept = ", ".join(map(str, caps))
         cap = model.config.retrofit["rope_cap"]
@@ -359,6 +383,22 @@ def _convert(args: argparse.Namespace, spec, out) -> int:
         summary.update(kind="delta" if args.delta else "checkpoint", size_bytes=size)
         print_json(summary)
     return 0
+
+
+def _check_probe_positions(args: argparse.Namespace, config) -> None:
+    """A probe longer than the model's positions would run for minutes on positions it never saw: the
+    default probe shrinks to the model's positions, a longer ``--probe-tokens`` is refused."""
+    from retrofit.errors import SpecError
+
+    max_pos = getattr(config, "max_position_embeddings", None)
+    if not getattr(args, "probe_tokens_given", True) and max_pos:
+        args.probe_tokens = min(args.probe_tokens, int(max_pos))
+    probe = args.probe_tokens if args.probe_tokens > 0 else 0
+    if args.rank_layers or args.keep_full:
+        probe = max(probe, 64)
+    if probe and max_pos and probe > int(max_pos):
+        raise SpecError(f"--probe-tokens {args.probe_tokens} exceeds the model's max_position_embeddings={max_pos}: "
+                        f"pass --probe-tokens {max_pos} or less (0 skips the KL probe)")
 
 
 def _ranked_spec(args: argparse.Namespace, spec, model, tokenizer, out):

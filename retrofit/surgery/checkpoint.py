@@ -155,9 +155,10 @@ def save(
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        (tmp / "README.md").write_text(model_card(
-            dict(model.config.retrofit), model_type=model.config.model_type, new_parameters=counts[0],
-            total_parameters=counts[1], path=str(out), **(card or {}),
+        shown = {**record, "base_model": _local_base(record.get("base_model"))}  # a local base as an absolute path,
+        (tmp / "README.md").write_text(model_card(  # like the load snippet's folder; hub ids and aliases as given
+            shown, model_type=model.config.model_type, new_parameters=counts[0],
+            total_parameters=counts[1], path=str(out.expanduser().resolve()), **(card or {}),
         ))
         pickles = [p.name for p in tmp.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl")]
         if pickles or not list(tmp.glob("*.safetensors")):
