@@ -7,6 +7,8 @@
 
 MODEL / BASE: a converted checkpoint folder, a base HF folder or hub id, a .gguf file, or
 an alias (`retrofit ls models`). Each command writes results.json, table.md and PNGs into --out and prints its table.
+--out is never a model folder, and a folder that holds earlier results is replaced only with --overwrite
+(the default folder runs/eval/<model>/<command> moves on to <command>-2, -3, ... instead).
 """
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ from retrofit.eval.evaluators import depth_arg as _depth, length_arg as _length 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL", help="converted folder, HF folder/hub id, .gguf file or alias (gemma3-270m, smollm2-135m)")
     p.add_argument("--baseline", metavar="BASE", help="a model to evaluate beside MODEL (e.g. its base model)")
-    p.add_argument("--out", type=Path, help="output folder (default: runs/eval/<model>/<command>); never a model "
-                                          "folder, and one holding earlier results only with --overwrite")
+    p.add_argument("--out", type=Path, help="output folder (default: runs/eval/<model>/<command>, or <command>-2, "
+                                          "-3, ... when that holds results); never a model folder, and one holding "
+                                          "earlier results only with --overwrite")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the results (results.json, table.md, report.md, plots) already in --out")
     p.add_argument("--device", default="cpu", help="torch device (default: cpu)")
@@ -99,10 +102,15 @@ def _out(args: argparse.Namespace, name: str) -> Path:
             ev.check(args)
     if args.out is not None:
         out = check_output_folder(args.out)
-    else:
+    else:  # the default folder keeps earlier runs too: the next free <command>-2, -3, ... (--overwrite: replace)
         slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(str(args.model).rstrip("/")).name) or "model"
-        out = check_output_folder(Path("runs") / "eval" / slug / name)
-    _check_results_folder(out, args, name)
+        first = out = Path("runs") / "eval" / slug / name
+        n = 1
+        while not getattr(args, "overwrite", False) and out.is_dir() and _earlier_results(out):
+            n += 1
+            out = first.with_name(f"{name}-{n}")
+        out = check_output_folder(out)
+    _check_results_folder(out, args)
     return out
 
 
@@ -112,7 +120,11 @@ _MODEL_FILES = ("config.json", "adapter_config.json", "*.safetensors", "pytorch_
 _RESULT_FILES = ("results.json", "table.md", "report.md", "*/results.json")
 
 
-def _check_results_folder(out: Path, args: argparse.Namespace, name: str) -> None:
+def _earlier_results(folder: Path) -> list[str]:
+    return sorted(str(f.relative_to(folder)) for pat in _RESULT_FILES for f in folder.glob(pat))
+
+
+def _check_results_folder(out: Path, args: argparse.Namespace) -> None:
     """Before any model loads: ``out`` is no model folder nor inside MODEL / BASE, holds no earlier
     results unless ``--overwrite``, and can be written (a 20-minute run must not fail at its last step)."""
     import os
@@ -122,14 +134,15 @@ def _check_results_folder(out: Path, args: argparse.Namespace, name: str) -> Non
     for role, item in (("MODEL", args.model), ("BASE", args.baseline)):
         p = Path(os.path.expanduser(str(item))) if item else None
         if p is not None and p.is_dir() and (real == p.resolve() or p.resolve() in real.parents):
-            raise RetrofitError(f"--out {out} is inside the model folder {item} ({role}); eval results never go "
+            where = "is" if real == p.resolve() else "lies inside"
+            raise RetrofitError(f"--out {out} {where} the model folder {item} ({role}); eval results never go "
                                 "into a model folder: choose an output folder elsewhere")
     if out.is_dir():
         model = [f.name for pat in _MODEL_FILES for f in out.glob(pat)]
         if model:
             raise RetrofitError(f"--out {out} holds a model ({', '.join(sorted(model)[:3])}); eval results never go "
                                 "into a model folder: choose an output folder elsewhere")
-        earlier = sorted(str(f.relative_to(out)) for pat in _RESULT_FILES for f in out.glob(pat))
+        earlier = _earlier_results(out)
         if earlier and not getattr(args, "overwrite", False):
             raise RetrofitError(f"--out {out} already holds results ({', '.join(earlier[:3])}); pass --overwrite "
                                 "to replace them or choose another output folder")

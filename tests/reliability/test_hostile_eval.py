@@ -83,7 +83,7 @@ def test_eval_out_never_writes_into_a_model_folder(base, tmp_path, capsys, no_mo
     before = snapshot(base)
     fails(_ppl(base, "--out", str(base)), capsys, "model folder", "elsewhere")
     fails(_ppl(base, "--out", str(base), "--overwrite"), capsys, "model folder")
-    fails(_ppl(base, "--out", str(base / "eval")), capsys, "inside the model folder")
+    fails(_ppl(base, "--out", str(base / "eval")), capsys, "lies inside the model folder")
     other = tmp_path / "other-model"  # a model folder that is not an input of this eval
     other.mkdir()
     (other / "config.json").write_text("{}")
@@ -109,6 +109,17 @@ def test_eval_out_keeps_earlier_results_unless_overwrite(base, tmp_path, capsys)
     capsys.readouterr()
     assert json.loads((out / "results.json").read_text())["kind"] == "perplexity"
     assert (out / "notes.txt").read_text() == "precious\n" and not leftovers(tmp_path)
+
+
+def test_the_default_eval_folder_moves_on_instead_of_overwriting(base, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    first = tmp_path / "runs" / "eval" / base.name / "ppl"
+    assert main(_ppl(base)) == 0
+    before = snapshot(first)
+    assert main(_ppl(base, "--lengths", "16")) == 0
+    assert f"wrote {Path('runs/eval') / base.name / 'ppl-2'}/results.json" in capsys.readouterr().out
+    assert snapshot(first) == before
+    assert json.loads((first.parent / "ppl-2" / "results.json").read_text())["settings"]["lengths"] == [16]
 
 
 # ---------------------------------------------------------------------- training data beside its output
