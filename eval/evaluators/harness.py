@@ -82,11 +82,16 @@ def _check_fewshot_pools(args: argparse.Namespace, fewshot) -> None:
 
         from retrofit.eval.harness import task_manager
 
-        logging.getLogger("lm-eval").setLevel(logging.ERROR)
-        tm = task_manager(tasks, getattr(args, "include_path", None) or [])
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            loaded = {name: get_task_dict([name], tm) for name in tasks}
+        log = logging.getLogger("lm-eval")
+        level = log.level
+        log.setLevel(logging.ERROR)  # the run itself logs what loading the tasks says
+        try:
+            tm = task_manager(tasks, getattr(args, "include_path", None) or [])
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                loaded = {name: get_task_dict([name], tm) for name in tasks}
+        finally:
+            log.setLevel(level)
     except RetrofitError:
         raise
     except Exception:  # noqa: BLE001 - tasks that do not load here fail the same way in the run
