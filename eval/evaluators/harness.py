@@ -56,6 +56,12 @@ def check(args: argparse.Namespace) -> None:
         if limit >= 1 and limit != int(limit):
             raise RetrofitError(f"--limit {limit:g}: a count of examples must be a whole number (e.g. --limit "
                                 f"{int(limit)}); fractions of a task are in (0, 1)")
+    for flag, value, low in (("--batch-size", getattr(args, "batch_size", 1), 1),
+                             ("--max-length", getattr(args, "max_length", None), 1),
+                             ("--bootstrap-iters", getattr(args, "bootstrap_iters", 0), 0)):
+        if value is not None and value < low:
+            raise RetrofitError(f"{flag} must be >= {low}, got {value}"
+                                + (" (0 = no stderr)" if flag == "--bootstrap-iters" else ""))
     if getattr(args, "num_fewshot", None) is None:
         return
     fewshot = parse_fewshot(args.num_fewshot)

@@ -57,6 +57,9 @@ def _ppl(model, *extra) -> list[str]:
     (["--num-fewshot", "1000000"], ["--num-fewshot 1000000", "at most 1000"]),
     (["--num-fewshot", "4"], ["few-shot pool has 4 examples", "--num-fewshot 3 or less"]),
     (["--num-fewshot", "retrofit_tiny_mc=9"], ["few-shot pool has 4 examples"]),
+    (["--batch-size", "0"], ["--batch-size must be >= 1"]),
+    (["--max-length", "0"], ["--max-length must be >= 1"]),
+    (["--bootstrap-iters", "-1"], ["--bootstrap-iters must be >= 0"]),
 ])
 def test_harness_limit_and_fewshot_fail_before_any_model_loads(base, tmp_path, capsys, no_model_loads, flags, needles):
     before = snapshot(base)
