@@ -56,7 +56,7 @@ def resolve(
     if isinstance(model, (str, Path)):
         m, tok = load_model(str(model), device=device, dtype=dtype)
         apply_rope_cap(m, rope_cap)
-        label = model_label(str(model))
+        label = describe_model(m, str(model))
         m._retrofit_eval_label = label  # later resolve() calls on this object keep the name
         return m, (tokenizer if tokenizer is not None else tok), label
     if tokenizer is None:
@@ -66,7 +66,7 @@ def resolve(
     label = getattr(model, "_retrofit_eval_label", None)
     if label is None:
         name = getattr(getattr(model, "config", None), "_name_or_path", "") or type(model).__name__
-        label = model_label(name)
+        label = describe_model(model, name)
     return model, tokenizer, label
 
 
@@ -103,6 +103,48 @@ def model_label(name: str) -> str:
     """A short display name: the last path component (``runs/x/converted`` -> ``converted``)."""
     name = str(name).rstrip("/")
     return Path(name).name if ("/" in name and Path(name).exists()) else name
+
+
+def describe_model(model: Any, name: str) -> str:
+    """What a model is, for tables and plots: a base by its name; a converted model as base + method +
+    converted layers + its key hyper-parameters + training (``runs/x/final`` -> ``smollm2-135m +
+    macchiato (30/30 layers, w 1024, L 144, 4 sinks), 120 steps / 491,520 tokens``). The folder
+    stays in results.json (``name_or_path``)."""
+    section = retrofit_section(model)
+    if not section or "method" not in section:
+        return model_label(name)
+    base = model_label(str(section.get("base_model") or "?"))
+    total = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    layers = section.get("converted_layers")
+    parts = [f"{len(layers)}/{total} layers" if isinstance(layers, list) and total else None]
+    for key, short in (("window", "w"), ("latents", "L"), ("segment", "s")):
+        if section.get(key) is not None:
+            parts.append(f"{short} {section[key]}")
+    if section.get("sinks"):
+        parts.append(f"{section['sinks']} sinks")
+    label = f"{base} + {section['method']} ({', '.join(p for p in parts if p)})"
+    return label + _training_suffix(Path(name))
+
+
+def _training_suffix(folder: Path) -> str:
+    """``, 120 steps / 491,520 tokens`` from a saved folder's training facts, or ``, untrained``."""
+    from retrofit.surgery.checkpoint import TRAINING_FACTS
+
+    if not folder.is_dir():
+        return ""
+    facts_file = folder / TRAINING_FACTS
+    if not facts_file.is_file():
+        return ", untrained" if (folder / "config.json").is_file() else ""
+    try:
+        import json
+
+        facts = json.loads(facts_file.read_text()).get("training", {})
+    except (OSError, ValueError, AttributeError):
+        return ""
+    steps, tokens = facts.get("optimizer steps"), facts.get("training tokens")
+    if steps is None:
+        return ""
+    return f", {steps} steps" + (f" / {tokens} tokens" if tokens else "")
 
 
 def retrofit_section(model: Any) -> dict | None:

@@ -50,6 +50,7 @@ __all__ = [
 ]
 
 DELTA_MANIFEST = "retrofit_delta.json"
+TRAINING_FACTS = "retrofit_training.json"  # the card's training facts, machine-readable (reports name models by them)
 DELTA_WEIGHTS = "delta.safetensors"
 DELTA_FORMAT = "retrofit-delta/1"
 
@@ -134,7 +135,8 @@ def save(
     """Write a converted model (and tokenizer) as a safetensors ``save_pretrained`` folder, atomically.
 
     The folder gets a ``README.md`` model card (``retrofit/surgery/card.py``); ``card`` adds
-    ``training`` facts, held-out ``metrics`` and an ``adapter`` location to it.
+    ``training`` facts, held-out ``metrics`` and an ``adapter`` location to it; training facts are
+    also written to ``retrofit_training.json`` (what reports read to name the model).
     """
     from retrofit.surgery.card import model_card
     from retrofit.hf import adopt
@@ -160,6 +162,9 @@ def save(
             shown, model_type=model.config.model_type, new_parameters=counts[0],
             total_parameters=counts[1], path=str(out.expanduser().resolve()), **(card or {}),
         ))
+        if card and card.get("training"):
+            facts = {k: card[k] for k in ("training", "metrics") if card.get(k)}
+            (tmp / TRAINING_FACTS).write_text(json.dumps(facts, indent=2, default=str) + "\n")
         pickles = [p.name for p in tmp.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl")]
         if pickles or not list(tmp.glob("*.safetensors")):
             raise CheckpointError(f"save_pretrained did not write safetensors only (found {pickles or 'no weights'})")

@@ -43,7 +43,7 @@ def test_run_harness_converted_beside_base(converted_dir, base_dir, tmp_path):
     assert data["models"]["model"]["converted"] and not data["models"]["baseline"]["converted"]
     lines = res["table"].splitlines()
     assert "retrofit_tiny_mc\u2020 [2]" in lines[0]
-    assert lines[2].startswith("| tiny-base") and lines[3].startswith("| tiny-macchiato")
+    assert lines[2].startswith("| tiny-base") and lines[3].startswith("| tiny-base + macchiato")
 
 
 def test_group_is_expanded_into_its_subtasks(base_dir):

@@ -59,7 +59,7 @@ def test_run_passkey_converted_vs_base(converted_dir, base_dir, tmp_path):
     # both models answered the very same prompts (same keys, same needle positions)
     strip = lambda ts: [(t["length"], t["depth"], t["key"], t["needle_at"]) for t in ts]  # noqa: E731
     assert strip(data["results"]["model"]["trials"]) == strip(data["results"]["baseline"]["trials"])
-    assert "tiny-macchiato" in res["table"] and "mean" in res["table"]
+    assert "tiny-base + macchiato (2/2 layers, w 16, L 8), untrained" in res["table"] and "mean" in res["table"]
 
 
 @pytest.mark.parametrize("which", ["base", "converted", "capped"])

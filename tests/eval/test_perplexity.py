@@ -29,8 +29,8 @@ def test_files_and_table(sweep):
     assert on_disk["results"]["pg-books"]["64"]["model"]["ppl"] == pytest.approx(res["results"]["pg-books"]["64"]["model"]["ppl"])
     assert on_disk["models"]["model"]["converted"] and not on_disk["models"]["baseline"]["converted"]
     header = res["table"].splitlines()[0]
-    assert "tiny-base 64" in header and "tiny-macchiato 128" in header
-    assert header.index("tiny-base") < header.index("tiny-macchiato")  # baseline first, as in Table 4
+    assert "tiny-base 64" in header and "tiny-base + macchiato (2/2 layers, w 16, L 8), untrained 128" in header  # what it is, not its folder
+    assert header.index("tiny-base 64") < header.index("+ macchiato")  # baseline first, as in Table 4
     assert (out / "perplexity.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -47,7 +47,7 @@ def test_cli_ppl(converted_dir, base_dir, tmp_path, capsys):
                "--datasets", "pg-books-heldout", "--max-windows", "1", "--out", str(out), "--quiet"])
     assert rc == 0
     printed = capsys.readouterr().out
-    assert "| pg-books-heldout |" in printed and "tiny-macchiato 96" in printed
+    assert "| pg-books-heldout |" in printed and "tiny-base + macchiato (2/2 layers, w 16, L 8), untrained 96" in printed
     data = json.loads((out / "results.json").read_text())
     assert all(math.isfinite(data["results"]["pg-books-heldout"][L][r]["ppl"])
                for L in ("64", "96") for r in ("model", "baseline"))
@@ -76,7 +76,7 @@ def test_cli_all_writes_one_report(converted_dir, base_dir, tmp_path, capsys):
     for sub in ("ppl", "harness", "passkey"):
         assert (out / sub / "results.json").is_file() and (out / sub / "table.md").is_file()
     assert (out / "ppl" / "perplexity.png").is_file() and (out / "passkey" / "passkey.png").is_file()
-    assert "tiny-macchiato vs tiny-base" in capsys.readouterr().out
+    assert "tiny-base + macchiato (2/2 layers, w 16, L 8), untrained vs tiny-base" in capsys.readouterr().out
 
 
 def test_cli_errors_are_one_line(base_dir, tmp_path, capsys):

@@ -96,7 +96,7 @@ def test_every_variant_is_a_row_in_table_order(sweep):
     assert roles == ["baseline", "baseline:yarn:4", "baseline:dynamic:4", "baseline:cap:16", "model:closed", "model"]
     labels = [sweep["models"][r]["label"] for r in roles]
     assert labels[1:5] == ["tiny-base + YaRN x4", "tiny-base + dynamic NTK x4", "tiny-base + RoPE cap 16",
-                           "tiny-macchiato, latent path closed"]
+                           "tiny-base + macchiato (2/2 layers, w 16, L 8), untrained, latent path closed"]
     assert sweep["models"]["baseline:yarn:4"]["rope_scaling"] == {"rope_type": "yarn", "factor": 4.0}
     assert sweep["models"]["model:closed"]["latent_path_closed"] is True
     assert sweep["models"]["model"]["latent_path_closed"] is False
