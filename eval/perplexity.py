@@ -338,7 +338,7 @@ def table_markdown(res: dict) -> str:
         header = ["Dataset", "Model"] + [report.fmt_length(L) for L in lengths]
         rows = [[ds, res["models"][role]["label"]] + [cell(per_len[str(L)].get(role, {})) for L in lengths]
                 for ds, per_len in res["results"].items() for role in roles]
-        return report.markdown_table(header, rows)
+        return report.markdown_table(header, rows, align=["l", "l"] + ["r"] * len(lengths))
     header = ["Dataset"]
     for role in roles:
         header += [f"{res['models'][role]['label']} {report.fmt_length(L)}" for L in lengths]

@@ -30,7 +30,7 @@ DEFAULT_RECIPE = "gemma3-270m-keep-retrieval-cpu.yaml"
 class DemoSettings:
     """What the demo runs; ``quick()`` and ``full()`` are the two presets."""
 
-    model: str = "gemma3-270m"
+    model: str | None = None  # None: the recipe's model.name
     recipe: str = DEFAULT_RECIPE
     train_steps: int | None = None  # None: the recipe's own (sized for ~15 min on 2 CPU cores)
     seq_len: int | None = None
@@ -46,6 +46,12 @@ class DemoSettings:
     # (1.6-1.7x faster on the Zen 4 CPU, perplexities within 0.25% of fp32 to 64K: BENCHMARKS.md), else fp32
     eval_dtype: str = "auto"
     eval_sequences: int | None = None
+    # zero-shot baselines scored beside the two (retrofit.eval.variants); None: the converted model with
+    # its latent path closed (Macchiato: the frozen window and sinks alone), and the base with its RoPE
+    # distance capped at its pretraining context when a length goes past it (the strongest zero-shot row)
+    zero_shot: list[str] | None = None
+    # quick: the converted layers' window, so that its short training sequences reach past it
+    window: int | None = None
     prompt_tokens: int = 256
     new_tokens: int = 48
     overrides: list[str] = field(default_factory=list)
@@ -54,12 +60,15 @@ class DemoSettings:
         """What the preset changes in the recipe; user overrides come last and win."""
         preset = {"train.max_steps": self.train_steps, "data.seq_len": self.seq_len,
                   "train.batch_size": self.batch_size, "eval.sequences": self.eval_sequences,
+                  "conversion.window": self.window,
                   "eval.every": None if self.train_steps is None else max(self.train_steps // 4, 1)}
         return [f"{k}={v}" for k, v in preset.items() if v is not None] + list(self.overrides)
 
     @classmethod
     def quick(cls) -> "DemoSettings":
-        return cls(train_steps=12, seq_len=256, batch_size=2, ppl_lengths=[512, 1024], ppl_windows=1,
+        # a 64-token window under 256-token sequences: three quarters of every sequence lies beyond
+        # the window, so the latent path has something to learn and the loss moves
+        return cls(train_steps=12, seq_len=256, batch_size=2, window=64, ppl_lengths=[512, 1024], ppl_windows=1,
                    passkey_lengths=[256, 512], passkey_depths=[0.0, 1.0], passkey_trials=1,
                    eval_sequences=4, prompt_tokens=96, new_tokens=16)
 
@@ -98,6 +107,18 @@ def _heldout_books(recipe: Any) -> list[Path]:
     if not held_out:
         raise RetrofitError("the recipe holds no books out for evaluation: set eval.files or data.holdout_last")
     return held_out
+
+
+def _zero_shot(s: "DemoSettings", model: Any, baseline: Any) -> list[str]:
+    """The settings' zero-shot baselines, or by default: the latent path closed (a Macchiato model)
+    and the base's RoPE distance capped at its pretraining context when a length goes past it."""
+    if s.zero_shot is not None:
+        return list(s.zero_shot)
+    out = ["closed"] if any(hasattr(m, "latent_path_closed") for m in model.modules()) else []
+    context = int(getattr(baseline.config, "max_position_embeddings", 0) or 0)
+    if context and max(s.ppl_lengths) > context:
+        out.append(f"cap:{context - 1}")
+    return out
 
 
 def _continuation(model: Any, tokenizer: Any, text: str, prompt_tokens: int, new_tokens: int) -> dict:
@@ -144,6 +165,7 @@ def run_demo(out: str | Path = "runs/demo", settings: DemoSettings | None = None
     import torch
 
     from retrofit.eval import run_passkey, run_perplexity
+    from retrofit.eval.variants import parse_variants
     from retrofit.surgery import ConversionSpec, capped_layers, convert, load, load_any, new_parameter_names, save
     from retrofit.train.entry import train
     from retrofit.train.recipe import load_recipe
@@ -155,6 +177,8 @@ def run_demo(out: str | Path = "runs/demo", settings: DemoSettings | None = None
     echo(f"retrofit {__version__} demo -> {out}  (torch {torch.__version__}, {torch.get_num_threads()} threads)")
 
     recipe = load_recipe(s.recipe, s.recipe_overrides())
+    s.model = s.model or recipe.model.name
+    parse_variants(s.zero_shot or [])  # a bad variant fails here, not after training
     held_out = _heldout_books(recipe)
     spec = ConversionSpec.from_dict(recipe.conversion) if recipe.conversion else ConversionSpec()
 
@@ -209,13 +233,14 @@ def run_demo(out: str | Path = "runs/demo", settings: DemoSettings | None = None
     def stage_eval():
         model = load(trained_dir, dtype=eval_dtype)
         baseline, btok = load_any(s.model, dtype=eval_dtype)
+        zero_shot = _zero_shot(s, model, baseline)
         ppl = run_perplexity(model, tokenizer=tok, baseline=baseline, baseline_tokenizer=btok,
                              datasets=[str(p) for p in held_out], lengths=s.ppl_lengths,
                              max_windows=s.ppl_windows, chunk_size=s.ppl_chunk_size,
-                             baseline_chunk_size=s.ppl_chunk_size, out=out / "eval" / "ppl")
+                             baseline_chunk_size=s.ppl_chunk_size, zero_shot=zero_shot, out=out / "eval" / "ppl")
         keys = run_passkey(model, tokenizer=tok, baseline=baseline, baseline_tokenizer=btok,
                            lengths=s.passkey_lengths, depths=s.passkey_depths, trials=s.passkey_trials,
-                           out=out / "eval" / "passkey")
+                           zero_shot=zero_shot, out=out / "eval" / "passkey")
         return model, ppl, keys
 
     model, ppl, keys = stages.run(f"evaluate beside the base model (perplexity vs length, passkey; {eval_dtype})",
@@ -265,12 +290,12 @@ def _write_report(out: Path, s: DemoSettings, conversion: dict, result: Any, cur
         lines += ["", f"## {title}", ""]
         table = out / folder / "table.md"
         lines.append(table.read_text().strip() if table.is_file() else "```\n" + json.dumps(res, indent=1)[:2000] + "\n```")
-        if folder == "eval/ppl" and conversion.get("kept_full_layers"):
-            lines += ["", "The base is scored as released. Past its pretraining context its full-attention layers "
-                      "meet RoPE distances they were never trained on, which the converted model's kept layers "
-                      "do not (`rope_cap`); `retrofit eval ppl "
-                      f"{s.model} --rope-cap {conversion['rope_cap']}` scores the base capped the same way, "
-                      "the zero-shot baseline past its context (BENCHMARKS.md, \"RoPE distance cap\")."]
+        if folder == "eval/ppl" and res["settings"].get("zero_shot"):
+            lines += ["", "Zero-shot rows: `+ RoPE cap N` is the base with its RoPE distances capped at N "
+                      "(ReRoPE-style, no training), `latent path closed` the converted model with only its frozen "
+                      "window and sinks (StreamingLLM). Past the base's pretraining context the capped base, not the "
+                      "raw one, is the baseline to beat (BENCHMARKS.md, \"Past the pretraining context, beside "
+                      "zero-shot baselines\")."]
         for png in sorted((out / folder).glob("*.png")):
             lines += ["", f"![{png.stem}]({png.relative_to(out)})"]
     cache = "constant memory per converted layer"

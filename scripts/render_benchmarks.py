@@ -100,6 +100,12 @@ def _shown(spec: dict, i: int, res: dict, role: str) -> str:
     return labels.get(label, labels.get(role, label))
 
 
+def _roles(res: dict, kind_key: str = "models") -> list[str]:
+    """The roles of a results file in table order: the baseline, the zero-shot variants as run
+    (``baseline:yarn:4``, ``model:closed``, ...), the model (as ``retrofit.eval.report.role_order``)."""
+    return sorted(res.get(kind_key) or {"baseline": 0, "model": 0}, key=lambda r: (r != "baseline", r == "model"))
+
+
 def render_ppl(files: list[dict], spec: dict) -> str:
     """``retrofit eval ppl`` results: one row per (dataset, model), one column per length."""
     digits = int(spec.get("digits", 2))
@@ -116,7 +122,7 @@ def render_ppl(files: list[dict], spec: dict) -> str:
         for ds, per_len in res.get("results", {}).items():
             if want_ds is not None and ds not in want_ds:
                 continue
-            for role in ("baseline", "model"):
+            for role in _roles(res):
                 shown = _shown(spec, i, res, role)
                 for L, roles in per_len.items():
                     if role not in roles:
@@ -161,7 +167,7 @@ def render_passkey(files: list[dict], spec: dict) -> str:
         for d in depths:
             if d not in depths_seen:
                 depths_seen.append(d)
-        for role in ("baseline", "model"):
+        for role in _roles(res):
             if role not in res.get("results", {}):
                 continue
             shown = _shown(spec, i, res, role)

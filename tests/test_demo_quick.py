@@ -39,6 +39,8 @@ def test_quick_demo_end_to_end(tmp_path):
     assert results["training"]["steps"] == 12
     evals = [e for e in results["training"]["evals"] if "loss" in e]
     assert len(evals) >= 2 and all(e["loss"] == e["loss"] for e in evals)  # finite, before and after
+    assert evals[-1]["loss"] != evals[0]["loss"]  # sequences reach past the quick preset's window: training trains
+    assert "model:closed" in results["perplexity"]["models"]  # the latent path closed, scored beside
     assert results["conversion"]["new_parameters"] > 0
     from retrofit.precision import auto_dtype_name  # both models scored in the auto eval dtype
 

@@ -1,4 +1,4 @@
-"""`retrofit demo`: the main job end to end on the real Gemma 3 270M (see retrofit/demo.py)."""
+"""`retrofit demo`: the main job end to end on a real model (default: Gemma 3 270M; see retrofit/demo.py)."""
 from __future__ import annotations
 
 import argparse
@@ -10,8 +10,13 @@ def register(sub: argparse._SubParsersAction, help_text: str) -> None:
     )
     p.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
     p.add_argument("--quick", action="store_true", help="the ~5 minute variant (fewer steps, shorter lengths)")
-    p.add_argument("--model", default=None, help="model to convert (default: the gemma3-270m alias)")
-    p.add_argument("--recipe", default=None, help="training recipe (default: configs/gemma3-270m-keep-retrieval-cpu.yaml)")
+    p.add_argument("--model", default=None, help="model to convert (default: the recipe's model.name)")
+    p.add_argument("--recipe", default=None,
+                   help="training recipe, a bundled name or a path (default: gemma3-270m-keep-retrieval-cpu; "
+                        "smollm2-135m-macchiato-cpu converts every layer of SmolLM2-135M)")
+    p.add_argument("--zero-shot", nargs="+", default=None, metavar="VARIANT",
+                   help="zero-shot baselines scored beside the two (as retrofit eval --zero-shot; 'none' for none; "
+                        "default: closed, plus cap:<base context - 1> when a length goes past the base's context)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides the preset)")
     p.add_argument("--seq-len", type=int, default=None, help="training sequence length (overrides the preset)")
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="perplexity lengths (overrides the preset)")
@@ -38,6 +43,8 @@ def _run(args: argparse.Namespace) -> int:
         s.ppl_lengths = args.lengths
     if args.eval_dtype:
         s.eval_dtype = args.eval_dtype
+    if args.zero_shot is not None:
+        s.zero_shot = [] if args.zero_shot == ["none"] else list(args.zero_shot)
     s.overrides = list(args.overrides)
     run_demo(args.out, s)
     return 0
