@@ -127,14 +127,17 @@ def describe_model(model: Any, name: str) -> str:
 
 
 def _training_suffix(folder: Path) -> str:
-    """``, 120 steps / 491,520 tokens`` from a saved folder's training facts, or ``, untrained``."""
+    """``, 120 steps / 491,520 tokens`` from a saved folder's training facts, ``, untrained`` when its
+    model card says it was never trained, else nothing (a folder written before training facts)."""
     from retrofit.surgery.checkpoint import TRAINING_FACTS
 
     if not folder.is_dir():
         return ""
     facts_file = folder / TRAINING_FACTS
-    if not facts_file.is_file():
-        return ", untrained" if (folder / "config.json").is_file() else ""
+    if not facts_file.is_file():  # the card says so of a folder saved before any training
+        card = folder / "README.md"
+        untrained = card.is_file() and "Not trained yet" in card.read_text(errors="replace")
+        return ", untrained" if untrained else ""
     try:
         import json
 
