@@ -88,12 +88,16 @@ class _MethodFlagsParser(argparse.ArgumentParser):
         return super().parse_known_args(args, namespace)
 
 
-def method_flags() -> dict[str, dict]:
-    """``dest -> {flag, type, help, methods, defaults}`` over every registered method's config fields."""
+def method_flags(builtin_only: bool = False) -> dict[str, dict]:
+    """``dest -> {flag, type, help, methods, defaults}`` over every registered method's config fields
+    (``builtin_only``: the methods shipped in ``retrofit.layers``, not those registered at run time)."""
     from retrofit.layers.method import available_methods, get_method, method_fields
 
     flags: dict[str, dict] = {}
-    for name in available_methods():
+    names = available_methods()
+    if builtin_only:
+        names = [n for n in names if get_method(n).config.__module__.startswith("retrofit.layers.")]
+    for name in names:
         for f, tp in method_fields(get_method(name).config):
             entry = flags.setdefault(f.name, dict(flag="--" + f.name.replace("_", "-"), type=tp,
                                                   help=f.metadata.get("help", ""), methods=[], defaults=[]))
@@ -116,10 +120,11 @@ def _kind(tp) -> tuple[str, bool]:
     return "yaml", False
 
 
-def method_flag_table() -> dict[str, dict]:
-    """``dest -> {flag, kind, nullable, help}`` of every registered method's flags (what --help shows)."""
+def method_flag_table(builtin_only: bool = True) -> dict[str, dict]:
+    """``dest -> {flag, kind, nullable, help}`` of the built-in methods' flags (what --help shows;
+    ``builtin_only=False``: every registered method's, a toy registered by a test included)."""
     table = {}
-    for dest, e in method_flags().items():
+    for dest, e in method_flags(builtin_only).items():
         kind, nullable = _kind(e["type"])
         table[dest] = {"flag": e["flag"], "kind": kind, "nullable": nullable,
                        "help": f"{e['help']} [{', '.join(e['defaults'])}]"}
@@ -164,7 +169,7 @@ def yaml_value(text: str, what: str):
 
 def add_method_flags(p: argparse.ArgumentParser, table: dict[str, dict] | None = None) -> None:
     """One flag per method key of ``table`` (default: :func:`method_flag_table`, which imports the methods)."""
-    for dest, e in (method_flag_table() if table is None else table).items():
+    for dest, e in (method_flag_table(builtin_only=False) if table is None else table).items():
         if e["flag"] in p._option_string_actions:
             continue
         text = e["help"].replace("%", "%%")

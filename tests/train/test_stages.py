@@ -72,13 +72,13 @@ def test_two_stages_chain_and_resume_bit_exactly(pretrained_base, books, tmp_pat
 ])
 def test_bad_stage_lists_fail_before_any_weight_is_loaded(stages, match, tmp_path):
     with pytest.raises(SpecError, match=match):
-        recipe_from_dict(_recipe(tmp_path / "no-model-here", tmp_path, tmp_path / "out", stages))
+        recipe_from_dict(_recipe(tmp_path / "no-model-here", tmp_path / "books", tmp_path / "out", stages))
 
 
 def test_the_loop_runs_one_recipe_and_train_runs_stages(tmp_path):
     from retrofit.train.loop import run_recipe
 
-    staged = recipe_from_dict(_recipe(tmp_path / "no-model-here", tmp_path, tmp_path / "out", STAGES))
+    staged = recipe_from_dict(_recipe(tmp_path / "no-model-here", tmp_path / "books", tmp_path / "out", STAGES))
     with pytest.raises(ValueError, match="retrofit.train.train"):
         run_recipe(staged)
 
