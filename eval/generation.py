@@ -76,6 +76,14 @@ def recall(prediction: str, expected: Sequence[str]) -> float:
     return sum(1.0 for r in expected if r.lower() in pred) / len(expected) if expected else 0.0
 
 
+def check_prefill_chunk(prefill_chunk: int | None) -> None:
+    """A prefill chunk is None or 0 (one prefill) or a positive number of tokens; else one DataError."""
+    if prefill_chunk is not None and prefill_chunk < 0:
+        from retrofit.errors import DataError
+
+        raise DataError(f"prefill_chunk must be a positive number of tokens (0 = one prefill), got {prefill_chunk}")
+
+
 def run_prompts(
     roles: dict[str, tuple[Any, Any, str]],
     prompts: list[dict],

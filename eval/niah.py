@@ -29,7 +29,7 @@ from typing import Any
 
 from retrofit.errors import DataError
 from retrofit.eval import essays, loading, prompting, report, variants
-from retrofit.eval.generation import mean_or_none, recall, run_prompts
+from retrofit.eval.generation import check_prefill_chunk, mean_or_none, recall, run_prompts
 from retrofit.eval.passkey import haystack_tokens
 from retrofit.eval.windows import encode
 
@@ -138,8 +138,7 @@ def run_niah(
         raise DataError("trials must be at least 1")
     if max_new_tokens < 1:
         raise DataError("max_new_tokens must be at least 1")
-    if prefill_chunk is not None and prefill_chunk < 0:
-        raise DataError(f"prefill_chunk must be a positive number of tokens (0 = one prefill), got {prefill_chunk}")
+    check_prefill_chunk(prefill_chunk)
     hay = essays.resolve_haystack(haystack)
     roles = variants.resolve_roles(model, tokenizer, baseline, baseline_tokenizer, variants=variants.parse_variants(zero_shot),
                                    device=device, dtype=dtype, rope_cap=rope_cap)

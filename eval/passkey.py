@@ -32,6 +32,7 @@ import torch
 
 from retrofit.errors import DataError
 from retrofit.eval import corpora, loading, prompting, report, variants
+from retrofit.eval.generation import check_prefill_chunk
 from retrofit.eval.generation import generate_answer, prefill  # noqa: F401  (their former home)
 from retrofit.eval.windows import encode, encode_prefix
 
@@ -150,8 +151,7 @@ def run_passkey(
     depths = [float(d) for d in depths]
     if trials < 1:
         raise DataError("trials must be at least 1")
-    if prefill_chunk is not None and prefill_chunk < 0:
-        raise DataError(f"prefill_chunk must be a positive number of tokens (0 = one prefill), got {prefill_chunk}")
+    check_prefill_chunk(prefill_chunk)
     roles = variants.resolve_roles(model, tokenizer, baseline, baseline_tokenizer,
                                    variants=variants.parse_variants(zero_shot), device=device, dtype=dtype,
                                    rope_cap=rope_cap)

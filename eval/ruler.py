@@ -15,7 +15,7 @@ from typing import Any
 
 from retrofit.errors import DataError
 from retrofit.eval import essays, loading, prompting, report, variants
-from retrofit.eval.generation import mean_or_none, recall, run_prompts
+from retrofit.eval.generation import check_prefill_chunk, mean_or_none, recall, run_prompts
 from retrofit.eval.ruler_tasks import TASKS, EssayUnits, get_task, make_sample
 
 DEFAULT_TASKS = tuple(TASKS)
@@ -81,8 +81,7 @@ def run_ruler(
     lengths = sorted(set(int(x) for x in lengths))
     if samples < 1:
         raise DataError("samples must be at least 1")
-    if prefill_chunk is not None and prefill_chunk < 0:
-        raise DataError(f"prefill_chunk must be a positive number of tokens (0 = one prefill), got {prefill_chunk}")
+    check_prefill_chunk(prefill_chunk)
     hay = essays.resolve_haystack(haystack) if any(get_task(t).haystack == "essay" for t in tasks) else None
     roles = variants.resolve_roles(model, tokenizer, baseline, baseline_tokenizer, variants=variants.parse_variants(zero_shot),
                                    device=device, dtype=dtype, rope_cap=rope_cap)
