@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from torch.autograd import gradcheck
 
 from retrofit.ops import LatteState, exp_linear_attention, exp_linear_attention_reference, exp_linear_attention_step
+from tests.ops._grads import assert_values_and_grads_match
 from tests.ops._inputs import padding_mask
 
 
@@ -160,6 +161,32 @@ def test_large_logit_spread_inside_a_chunk(jump, fast, fallbacks):
     out.sum().backward()
     assert all(torch.isfinite(x.grad).all() for x in args)
     assert (fallbacks == []) == fast
+
+
+@pytest.mark.parametrize("form", ["chunked", "log-space", "continued state"])
+def test_values_and_gradients_match_the_reference_in_float64(form, fallbacks):
+    """Each form's values and q, k, v gradients over 260 tokens (padded rows, ragged last chunk)
+    against autograd through the materialised reference: the chunked form; the log-space form that
+    answers a key jumping 300 nats inside a chunk; and a prefill whose differentiable final state a
+    second call continues (that state's path takes the log-space form too)."""
+    T, chunk, split = 260, 64, 100
+    q, k, v = _qkv(2, 2, T, 6, 4, scale=3.0)
+    if form == "log-space":
+        k[:, :, 150, 2] += 300.0
+    mask = padding_mask(2, T, [0, 29])
+
+    def op(q, k, v):
+        if form != "continued state":
+            return exp_linear_attention(q, k, v, chunk_size=chunk, key_padding_mask=mask)[0]
+        sl = lambda x, a, b: x[:, :, a:b]  # noqa: E731
+        first, state = exp_linear_attention(sl(q, 0, split), sl(k, 0, split), sl(v, 0, split), chunk_size=chunk,
+                                            key_padding_mask=mask[:, :split], output_final_state=True)
+        rest, _ = exp_linear_attention(sl(q, split, T), sl(k, split, T), sl(v, split, T), chunk_size=chunk,
+                                       key_padding_mask=mask[:, split:], initial_state=state)
+        return torch.cat([first, rest], dim=2)
+
+    assert_values_and_grads_match(op, lambda q, k, v: exp_linear_attention_reference(q, k, v, key_padding_mask=mask), (q, k, v))
+    assert (fallbacks == []) == (form == "chunked")
 
 
 def test_query_shift_per_token_cancels_exactly_in_chunked_form(fallbacks):
