@@ -7,6 +7,7 @@ import torch
 import retrofit.ops.sinks as sinks_mod
 from retrofit.ops.sinks import first_valid, sink_window_attention, sink_window_attention_reference
 from retrofit.ops.sliding_window import sliding_window_attention_reference, sliding_window_lse
+from tests.ops._grads import assert_values_and_grads_match
 from tests.ops._inputs import attention_inputs, padding_mask
 
 
@@ -76,6 +77,63 @@ def test_gradcheck_float64(path):
         return _whole(q, k, v, 4, 2, mask, softcap=2.0)
 
     assert torch.autograd.gradcheck(f, tensors, atol=1e-7)
+
+
+def _one_softmax_by_definition(q, k, v, window, sink_k, sink_v, sink_idx, sink_valid, q_start, num_past, scaling,
+                               softcap, mask, far=None):
+    """One softmax per query over the concatenated ``[sinks; cached and new keys]``, every score dense:
+    query i (key index ``num_past + i``, stream index ``q_start + i``) sees the real keys of its window
+    and the valid sinks that lie before the window; with ``far = (far_q, far_k, distance)`` a sink more
+    than ``distance`` before the query is scored ``far_q . far_k``. Padded queries output 0."""
+    B, Hq, Tq, _ = q.shape
+    group = Hq // k.shape[1]
+    kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    sk, sv = sink_k.repeat_interleave(group, 1), sink_v.repeat_interleave(group, 1)
+    i = torch.arange(Tq)[:, None] + num_past
+    j = torch.arange(k.shape[2])[None, :]
+    keys_ok = ((j <= i) & (j > i - window))[None] & mask[:, None, :]  # (B, Tq, Tk)
+    t = (torch.arange(Tq) + q_start)[None, :, None]
+    sinks_ok = sink_valid[:, None, :] & (sink_idx[:, None, :] <= t - window)  # (B, Tq, n)
+    sink_scores = q @ sk.transpose(-1, -2)
+    if far is not None:
+        far_q, far_k, distance = far
+        far_scores = far_q @ far_k.repeat_interleave(group, 1).transpose(-1, -2)
+        sink_scores = torch.where((t - sink_idx[:, None, :] > distance)[:, None], far_scores, sink_scores)
+    scores = torch.cat([sink_scores, q @ kk.transpose(-1, -2)], -1) * scaling
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    q_ok = mask[:, num_past:]
+    allowed = torch.cat([sinks_ok, keys_ok], -1) | (~q_ok[:, :, None] & (torch.arange(scores.shape[-1]) == 0))
+    probs = torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), -1)
+    return (probs @ torch.cat([sv, vv], 2)) * q_ok[:, None, :, None]
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("capped", [False, True])
+def test_values_and_gradients_of_every_input_match_the_definition(softcap, capped, path):
+    """200 queries after 24 cached keys (more than the window: the kernel drops some), GQA, left padding
+    in the cache and beyond, an invalid sink slot, score spreads of ~100 nats, and with ``capped`` the
+    far-sink scores: values and the gradients of q, k, v, the sink keys and values (and the far
+    queries and keys) against autograd through one dense softmax per query."""
+    B, Hq, Hkv, Tq, d, window, num_past, q_start = 2, 4, 2, 200, 6, 16, 24, 60
+    q, k, v = attention_inputs(B, Hq, Hkv, Tq, num_past + Tq, d, seed=1, scale=3.0)
+    sink_k, sink_v = (x[:, :, :3] * 1.5 for x in attention_inputs(B, Hq, Hkv, 3, 3, d, seed=2, scale=3.0)[1:])
+    sink_idx = torch.tensor([[0, 1, 2], [7, 9, 15]])
+    sink_valid = torch.tensor([[True, True, True], [True, True, False]])
+    mask = padding_mask(B, num_past + Tq, [0, 50])
+    far_inputs = attention_inputs(B, Hq, Hkv, Tq, 3, d, seed=3, scale=3.0)[:2] if capped else ()
+    distance = 90
+    kw = dict(q_start=q_start, num_past=num_past, scaling=0.4, softcap=softcap)
+
+    def op(q, k, v, sink_k, sink_v, *far):
+        return sink_window_attention(q, k, v, window, sink_k, sink_v, sink_idx, sink_valid, key_padding_mask=mask,
+                                     far=sinks_mod.FarSinks(*far, distance) if far else None, **kw)
+
+    def reference(q, k, v, sink_k, sink_v, *far):
+        return _one_softmax_by_definition(q, k, v, window, sink_k, sink_v, sink_idx, sink_valid, mask=mask,
+                                          far=(*far, distance) if far else None, **kw)
+
+    assert_values_and_grads_match(op, reference, (q, k, v, sink_k, sink_v, *far_inputs))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
