@@ -6,6 +6,7 @@ import torch
 from torch.autograd import gradcheck
 
 from retrofit.ops import macchiato_attention, macchiato_attention_reference, sliding_window_attention
+from tests.ops._grads import assert_values_and_grads_match
 from tests.ops._inputs import padding_mask
 
 
@@ -41,7 +42,7 @@ def test_gradcheck():
     assert gradcheck(lambda *a: macchiato_attention(*a, window=4, chunk_size=4)[0], (q, k, v, mix, lat))
 
 
-@pytest.mark.parametrize("needs", ["q", "v", "mix", "lat", "mix+lat"])
+@pytest.mark.parametrize("needs", ["q", "k", "v", "mix", "lat", "mix+lat", "q+k+v+mix+lat"])
 @pytest.mark.parametrize("T,chunk", [(64, 16), (75, 16)])  # 75: the latent output is a slice of a padded buffer
 def test_gradients_match_reference_for_any_subset_of_inputs(needs, T, chunk):
     """The window branch is added into the latent output in place (a custom backward): each input's
@@ -113,3 +114,35 @@ def test_sinks_branch_is_the_sink_window_attention():
     out0, _ = macchiato_attention(q, k, v, no_latent, lat, window=6, key_padding_mask=mask, sinks=sinks)
     torch.testing.assert_close(out0, swa, atol=1e-12, rtol=1e-12)
     assert not torch.allclose(out, swa)
+
+
+@pytest.mark.parametrize("capped", [False, True])
+def test_sinks_branch_values_and_gradients_match_the_dense_references(capped):
+    """With attention sinks (and, with ``capped``, RoPE and the far sinks scored at a capped distance):
+    values and the q, k, v and both logits' gradients over 200 tokens (GQA, soft-capping, padding,
+    large logits) against autograd through the dense sink + window reference and the dense Latte."""
+    from retrofit.ops import (capped_sinks, causal_latte_reference, first_valid, repeat_kv_heads, rope_rotate,
+                              sink_window_attention_reference)
+
+    T, window, n_sinks, distance = 200, 16, 3, 70
+    q, k, v, mix, lat = _inputs(T=T, d=8, L=4)
+    q, k = q * 3, k * 3
+    mask = padding_mask(2, T, [0, 21])
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, 8, 2, dtype=torch.float64) / 8))
+    pos = torch.arange(T)
+    kw = dict(scaling=0.5, softcap=30.0, key_padding_mask=mask)
+
+    def op(q, k, v, mix, lat):
+        if capped:
+            q, k = rope_rotate(q, pos, inv_freq), rope_rotate(k, pos, inv_freq)
+        sinks = first_valid(n_sinks, pos.expand(2, T), mask, k, v)
+        far = capped_sinks(q, sinks[2], sinks[0], 0, distance, inv_freq) if capped else None
+        return macchiato_attention(q, k, v, mix, lat, window=window, chunk_size=32, sinks=sinks, far_sinks=far, **kw)[0]
+
+    def reference(q, k, v, mix, lat):
+        p = torch.softmax(mix, dim=-1)
+        swa = sink_window_attention_reference(q, k, v, window, n_sinks, rope=(inv_freq, distance) if capped else None, **kw)
+        latent = causal_latte_reference(p[..., 1:], lat, repeat_kv_heads(v, q.shape[1]), key_padding_mask=mask)
+        return p[..., :1] * swa + latent
+
+    assert_values_and_grads_match(op, reference, (q, k, v, mix, lat))
