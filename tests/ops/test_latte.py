@@ -15,6 +15,7 @@ from retrofit.ops import (
     causal_latte_reference,
     causal_latte_step,
 )
+from tests.ops._grads import assert_values_and_grads_match
 from tests.ops._inputs import latte_inputs, padding_mask
 
 
@@ -157,6 +158,38 @@ def test_gradients_match_reference_fp32():
         grads.append([x.grad for x in args])
     for got, want in zip(grads[1], grads[0]):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("split", [None, 77, 128])
+def test_values_and_gradients_match_reference_float64(split):
+    """300 tokens, padded rows, logit spreads of ~60 nats: values and q, k, v gradients of the chunked
+    form against autograd through the O(T^2) reference; with ``split`` a second call continues the
+    first's final state (its gradient flows back through the state) over the rest."""
+    T = 300
+    q, k, v = latte_inputs(2, 2, T, 6, 5, spread=20.0)
+    mask = padding_mask(2, T, [0, 33])
+
+    def op(q, k, v):
+        if split is None:
+            return causal_latte_chunked(q, k, v, chunk_size=32, key_padding_mask=mask)[0]
+        first, state = causal_latte_chunked(q[:, :, :split], k[:, :, :split], v[:, :, :split], chunk_size=32,
+                                            key_padding_mask=mask[:, :split], output_final_state=True)
+        rest, _ = causal_latte_chunked(q[:, :, split:], k[:, :, split:], v[:, :, split:], chunk_size=32,
+                                       key_padding_mask=mask[:, split:], initial_state=state)
+        return torch.cat([first, rest], dim=2)
+
+    assert_values_and_grads_match(op, lambda q, k, v: causal_latte_reference(q, k, v, key_padding_mask=mask), (q, k, v))
+
+
+def test_from_logits_values_and_gradients_match_reference_float64():
+    q_logits, k, v = latte_inputs(2, 2, 200, 5, 4, spread=10.0)
+    q_logits = q_logits * 30
+    mask = padding_mask(2, 200, [0, 50])
+    assert_values_and_grads_match(
+        lambda a, b, c: causal_latte(a, b, c, chunk_size=16, key_padding_mask=mask),
+        lambda a, b, c: causal_latte_reference(torch.softmax(a, -1), b, c, key_padding_mask=mask),
+        (q_logits, k, v),
+    )
 
 
 def test_causal_latte_from_logits_is_a_distribution_over_past_values():
