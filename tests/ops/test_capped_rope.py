@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from retrofit.ops import capped_rope_attention, capped_rope_attention_reference, rope_rotate
+from tests.ops._grads import assert_values_and_grads_match
 from tests.ops._inputs import attention_inputs, padding_mask
 
 INV_FREQ = 1.0 / (100.0 ** (torch.arange(0, 6, 2, dtype=torch.float32) / 6))  # F = 3 of d = 8: partial rotary
@@ -120,6 +121,22 @@ def test_backward_matches_reference(padded, softcap):
         grads.append([t.grad for t in x])
     for a, b in zip(*grads):
         torch.testing.assert_close(b, a, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("softcap", [None, 20.0])
+@pytest.mark.parametrize("Tq,q_start", [(240, None), (150, 60)])
+def test_values_and_gradients_over_hundreds_of_tokens(softcap, Tq, q_start):
+    """240 keys, the cap at 50 (most pairs beyond it), blocks of 64 queries, GQA, a left-padded row,
+    score spreads of ~100 nats, and queries inside the key set: values and q, k, v gradients against
+    autograd through the dense reference."""
+    q, k, v = _inputs(Tq=Tq, Tk=240, seed=6, scale=3.5)
+    mask = padding_mask(2, 240, [0, 31])
+    kw = dict(q_start=q_start, softcap=softcap, key_padding_mask=mask)
+    assert_values_and_grads_match(
+        lambda q, k, v: capped_rope_attention(q, k, v, 50, INV_FREQ, block_size=64, **kw),
+        lambda q, k, v: capped_rope_attention_reference(q, k, v, 50, INV_FREQ, **kw),
+        (q, k, v),
+    )
 
 
 def test_autograd_never_takes_the_split_form():
