@@ -205,6 +205,42 @@ def test_local_gradcheck_including_bias():
         assert gradcheck(lambda a, b, c, p: local_attention(a, b, c, 4, rel_bias=p, softcap=softcap, key_padding_mask=mask), (q, k, v, bias))
 
 
+@pytest.mark.parametrize("softcap", [None, 6.0])
+@pytest.mark.parametrize("num_past", [0, 9, 30])
+def test_local_values_and_gradients_match_the_dense_reference(softcap, num_past):
+    """The blocked local attention over 250 queries after cached keys (more than the window: some are
+    dropped), GQA, a padded row, a shared bias, score spreads of ~100 nats: values and the gradients
+    of q, k, v and the bias against autograd through the dense form."""
+    T, w = 250, 12
+    q = torch.randn(2, 4, T, 5, dtype=torch.float64) * 4
+    k = torch.randn(2, 2, num_past + T, 5, dtype=torch.float64) * 4
+    v = torch.randn(2, 2, num_past + T, 3, dtype=torch.float64)
+    bias = torch.randn(1, w, dtype=torch.float64) * 3
+    mask = padding_mask(2, num_past + T, [0, 40])
+    kw = dict(scaling=0.6, softcap=softcap, key_padding_mask=mask, num_past=num_past)
+    assert_values_and_grads_match(
+        lambda q, k, v, bias: local_attention(q, k, v, w, rel_bias=bias, **kw),
+        lambda q, k, v, bias: local_attention_reference(q, k, v, w, rel_bias=bias, **kw),
+        (q, k, v, bias),
+    )
+
+
+@pytest.mark.parametrize("block", [None, 16])
+def test_memory_values_and_gradients_match_the_dense_reference(block):
+    """The parallel memory over 300 tokens (left padding and a hole, large read logits): values and
+    the gradients of the queries, the memory inputs and the bases against the visibility-matrix form."""
+    q, x = torch.randn(2, 3, 300, 6, dtype=torch.float64) * 5, torch.randn(2, 3, 300, 6, dtype=torch.float64)
+    bases = _bases(3, 4, 6) * 1.3
+    mask = padding_mask(2, 300, [0, 27])
+    mask[0, 140:150] = False
+    kw = dict(block=block, scaling=3.0, key_padding_mask=mask)
+    assert_values_and_grads_match(
+        lambda q, x, bases: orthogonal_memory_attention(q, x, bases, **kw)[0],
+        lambda q, x, bases: orthogonal_memory_attention_reference(q, x, bases, **kw),
+        (q, x, bases),
+    )
+
+
 # ------------------------------------------------------------------ LAVO
 
 
