@@ -94,7 +94,25 @@ def causal_latte_reference(
     *,
     key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Direct O(T^2 L) evaluation of Definition 2 (tests only). Returns ``(B, H, T, D)``."""
+    """Direct O(T^2 L) evaluation of Definition 2 (tests only).
+
+    Args:
+        q_weights: ``(B, H, T, L)`` non-negative mixing weights p(l|t) over the latents.
+        k_logits: ``(B, H, T, L)`` latent key logits a_{t,l}.
+        v: ``(B, H, T, D)`` values.
+        key_padding_mask: ``(B, T)`` bool, True for real tokens; padded keys are never read and
+            padded queries output 0.
+
+    Returns:
+        ``(B, H, T, D)`` in ``v.dtype``.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import causal_latte_reference
+        >>> q = torch.softmax(torch.randn(1, 2, 10, 4), dim=-1)
+        >>> causal_latte_reference(q, torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 8)).shape
+        torch.Size([1, 2, 10, 8])
+    """
     dtype = _compute_dtype(q_weights, k_logits, v)
     T = v.shape[-2]
     a = _masked_logits(k_logits, key_padding_mask, dtype)  # (B,H,T,L)
@@ -243,8 +261,30 @@ def causal_latte_chunked(
     of those key factors, so no per-token log is taken. The token-to-token weights of a chunk
     are then one (C, L) @ (L, C) GEMM, and its chunk-start state (a scan over T / C chunks)
     enters through a second GEMM. A chunk whose normaliser grows by more than
-    ``FACTORISED_MAX_RANGE`` nats is recomputed in log space. Returns ``(out, state)`` with
-    ``out`` ``(B, H, T, D)`` in ``v.dtype`` and the final state if requested.
+    ``FACTORISED_MAX_RANGE`` nats is recomputed in log space.
+
+    Args:
+        q_weights: ``(B, H, T, L)`` non-negative mixing weights p(l|t) over the latents.
+        k_logits: ``(B, H, T, L)`` latent key logits a_{t,l}.
+        v: ``(B, H, T, D)`` values.
+        chunk_size: tokens per chunk ``C``.
+        key_padding_mask: ``(B, T)`` bool, True for real tokens; padded positions output 0 and
+            leave the state alone.
+        initial_state: the :class:`LatteState` to continue from (None: empty).
+        output_final_state: also return the state after the last token.
+
+    Returns:
+        ``(out, state)``: ``out`` ``(B, H, T, D)`` in ``v.dtype``; the final :class:`LatteState`
+        (m ``(B, H, L, D)``, z ``(B, H, L)``) if requested, else None.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import causal_latte_chunked
+        >>> q = torch.softmax(torch.randn(1, 2, 10, 4), dim=-1)
+        >>> out, state = causal_latte_chunked(q, torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 8),
+        ...                                   chunk_size=4, output_final_state=True)
+        >>> out.shape, state.m.shape, state.z.shape
+        (torch.Size([1, 2, 10, 8]), torch.Size([1, 2, 4, 8]), torch.Size([1, 2, 4]))
     """
     B, H, T, L = k_logits.shape
     D = v.shape[-1]
@@ -350,9 +390,26 @@ def causal_latte_step(
     *,
     valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LatteState]:
-    """One token: q_weights/k_logits ``(B, H, L)``, v ``(B, H, D)``; O(L D) per head.
+    """One decoding token of causal Latte: O(L D) per head.
 
-    ``valid`` ``(B,)`` bool: rows marked False (padding) leave the state untouched and output 0.
+    Args:
+        q_weights: ``(B, H, L)`` mixing weights of the new token.
+        k_logits: ``(B, H, L)`` its latent key logits.
+        v: ``(B, H, D)`` its value.
+        state: the :class:`LatteState` before the token.
+        valid: ``(B,)`` bool; rows marked False (padding) leave the state untouched and output 0.
+
+    Returns:
+        ``(out, state)``: ``out`` ``(B, H, D)`` in ``v.dtype``; the state after the token.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import LatteState, causal_latte_step
+        >>> state = LatteState.empty(1, 2, 4, 8)
+        >>> q = torch.softmax(torch.randn(1, 2, 4), dim=-1)
+        >>> out, state = causal_latte_step(q, torch.randn(1, 2, 4), torch.randn(1, 2, 8), state)
+        >>> out.shape
+        torch.Size([1, 2, 8])
     """
     dtype = _compute_dtype(q_weights, k_logits, v, state.m)
     a = k_logits.to(dtype)
@@ -376,7 +433,26 @@ def causal_latte_recurrent(
     key_padding_mask: torch.Tensor | None = None,
     initial_state: LatteState | None = None,
 ) -> tuple[torch.Tensor, LatteState]:
-    """Token-by-token loop over :func:`causal_latte_step` (decoding path; also a second reference)."""
+    """Token-by-token loop over :func:`causal_latte_step` (decoding path; also a second reference).
+
+    Args:
+        q_weights: ``(B, H, T, L)`` mixing weights.
+        k_logits: ``(B, H, T, L)`` latent key logits.
+        v: ``(B, H, T, D)`` values.
+        key_padding_mask: ``(B, T)`` bool, True for real tokens.
+        initial_state: the :class:`LatteState` to continue from (None: empty).
+
+    Returns:
+        ``(out, state)``: ``out`` ``(B, H, T, D)`` in ``v.dtype``; the final :class:`LatteState`.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import causal_latte_recurrent
+        >>> q = torch.softmax(torch.randn(1, 2, 5, 4), dim=-1)
+        >>> out, state = causal_latte_recurrent(q, torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 8))
+        >>> out.shape, state.m.shape
+        (torch.Size([1, 2, 5, 8]), torch.Size([1, 2, 4, 8]))
+    """
     B, H, T, L = k_logits.shape
     D = v.shape[-1]
     state = initial_state or LatteState.empty(B, H, L, D, device=v.device, dtype=_compute_dtype(q_weights, k_logits, v))
@@ -396,7 +472,24 @@ def causal_latte(
     chunk_size: int = 64,
     key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Plain causal Latte (Definition 2) from query logits: p(l|t) = softmax_l(q_logits)."""
+    """Plain causal Latte (Definition 2) from query logits: p(l|t) = softmax_l(q_logits).
+
+    Args:
+        q_logits: ``(B, H, T, L)`` latent query logits.
+        k_logits: ``(B, H, T, L)`` latent key logits.
+        v: ``(B, H, T, D)`` values.
+        chunk_size: tokens per chunk of :func:`causal_latte_chunked`.
+        key_padding_mask: ``(B, T)`` bool, True for real tokens.
+
+    Returns:
+        ``(B, H, T, D)`` in ``v.dtype``.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import causal_latte
+        >>> causal_latte(torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 8)).shape
+        torch.Size([1, 2, 10, 8])
+    """
     p = torch.softmax(q_logits.to(_compute_dtype(q_logits)), dim=-1)
     out, _ = causal_latte_chunked(p, k_logits, v, chunk_size=chunk_size, key_padding_mask=key_padding_mask)
     return out
@@ -413,7 +506,26 @@ def bidirectional_latte(
     *,
     key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """softmax_L(Q) softmax_T(K)^T V in O(T L D). Shapes as the causal form; no causal mask."""
+    """Bidirectional (encoder) Latte, Definition 1: softmax_L(Q) softmax_T(K)^T V in O(T L D).
+
+    Args:
+        q_logits: ``(B, H, T, L)`` latent query logits (softmax over L).
+        k_logits: ``(B, H, T, L)`` latent key logits (softmax over the T real tokens).
+        v: ``(B, H, T, D)`` values.
+        key_padding_mask: ``(B, T)`` bool, True for real tokens; padded queries output 0.
+
+    Returns:
+        ``(B, H, T, D)`` in ``v.dtype``.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import bidirectional_latte
+        >>> mask = torch.tensor([[False, True, True, True, True, True]])
+        >>> out = bidirectional_latte(torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 8),
+        ...                           key_padding_mask=mask)
+        >>> out.shape, bool(out[:, :, 0].eq(0).all())
+        (torch.Size([1, 2, 6, 8]), True)
+    """
     dtype = _compute_dtype(q_logits, k_logits, v)
     a = _masked_logits(k_logits, key_padding_mask, dtype)
     p_l = torch.softmax(q_logits.to(dtype), dim=-1)  # (B,H,T,L)
@@ -432,7 +544,23 @@ def bidirectional_latte_reference(
     *,
     key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The T x T attention matrix sum_l p(l|t) p(s|l), materialised (tests only)."""
+    """The T x T attention matrix sum_l p(l|t) p(s|l), materialised (tests only).
+
+    Args:
+        q_logits: ``(B, H, T, L)`` latent query logits.
+        k_logits: ``(B, H, T, L)`` latent key logits.
+        v: ``(B, H, T, D)`` values.
+        key_padding_mask: ``(B, T)`` bool, True for real tokens.
+
+    Returns:
+        ``(B, H, T, D)`` in ``v.dtype``.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import bidirectional_latte_reference
+        >>> bidirectional_latte_reference(torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 8)).shape
+        torch.Size([1, 2, 6, 8])
+    """
     dtype = _compute_dtype(q_logits, k_logits, v)
     a = _masked_logits(k_logits, key_padding_mask, dtype)
     p_l = torch.softmax(q_logits.to(dtype), dim=-1)
