@@ -234,10 +234,30 @@ def exp_linear_attention(
     initial_state: LatteState | None = None,
     output_final_state: bool = False,
 ) -> tuple[torch.Tensor, LatteState | None]:
-    """Chunked exp-linear attention. Returns ``(out (B,H,T,D), final state or None)``.
+    """Chunked exp-linear attention: O(T C d + T d D) time and O(T d + T C + d D) memory per head.
 
-    O(T C d + T d D) time and O(T d + T C + d D) memory per head; see the module docstring
-    for the stabilisation and when the log-space form answers instead.
+    See the module docstring for the stabilisation and when the log-space form answers instead.
+
+    Args:
+        q: ``(B, H, T, d)`` queries (the feature map exp is applied here).
+        k: ``(B, H, T, d)`` keys (GQA callers repeat them first).
+        v: ``(B, H, T, D)`` values.
+        chunk_size: tokens per chunk ``C``.
+        key_padding_mask: ``(B, T)`` bool, True for real tokens; padded positions output 0.
+        initial_state: a :class:`LatteState` with ``L = d`` to continue from (None: empty).
+        output_final_state: also return the state after the last token.
+
+    Returns:
+        ``(out, state)``: ``out`` ``(B, H, T, D)`` in ``v.dtype``; the final :class:`LatteState`
+        (m ``(B, H, d, D)``, z ``(B, H, d)``) if requested, else None.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import exp_linear_attention
+        >>> q, k, v = torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 8)
+        >>> out, state = exp_linear_attention(q, k, v, chunk_size=4, output_final_state=True)
+        >>> out.shape, state.m.shape
+        (torch.Size([1, 2, 10, 8]), torch.Size([1, 2, 4, 8]))
     """
     B, H, T, d = q.shape
     D = v.shape[-1]
@@ -289,7 +309,26 @@ def exp_linear_attention_step(
     *,
     valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LatteState]:
-    """One decoding step: q, k ``(B, H, d)``, v ``(B, H, D)``; O(d D) per head."""
+    """One decoding step of exp-linear attention: O(d D) per head.
+
+    Args:
+        q: ``(B, H, d)`` the new token's query.
+        k: ``(B, H, d)`` its key.
+        v: ``(B, H, D)`` its value.
+        state: the :class:`LatteState` (``L = d``) before the token.
+        valid: ``(B,)`` bool; rows marked False (padding) leave the state untouched and output 0.
+
+    Returns:
+        ``(out, state)``: ``out`` ``(B, H, D)`` in ``v.dtype``; the state after the token.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import LatteState, exp_linear_attention_step
+        >>> state = LatteState.empty(1, 2, 4, 8)
+        >>> out, state = exp_linear_attention_step(torch.randn(1, 2, 4), torch.randn(1, 2, 4), torch.randn(1, 2, 8), state)
+        >>> out.shape
+        torch.Size([1, 2, 8])
+    """
     dtype = _compute_dtype(q, k, v, state.m)
     a = k.to(dtype)
     if valid is not None:
@@ -305,7 +344,23 @@ def exp_linear_attention_reference(
     *,
     key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """O(T^2 d) materialised form (tests only): weights exp(q_t) . exp(k_s) in log space."""
+    """O(T^2 d) materialised form (tests only): weights exp(q_t) . exp(k_s) in log space.
+
+    Args:
+        q: ``(B, H, T, d)`` queries.
+        k: ``(B, H, T, d)`` keys.
+        v: ``(B, H, T, D)`` values.
+        key_padding_mask: ``(B, T)`` bool, True for real tokens; padded queries output 0.
+
+    Returns:
+        ``(B, H, T, D)`` in ``v.dtype``.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import exp_linear_attention_reference
+        >>> exp_linear_attention_reference(torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 8)).shape
+        torch.Size([1, 2, 6, 8])
+    """
     dtype = _compute_dtype(q, k, v)
     T = q.shape[2]
     logits = torch.logsumexp(q.to(dtype)[:, :, :, None, :] + k.to(dtype)[:, :, None, :, :], dim=-1)  # (B,H,t,s)

@@ -100,7 +100,28 @@ def sliding_window_attention_reference(
     key_padding_mask: torch.Tensor | None = None,
     num_past: int = 0,
 ) -> torch.Tensor:
-    """Dense masked form, O(Tq * Tk): the reference, and the fast path for short query blocks."""
+    """Dense masked form, O(Tq * Tk): the reference, and the fast path for short query blocks.
+
+    Args:
+        q: ``(B, Hq, Tq, d)`` queries.
+        k: ``(B, Hkv, num_past + Tq, d)`` keys (``Hq % Hkv == 0``).
+        v: ``(B, Hkv, num_past + Tq, Dv)`` values.
+        window: ``w``: query t sees keys ``t - w < s <= t``.
+        scaling: score scale (default ``d ** -0.5``).
+        softcap: ``softcap * tanh(score / softcap)`` when set.
+        key_padding_mask: ``(B, num_past + Tq)`` bool, True for real tokens; padded queries output 0.
+        num_past: cached keys in front of the queries' own.
+
+    Returns:
+        ``(B, Hq, Tq, Dv)`` in ``v.dtype``.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import sliding_window_attention_reference
+        >>> q, k, v = torch.randn(1, 4, 10, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+        >>> sliding_window_attention_reference(q, k, v, 4).shape
+        torch.Size([1, 4, 10, 8])
+    """
     B, Hq, Tq, d = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
     if Tk != num_past + Tq:
@@ -355,12 +376,33 @@ def sliding_window_attention(
     key_padding_mask: torch.Tensor | None = None,
     num_past: int = 0,
 ) -> torch.Tensor:
-    """Blocked form, O(Tq w d) time and memory; ``Tq <= w`` takes the dense form.
+    """Causal sliding-window attention in blocks, O(Tq w d) time and memory; ``Tq <= w`` takes the dense form.
 
     On CPU :class:`_BandedSWA` (blocks of :func:`_query_block` queries against their ``w + b``
     keys; no k/v copies, own backward); elsewhere blocks of ``w`` queries against their own and
     the previous key block through SDPA with a boolean mask (soft-capping, which SDPA cannot
-    express, through a masked softmax). Returns ``(B, Hq, Tq, Dv)``.
+    express, through a masked softmax).
+
+    Args:
+        q: ``(B, Hq, Tq, d)`` queries.
+        k: ``(B, Hkv, num_past + Tq, d)`` keys (``Hq % Hkv == 0``).
+        v: ``(B, Hkv, num_past + Tq, Dv)`` values.
+        window: ``w``: query t sees keys ``t - w < s <= t``.
+        scaling: score scale (default ``d ** -0.5``).
+        softcap: ``softcap * tanh(score / softcap)`` when set.
+        key_padding_mask: ``(B, num_past + Tq)`` bool, True for real tokens; padded queries output 0.
+        num_past: cached keys in front of the queries' own (only the last ``w - 1`` are read).
+
+    Returns:
+        ``(B, Hq, Tq, Dv)`` in ``v.dtype``.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import sliding_window_attention
+        >>> q = torch.randn(1, 4, 32, 8)
+        >>> k, v = torch.randn(1, 2, 35, 8), torch.randn(1, 2, 35, 8)  # 3 cached keys first
+        >>> sliding_window_attention(q, k, v, 8, num_past=3).shape
+        torch.Size([1, 4, 32, 8])
     """
     B, Hq, Tq, d = q.shape
     Tk = k.shape[2]
@@ -416,10 +458,28 @@ def sliding_window_lse(
     key_padding_mask: torch.Tensor | None = None,
     num_past: int = 0,
 ) -> torch.Tensor:
-    """``(B, Hq, Tq)`` log-sum-exp (fp32 or wider) of each query's window scores (same window and masks as
-    :func:`sliding_window_attention`), in the same blocked O(T w) layout; differentiable.
+    """Log-sum-exp of each query's window scores, in the blocked O(T w) layout; differentiable.
 
-    Used to merge the window softmax with other keys (attention sinks) into one softmax.
+    Same window and masks as :func:`sliding_window_attention`. Used to merge the window softmax
+    with other keys (attention sinks) into one softmax.
+
+    Args:
+        q: ``(B, Hq, Tq, d)`` queries.
+        k: ``(B, Hkv, num_past + Tq, d)`` keys (``Hq % Hkv == 0``).
+        window: ``w``: query t sees keys ``t - w < s <= t``.
+        scaling: score scale (default ``d ** -0.5``).
+        softcap: ``softcap * tanh(score / softcap)`` when set.
+        key_padding_mask: ``(B, num_past + Tq)`` bool, True for real tokens.
+        num_past: cached keys in front of the queries' own.
+
+    Returns:
+        ``(B, Hq, Tq)`` in fp32 or wider.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import sliding_window_lse
+        >>> sliding_window_lse(torch.randn(1, 4, 32, 8), torch.randn(1, 2, 32, 8), 8).shape
+        torch.Size([1, 4, 32])
     """
     B, Hq, Tq, d = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
