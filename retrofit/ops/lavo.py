@@ -199,12 +199,32 @@ def orthogonal_memory_attention(
     initial_state: LavoState | None = None,
     output_final_state: bool = False,
 ) -> tuple[torch.Tensor, LavoState | None]:
-    """Causal orthogonal-memory attention in O(T r d); continues ``initial_state`` if given.
+    """Causal orthogonal-memory attention in O(T r d) (eqs. 3-4); continues ``initial_state`` if given.
 
-    q ``(B, H, T, d)`` queries, x ``(B, H, T, d)`` memory inputs, bases ``(H, r, d)``,
-    key_padding_mask ``(B, T)`` (padding is neither stored nor read; its output is 0).
-    ``scaling`` multiplies the read logits (the paper's eq. 4 has none: 1.0).
-    Returns ``(out (B, H, T, d) in x.dtype, final state or None)``.
+    Args:
+        q: ``(B, H, T, d)`` queries that read the memory.
+        x: ``(B, H, T, d)`` memory inputs.
+        bases: ``(H, r, d)`` the ``r`` bases per head.
+        block: None: token t reads the memory of s <= t (eq. 4); ``w``: only the complete windows
+            of ``w`` tokens before its own (context dissection).
+        scaling: multiplies the read logits (the paper's eq. 4 has none: 1.0).
+        key_padding_mask: ``(B, T)`` bool, True for real tokens; padding is neither stored nor
+            read, and its output is 0.
+        initial_state: the :class:`LavoState` to continue from (None: empty).
+        output_final_state: also return the state after the last token.
+
+    Returns:
+        ``(out, state)``: ``out`` ``(B, H, T, d)`` in ``x.dtype``; the final :class:`LavoState`
+        (sums ``(B, H, r)``, counts ``(B,)``) if requested, else None.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import orthogonal_memory_attention
+        >>> bases = torch.linalg.qr(torch.randn(2, 8, 3))[0].transpose(1, 2)  # (H, r, d): orthonormal rows
+        >>> q, x = torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
+        >>> out, state = orthogonal_memory_attention(q, x, bases, block=4, output_final_state=True)
+        >>> out.shape, state.committed.shape, int(state.count)
+        (torch.Size([1, 2, 12, 8]), torch.Size([1, 2, 3]), 12)
     """
     out, _, state = _orthogonal_memory(q, x, bases, block, scaling, key_padding_mask, initial_state)
     return out.to(x.dtype), (state if output_final_state else None)
@@ -219,8 +239,29 @@ def orthogonal_memory_attention_reference(
     scaling: float = 1.0,
     key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Direct O(T^2 r d) evaluation of eqs. 3-4 (tests only): an explicit visibility matrix,
-    the mean ``H_t``, the memory ``X~_t = B * H_t`` ``(r, d)`` and ``softmax(q X~^T) X~``."""
+    """Direct O(T^2 r d) evaluation of eqs. 3-4 (tests only).
+
+    An explicit visibility matrix, the mean ``H_t``, the memory ``X~_t = B * H_t`` ``(r, d)`` and
+    ``softmax(q X~^T) X~``.
+
+    Args:
+        q: ``(B, H, T, d)`` queries that read the memory.
+        x: ``(B, H, T, d)`` memory inputs.
+        bases: ``(H, r, d)`` the ``r`` bases per head.
+        block: None (eq. 4) or the dissection window ``w``.
+        scaling: multiplies the read logits.
+        key_padding_mask: ``(B, T)`` bool, True for real tokens.
+
+    Returns:
+        ``(B, H, T, d)`` in ``x.dtype``.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import orthogonal_memory_attention_reference
+        >>> bases = torch.linalg.qr(torch.randn(2, 8, 3))[0].transpose(1, 2)
+        >>> orthogonal_memory_attention_reference(torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8), bases, block=4).shape
+        torch.Size([1, 2, 12, 8])
+    """
     _check_block(block)
     Bsz, H, T, d = x.shape
     dtype = _compute_dtype(q, x, bases)
@@ -251,7 +292,28 @@ def orthogonal_memory_step(
     scaling: float = 1.0,
     valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LavoState]:
-    """One token: q/x ``(B, H, d)``; O(r d) per head. ``valid`` ``(B,)`` False = padding (state untouched, output 0)."""
+    """One decoding token of the orthogonal memory: O(r d) per head.
+
+    Args:
+        q: ``(B, H, d)`` the new token's query.
+        x: ``(B, H, d)`` its memory input.
+        bases: ``(H, r, d)`` the bases.
+        state: the :class:`LavoState` before the token.
+        block: None (eq. 4) or the dissection window ``w``.
+        scaling: multiplies the read logits.
+        valid: ``(B,)`` bool; False (padding) leaves the state untouched and outputs 0.
+
+    Returns:
+        ``(out, state)``: ``out`` ``(B, H, d)`` in ``x.dtype``; the state after the token.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import LavoState, orthogonal_memory_step
+        >>> bases = torch.linalg.qr(torch.randn(2, 8, 3))[0].transpose(1, 2)
+        >>> out, state = orthogonal_memory_step(torch.randn(1, 2, 8), torch.randn(1, 2, 8), bases, LavoState.empty(1, 2, 3))
+        >>> out.shape, int(state.seen)
+        (torch.Size([1, 2, 8]), 1)
+    """
     _check_block(block)
     dtype = _compute_dtype(q, x, bases, state.committed)
     Bsz = x.shape[0]
@@ -288,7 +350,28 @@ def orthogonal_memory_recurrent(
     key_padding_mask: torch.Tensor | None = None,
     initial_state: LavoState | None = None,
 ) -> tuple[torch.Tensor, LavoState]:
-    """Token-by-token loop over :func:`orthogonal_memory_step` (decoding path; a second reference)."""
+    """Token-by-token loop over :func:`orthogonal_memory_step` (decoding path; a second reference).
+
+    Args:
+        q: ``(B, H, T, d)`` queries that read the memory.
+        x: ``(B, H, T, d)`` memory inputs.
+        bases: ``(H, r, d)`` the bases.
+        block: None (eq. 4) or the dissection window ``w``.
+        scaling: multiplies the read logits.
+        key_padding_mask: ``(B, T)`` bool, True for real tokens.
+        initial_state: the :class:`LavoState` to continue from (None: empty).
+
+    Returns:
+        ``(out, state)``: ``out`` ``(B, H, T, d)``; the final :class:`LavoState`.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import orthogonal_memory_recurrent
+        >>> bases = torch.linalg.qr(torch.randn(2, 8, 3))[0].transpose(1, 2)
+        >>> out, state = orthogonal_memory_recurrent(torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8), bases, block=4)
+        >>> out.shape, int(state.count), int(state.pending_count)
+        (torch.Size([1, 2, 6, 8]), 4, 2)
+    """
     Bsz, H, T, _ = x.shape
     state = initial_state or LavoState.empty(Bsz, H, bases.shape[1], device=x.device, dtype=_compute_dtype(q, x, bases))
     outs = []
@@ -321,10 +404,31 @@ def local_attention_reference(
     key_padding_mask: torch.Tensor | None = None,
     num_past: int = 0,
 ) -> torch.Tensor:
-    """Dense O(Tq * Tk) form (reference and short query blocks); keys ``Tk = num_past + Tq``.
+    """Dense O(Tq * Tk) local attention with a relative position bias (reference and short query blocks).
 
-    ``rel_bias`` ``(Hq or 1, window)``: added to the score of the key at distance ``delta`` from
-    the query. Without it this is exactly :func:`sliding_window_attention_reference`.
+    Without ``rel_bias`` this is exactly :func:`sliding_window_attention_reference`.
+
+    Args:
+        q: ``(B, Hq, Tq, d)`` queries.
+        k: ``(B, Hkv, num_past + Tq, d)`` keys (``Hq % Hkv == 0``).
+        v: ``(B, Hkv, num_past + Tq, Dv)`` values.
+        window: ``w``: query t sees keys ``t - w < s <= t``.
+        rel_bias: ``(Hq or 1, w)`` added to the score of the key at distance ``delta``
+            (``rel_bias[h, delta]``), after scaling and soft-capping; None: no bias.
+        scaling: score scale (default ``d ** -0.5``).
+        softcap: ``softcap * tanh(score / softcap)`` when set.
+        key_padding_mask: ``(B, num_past + Tq)`` bool, True for real tokens; padded queries output 0.
+        num_past: cached keys in front of the queries' own.
+
+    Returns:
+        ``(B, Hq, Tq, Dv)``.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import local_attention_reference
+        >>> q, k, v = torch.randn(1, 4, 10, 8), torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+        >>> local_attention_reference(q, k, v, 4, rel_bias=torch.randn(4, 4)).shape
+        torch.Size([1, 4, 10, 8])
     """
     if rel_bias is None:
         return sliding_window_attention_reference(
@@ -374,7 +478,28 @@ def local_attention(
     Without ``rel_bias`` this is :func:`retrofit.ops.sliding_window_attention`. With it, the
     same blocking (queries in blocks of ``w`` against their own and the previous key block)
     with the bias folded into a float SDPA mask (differentiable w.r.t. ``rel_bias``).
-    Returns ``(B, Hq, Tq, Dv)``.
+
+    Args:
+        q: ``(B, Hq, Tq, d)`` queries.
+        k: ``(B, Hkv, num_past + Tq, d)`` keys (``Hq % Hkv == 0``).
+        v: ``(B, Hkv, num_past + Tq, Dv)`` values.
+        window: ``w``: query t sees keys ``t - w < s <= t``.
+        rel_bias: ``(Hq or 1, w)`` added to the score of the key at distance ``delta``
+            (``rel_bias[h, delta]``), after scaling and soft-capping; None: no bias.
+        scaling: score scale (default ``d ** -0.5``).
+        softcap: ``softcap * tanh(score / softcap)`` when set.
+        key_padding_mask: ``(B, num_past + Tq)`` bool, True for real tokens; padded queries output 0.
+        num_past: cached keys in front of the queries' own.
+
+    Returns:
+        ``(B, Hq, Tq, Dv)``.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import local_attention
+        >>> q, k, v = torch.randn(1, 4, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(1, 2, 32, 8)
+        >>> local_attention(q, k, v, 8, rel_bias=torch.randn(1, 8)).shape
+        torch.Size([1, 4, 32, 8])
     """
     if rel_bias is None:
         return sliding_window_attention(
@@ -467,16 +592,43 @@ def lavo_attention(
     initial_state: LavoState | None = None,
     output_final_state: bool = False,
 ) -> tuple[torch.Tensor, LavoState | None]:
-    """LAVO in O(T (w d + r d)): local windowed attention mixed with the orthogonal memory of
-    the local outputs. Also the decoding / chunked-prefill form: pass ``num_past`` cached
-    keys/values in front of k/v (``key_padding_mask`` then covers ``num_past + Tq``) and the
-    memory state of the tokens before.
+    """LAVO in O(T (w d + r d)): local windowed attention mixed with the orthogonal memory of the local outputs.
 
-    q ``(B, Hq, Tq, d)``; k, v ``(B, Hkv, num_past + Tq, .)``; bases ``(Hq, r, D)``;
-    ``global_query`` ``(B, Hq, Tq, D)`` reads the memory (default: q, which then needs d = D);
-    ``global_weight`` scalar or ``(Hq,)`` (may carry gradients); ``dissect`` False uses eq. 4
-    (memory of all s <= t) instead of complete windows only. Returns ``(out (B, Hq, Tq, D)``
-    in v.dtype, ``final state or None)``.
+    Also the decoding / chunked-prefill form: pass ``num_past`` cached keys/values in front of
+    k/v (``key_padding_mask`` then covers ``num_past + Tq``) and the memory state of the tokens
+    before.
+
+    Args:
+        q: ``(B, Hq, Tq, d)`` queries of the local attention.
+        k: ``(B, Hkv, num_past + Tq, d)`` keys (``Hq % Hkv == 0``).
+        v: ``(B, Hkv, num_past + Tq, D)`` values.
+        bases: ``(Hq, r, D)`` the memory's bases.
+        window: ``w``: the local window and the dissection block.
+        rel_bias: ``(Hq or 1, w)`` relative position bias of the local attention (None: none).
+        global_query: ``(B, Hq, Tq, D)`` reads the memory (default: q, which then needs d = D).
+        global_weight: ``g``, a scalar or ``(Hq,)`` (may carry gradients): ``out = (1 - g) local
+            + g global`` where the memory holds something, else ``local``.
+        dissect: True reads complete windows only (sec. 3.2); False uses eq. 4 (all s <= t).
+        scaling: local score scale (default ``d ** -0.5``).
+        memory_scaling: multiplies the memory's read logits.
+        softcap: ``softcap * tanh(score / softcap)`` on the local scores when set.
+        key_padding_mask: ``(B, num_past + Tq)`` bool, True for real tokens; padded queries output 0.
+        num_past: cached keys in front of the queries' own.
+        initial_state: the memory's :class:`LavoState` after the tokens before (None: empty).
+        output_final_state: also return the memory state after the last token.
+
+    Returns:
+        ``(out, state)``: ``out`` ``(B, Hq, Tq, D)`` in ``v.dtype``; the final :class:`LavoState`
+        if requested, else None.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import lavo_attention
+        >>> q, k, v = torch.randn(1, 4, 20, 8), torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)
+        >>> bases = torch.linalg.qr(torch.randn(4, 8, 3))[0].transpose(1, 2)  # (Hq, r, D)
+        >>> out, state = lavo_attention(q, k, v, bases, window=8, output_final_state=True)
+        >>> out.shape, int(state.count)
+        (torch.Size([1, 4, 20, 8]), 16)
     """
     Hq = q.shape[1]
     local = local_attention(
@@ -508,7 +660,35 @@ def lavo_attention_reference(
     softcap: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dense references of both branches and the gated average (tests only)."""
+    """Dense references of both branches and the gated average (tests only).
+
+    Args:
+        q: ``(B, Hq, Tq, d)`` queries of the local attention.
+        k: ``(B, Hkv, num_past + Tq, d)`` keys (``Hq % Hkv == 0``).
+        v: ``(B, Hkv, num_past + Tq, D)`` values.
+        bases: ``(Hq, r, D)`` the memory's bases.
+        window: ``w``: the local window and the dissection block.
+        rel_bias: ``(Hq or 1, w)`` relative position bias of the local attention (None: none).
+        global_query: ``(B, Hq, Tq, D)`` reads the memory (default: q, which then needs d = D).
+        global_weight: ``g``, a scalar or ``(Hq,)`` (may carry gradients): ``out = (1 - g) local
+            + g global`` where the memory holds something, else ``local``.
+        dissect: True reads complete windows only (sec. 3.2); False uses eq. 4 (all s <= t).
+        scaling: local score scale (default ``d ** -0.5``).
+        memory_scaling: multiplies the memory's read logits.
+        softcap: ``softcap * tanh(score / softcap)`` on the local scores when set.
+        key_padding_mask: ``(B, num_past + Tq)`` bool, True for real tokens; padded queries output 0.
+
+    Returns:
+        ``(B, Hq, T, D)`` in ``v.dtype``.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import lavo_attention_reference
+        >>> q, k, v = torch.randn(1, 4, 20, 8), torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)
+        >>> bases = torch.linalg.qr(torch.randn(4, 8, 3))[0].transpose(1, 2)
+        >>> lavo_attention_reference(q, k, v, bases, window=8).shape
+        torch.Size([1, 4, 20, 8])
+    """
     B, Hq, T, _ = q.shape
     local = local_attention_reference(q, k, v, window, rel_bias=rel_bias, scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask)
     qg = q if global_query is None else global_query

@@ -100,7 +100,27 @@ def llp_attention_reference(
     softcap: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dense masked form, O(T^2): the reference. Same q/k/v length T. Returns ``(B, Hq, T, Dv)``."""
+    """Dense masked form, O(T^2): the reference.
+
+    Args:
+        q: ``(B, Hq, T, d)`` queries.
+        k: ``(B, Hkv, T, d)`` keys (``Hq % Hkv == 0``; as many as queries).
+        v: ``(B, Hkv, T, Dv)`` values.
+        segment: ``s``, even: half-segments of ``s / 2`` real tokens.
+        scaling: score scale (default ``d ** -0.5``).
+        softcap: ``softcap * tanh(score / softcap)`` when set.
+        key_padding_mask: ``(B, T)`` bool, True for real tokens; padded queries output 0.
+
+    Returns:
+        ``(B, Hq, T, Dv)``.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import llp_attention_reference
+        >>> q, k, v = torch.randn(1, 4, 12, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
+        >>> llp_attention_reference(q, k, v, 4).shape
+        torch.Size([1, 4, 12, 8])
+    """
     B, _, T, d = q.shape
     if k.shape[2] != T:
         raise ValueError(f"llp_attention_reference needs as many keys as queries ({k.shape[2]} != {T})")
@@ -130,13 +150,33 @@ def llp_attention(
     softcap: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Blocked LLP attention: O(T * s * d) time and O(T * s) memory. Returns ``(B, Hq, T, Dv)``.
+    """Blocked LLP attention: O(T * s * d) time and O(T * s) memory.
 
     Queries of half-segment ``i`` attend to keys of half-segments ``i - 1`` and ``i`` (causal
     within ``i``) through one SDPA call over ``(T / h)`` blocks of ``h`` queries x ``2h`` keys
     (plain matmul + softmax when soft-capping, which SDPA cannot express). With a padding
     mask, each row's real tokens are first gathered to the front (a stable per-row
     permutation) so that half-segments are counted over real tokens, and scattered back.
+
+    Args:
+        q: ``(B, Hq, T, d)`` queries.
+        k: ``(B, Hkv, T, d)`` keys (``Hq % Hkv == 0``; as many as queries: cached keys go
+            through :func:`llp_attention_cached`).
+        v: ``(B, Hkv, T, Dv)`` values.
+        segment: ``s``, even: half-segments of ``s / 2`` real tokens.
+        scaling: score scale (default ``d ** -0.5``).
+        softcap: ``softcap * tanh(score / softcap)`` when set.
+        key_padding_mask: ``(B, T)`` bool, True for real tokens; padded queries output 0.
+
+    Returns:
+        ``(B, Hq, T, Dv)``.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import llp_attention
+        >>> q, k, v = torch.randn(1, 4, 40, 8), torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
+        >>> llp_attention(q, k, v, 16).shape
+        torch.Size([1, 4, 40, 8])
     """
     B, Hq, T, d = q.shape
     Hkv, Dv = k.shape[1], v.shape[-1]
@@ -258,13 +298,34 @@ def llp_attention_cached(
     softcap: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LLPState]:
-    """LLP over new tokens that continue ``state``; returns ``(out (B, Hq, Tq, Dv), new state)``.
+    """LLP over new tokens that continue ``state`` (decoding and chunked prefill).
 
-    q ``(B, Hq, Tq, d)``, k/v ``(B, Hkv, Tq, .)`` are the new tokens only; ``key_padding_mask``
-    ``(B, Tq)`` marks the real ones among them. Dense over ``(cached + new)`` keys, i.e.
-    O(Tq * (s + Tq)): meant for decoding and chunked prefill; a long prefill from an empty
-    state takes the blocked path. Prefill then token-by-token equals :func:`llp_attention`
-    over the whole sequence.
+    Dense over ``(cached + new)`` keys, i.e. O(Tq * (s + Tq)); a long prefill from an empty state
+    takes the blocked path. Prefill then token-by-token equals :func:`llp_attention` over the
+    whole sequence.
+
+    Args:
+        q: ``(B, Hq, Tq, d)`` the new tokens' queries.
+        k: ``(B, Hkv, Tq, d)`` the new tokens' keys (the cached ones are in ``state``).
+        v: ``(B, Hkv, Tq, Dv)`` the new tokens' values.
+        segment: ``s``, even: half-segments of ``s / 2`` real tokens.
+        state: the :class:`LLPState` of the tokens before (None: empty).
+        scaling: score scale (default ``d ** -0.5``).
+        softcap: ``softcap * tanh(score / softcap)`` when set.
+        key_padding_mask: ``(B, Tq)`` bool, True for the real new tokens.
+
+    Returns:
+        ``(out, state)``: ``out`` ``(B, Hq, Tq, Dv)``; the new :class:`LLPState` (at most ``s``
+        real tokens per row).
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import llp_attention_cached
+        >>> q, k, v = torch.randn(1, 4, 20, 8), torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)
+        >>> out, state = llp_attention_cached(q, k, v, 8)  # prefill
+        >>> out, state = llp_attention_cached(q[:, :, :1], k[:, :, :1], v[:, :, :1], 8, state)  # one more token
+        >>> out.shape, int(state.seen)
+        (torch.Size([1, 4, 1, 8]), 21)
     """
     B, Hq, Tq, d = q.shape
     h = _half(segment)
