@@ -56,12 +56,27 @@ def linear_head_losses_reference(
     bias: torch.Tensor | None = None,
     softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense form: whole fp32 logits ``(N, V)``. Returns fp32 scalars ``(kl_sum, nll_sum)`` (fp64 for
-    an fp64 weight, as every fp32 quantity here).
+    """Dense form: whole fp32 logits ``(N, V)``, then the summed KL to the teacher and NLL.
 
-    hidden ``(N, D)`` (the student's), weight ``(V, D)``, bias ``(V,)`` or None; targets ``(N,)`` in
-    ``[0, V)`` or ``IGNORE_INDEX`` (None: ``nll_sum`` is 0); teacher ``(N, D)`` hidden states through
-    the same head, no gradient (None: ``kl_sum`` is 0). Sums run over positions.
+    Args:
+        hidden: ``(N, D)`` the student's final hidden states.
+        weight: ``(V, D)`` the LM head.
+        targets: ``(N,)`` long in ``[0, V)`` or ``IGNORE_INDEX`` (not scored); None: ``nll_sum`` is 0.
+        teacher: ``(N, D)`` the teacher's hidden states through the same head, no gradient;
+            None: ``kl_sum`` is 0.
+        bias: ``(V,)`` or None.
+        softcap: ``softcap * tanh(logit / softcap)`` when set.
+
+    Returns:
+        ``(kl_sum, nll_sum)``: fp32 scalars summed over positions (fp64 for an fp64 weight, as
+        every fp32 quantity here).
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import linear_head_losses_reference
+        >>> kl, nll = linear_head_losses_reference(torch.randn(5, 8), torch.randn(11, 8), torch.tensor([0, 3, -100, 2, 2]))
+        >>> kl.item(), nll.shape
+        (0.0, torch.Size([]))
     """
     logp = torch.log_softmax(_logits(hidden.to(weight.dtype), weight, bias, softcap), dim=-1)
     zero = logp.new_zeros(())
@@ -225,12 +240,35 @@ def linear_head_losses(
     token_block: int = HEAD_TOKEN_BLOCK,
     vocab_block: int = HEAD_VOCAB_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tiled, differentiable form of :func:`linear_head_losses_reference` (same arguments and
-    fp32 ``(kl_sum, nll_sum)``); never more than ``token_block x vocab_block`` logits alive.
+    """Tiled, differentiable form of :func:`linear_head_losses_reference`: never more than ``token_block x vocab_block`` logits alive.
 
     Gradients flow to ``hidden``, ``weight`` and ``bias`` (whichever require them), not to
     ``teacher``. The matmuls run in the weight's dtype as the model's head does; logits, the
     log-sum-exps and the gradient accumulators are fp32.
+
+    Args:
+        hidden: ``(N, D)`` the student's final hidden states.
+        weight: ``(V, D)`` the LM head.
+        targets: ``(N,)`` long in ``[0, V)`` or ``IGNORE_INDEX`` (not scored); None: ``nll_sum`` is 0.
+        teacher: ``(N, D)`` the teacher's hidden states through the same head, no gradient;
+            None: ``kl_sum`` is 0.
+        bias: ``(V,)`` or None.
+        softcap: ``softcap * tanh(logit / softcap)`` when set.
+        token_block: positions per tile.
+        vocab_block: vocabulary rows per tile.
+
+    Returns:
+        ``(kl_sum, nll_sum)``: fp32 scalars summed over positions.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import linear_head_losses
+        >>> h = torch.randn(5, 8, requires_grad=True)
+        >>> kl, nll = linear_head_losses(h, torch.randn(11, 8), torch.tensor([0, 3, 10, 2, 2]), torch.randn(5, 8),
+        ...                              token_block=2, vocab_block=4)
+        >>> (kl + nll).backward()
+        >>> h.grad.shape
+        torch.Size([5, 8])
     """
     _check(hidden, weight, targets, teacher, bias, token_block, vocab_block)
     if teacher is not None:
