@@ -67,8 +67,33 @@ def capped_rope_attention_reference(
     softcap: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dense reference ``(B, Hq, Tq, Dv)``: q and k rotated back to position 0, then every pair
-    scored at its own capped distance ``min(t - j, distance)`` (an explicit ``Tq x Tk`` rotation)."""
+    """Dense reference: every pair scored at its own capped distance ``min(t - j, distance)``.
+
+    q and k are rotated back to position 0, then each query to each pair's distance (an explicit
+    ``Tq x Tk`` rotation).
+
+    Args:
+        q: ``(B, Hq, Tq, d)`` post-RoPE queries.
+        k: ``(B, Hkv, Tk, d)`` post-RoPE keys (``Hq % Hkv == 0``).
+        v: ``(B, Hkv, Tk, Dv)`` values.
+        distance: the cap (``>= 1``): pairs farther apart are scored as if this far.
+        inv_freq: ``(F,)`` the layer's rotary frequencies (``2F <= d``).
+        q_start: stream position of the first query (default ``Tk - Tq``: the last keys).
+        scaling: score scale (default ``d ** -0.5``).
+        softcap: ``softcap * tanh(score / softcap)`` when set.
+        key_padding_mask: ``(B, Tk)`` bool, True for real tokens; padded queries output 0.
+
+    Returns:
+        ``(B, Hq, Tq, Dv)`` in ``v.dtype``.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import capped_rope_attention_reference
+        >>> inv_freq = 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8)
+        >>> q, k, v = torch.randn(1, 4, 12, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
+        >>> capped_rope_attention_reference(q, k, v, 5, inv_freq).shape
+        torch.Size([1, 4, 12, 8])
+    """
     q_start = _check(q, k, v, distance, q_start)
     B, Hq, Tq, d = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
@@ -116,13 +141,38 @@ def capped_rope_attention(
     block_size: int = DEFAULT_BLOCK,
     split: bool | None = None,
 ) -> torch.Tensor:
-    """``(B, Hq, Tq, Dv)``: causal attention with RoPE distances capped at ``distance`` (module
-    docstring). Differentiable in q, k, v. Equals plain causal attention when no pair is farther
-    apart than ``distance``.
+    """Causal attention with RoPE distances capped at ``distance`` (module docstring). Differentiable in q, k, v.
 
-    ``split`` (default: on a CPU, without autograd or soft-capping): score the near and far keys
-    in two fused softmaxes of width ``d`` merged by their log-sum-exps, instead of one of width
-    ``2d`` (half the score work; the log-sum-exp comes from a private op without a gradient)."""
+    Equals plain causal attention when no pair is farther apart than ``distance``. ``split``
+    (default: on a CPU, without autograd or soft-capping): score the near and far keys in two
+    fused softmaxes of width ``d`` merged by their log-sum-exps, instead of one of width ``2d``
+    (half the score work; the log-sum-exp comes from a private op without a gradient).
+
+    Args:
+        q: ``(B, Hq, Tq, d)`` post-RoPE queries.
+        k: ``(B, Hkv, Tk, d)`` post-RoPE keys (``Hq % Hkv == 0``).
+        v: ``(B, Hkv, Tk, Dv)`` values.
+        distance: the cap (``>= 1``): pairs farther apart are scored as if this far.
+        inv_freq: ``(F,)`` the layer's rotary frequencies (``2F <= d``).
+        q_start: stream position of the first query (default ``Tk - Tq``: the last keys).
+        scaling: score scale (default ``d ** -0.5``).
+        softcap: ``softcap * tanh(score / softcap)`` when set.
+        key_padding_mask: ``(B, Tk)`` bool, True for real tokens; padded queries output 0.
+        block_size: queries per softmax block.
+        split: force (True) or forbid (False) the split form; None picks as above.
+
+    Returns:
+        ``(B, Hq, Tq, Dv)``.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import capped_rope_attention, capped_rope_attention_reference
+        >>> inv_freq = 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8)
+        >>> q, k, v = torch.randn(1, 4, 12, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
+        >>> out = capped_rope_attention(q, k, v, 5, inv_freq, block_size=4)
+        >>> out.shape, torch.allclose(out, capped_rope_attention_reference(q, k, v, 5, inv_freq), atol=1e-5)
+        (torch.Size([1, 4, 12, 8]), True)
+    """
     q_start = _check(q, k, v, distance, q_start)
     B, Hq, Tq, d = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]

@@ -18,10 +18,27 @@ _ORIGIN_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def rope_rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """``x`` ``(..., T, d)`` rotated by ``delta`` positions; ``delta`` broadcasts to ``(..., T)``.
+    """Rotate post-RoPE vectors by ``delta`` more positions.
 
     Angles are formed in float64 (``delta * inv_freq`` reaches 1e5 rad at 128K tokens, where
     fp32 keeps ~1e-2 rad), then cos / sin are cast to ``x``'s dtype.
+
+    Args:
+        x: ``(..., T, d)`` queries or keys (``d >= 2F``; dimensions past ``2F`` are not rotated).
+        delta: positions to move by, broadcasting to ``(..., T)``.
+        inv_freq: ``(F,)`` the layer's rotary frequencies.
+
+    Returns:
+        ``(..., T, d)`` in ``x.dtype``.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import rope_rotate
+        >>> inv_freq = 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8)
+        >>> x = torch.randn(1, 2, 5, 8)
+        >>> back = rope_rotate(rope_rotate(x, torch.arange(5), inv_freq), -torch.arange(5), inv_freq)
+        >>> torch.allclose(back, x, atol=1e-5)
+        True
     """
     F = inv_freq.shape[-1]
     if 2 * F > x.shape[-1]:

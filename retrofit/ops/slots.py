@@ -51,7 +51,28 @@ def slot_attention_step(
     scaling: float | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """``(B, Hq, 1, D)``: one decoding query per row over the slots ``allowed`` ``(B, S)`` marks."""
+    """One decoding query per row over the key slots ``allowed`` marks.
+
+    Args:
+        q: ``(B, Hq, 1, d)`` the new token's query.
+        k: ``(B, Hkv, S, d)`` key slots (``Hq % Hkv == 0``), post-RoPE, in any order.
+        v: ``(B, Hkv, S, D)`` value slots.
+        allowed: ``(B, S)`` bool, the slots the query sees (filled, real, and for a sink, before
+            the window).
+        scaling: score scale (default ``d ** -0.5``).
+        softcap: ``softcap * tanh(score / softcap)`` when set.
+
+    Returns:
+        ``(B, Hq, 1, D)``.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import slot_attention_step
+        >>> q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+        >>> allowed = torch.tensor([[True] * 6, [False, False, True, True, True, True]])
+        >>> slot_attention_step(q, k, v, allowed).shape
+        torch.Size([2, 4, 1, 8])
+    """
     if q.shape[2] != 1:
         raise ValueError(f"slot_attention_step takes one query per row, got {q.shape[2]}")
     scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
