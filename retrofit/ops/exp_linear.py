@@ -325,7 +325,8 @@ def exp_linear_attention_step(
         >>> import torch
         >>> from retrofit.ops import LatteState, exp_linear_attention_step
         >>> state = LatteState.empty(1, 2, 4, 8)
-        >>> out, state = exp_linear_attention_step(torch.randn(1, 2, 4), torch.randn(1, 2, 4), torch.randn(1, 2, 8), state)
+        >>> q, k, v = torch.randn(1, 2, 4), torch.randn(1, 2, 4), torch.randn(1, 2, 8)
+        >>> out, state = exp_linear_attention_step(q, k, v, state)
         >>> out.shape
         torch.Size([1, 2, 8])
     """
@@ -358,7 +359,8 @@ def exp_linear_attention_reference(
     Example:
         >>> import torch
         >>> from retrofit.ops import exp_linear_attention_reference
-        >>> exp_linear_attention_reference(torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 8)).shape
+        >>> q, k, v = torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 8)
+        >>> exp_linear_attention_reference(q, k, v).shape
         torch.Size([1, 2, 6, 8])
     """
     dtype = _compute_dtype(q, k, v)

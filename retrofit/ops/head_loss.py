@@ -74,7 +74,8 @@ def linear_head_losses_reference(
     Example:
         >>> import torch
         >>> from retrofit.ops import linear_head_losses_reference
-        >>> kl, nll = linear_head_losses_reference(torch.randn(5, 8), torch.randn(11, 8), torch.tensor([0, 3, -100, 2, 2]))
+        >>> targets = torch.tensor([0, 3, -100, 2, 2])  # -100: not scored
+        >>> kl, nll = linear_head_losses_reference(torch.randn(5, 8), torch.randn(11, 8), targets)
         >>> kl.item(), nll.shape
         (0.0, torch.Size([]))
     """
@@ -240,8 +241,9 @@ def linear_head_losses(
     token_block: int = HEAD_TOKEN_BLOCK,
     vocab_block: int = HEAD_VOCAB_BLOCK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Tiled, differentiable form of :func:`linear_head_losses_reference`: never more than ``token_block x vocab_block`` logits alive.
+    """Tiled, differentiable form of :func:`linear_head_losses_reference`.
 
+    Never more than ``token_block x vocab_block`` logits are alive.
     Gradients flow to ``hidden``, ``weight`` and ``bias`` (whichever require them), not to
     ``teacher``. The matmuls run in the weight's dtype as the model's head does; logits, the
     log-sum-exps and the gradient accumulators are fp32.

@@ -558,7 +558,8 @@ def bidirectional_latte_reference(
     Example:
         >>> import torch
         >>> from retrofit.ops import bidirectional_latte_reference
-        >>> bidirectional_latte_reference(torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 8)).shape
+        >>> q, k, v = torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 4), torch.randn(1, 2, 6, 8)
+        >>> bidirectional_latte_reference(q, k, v).shape
         torch.Size([1, 2, 6, 8])
     """
     dtype = _compute_dtype(q_logits, k_logits, v)

@@ -259,7 +259,8 @@ def orthogonal_memory_attention_reference(
         >>> import torch
         >>> from retrofit.ops import orthogonal_memory_attention_reference
         >>> bases = torch.linalg.qr(torch.randn(2, 8, 3))[0].transpose(1, 2)
-        >>> orthogonal_memory_attention_reference(torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8), bases, block=4).shape
+        >>> q, x = torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)
+        >>> orthogonal_memory_attention_reference(q, x, bases, block=4).shape
         torch.Size([1, 2, 12, 8])
     """
     _check_block(block)
@@ -310,7 +311,8 @@ def orthogonal_memory_step(
         >>> import torch
         >>> from retrofit.ops import LavoState, orthogonal_memory_step
         >>> bases = torch.linalg.qr(torch.randn(2, 8, 3))[0].transpose(1, 2)
-        >>> out, state = orthogonal_memory_step(torch.randn(1, 2, 8), torch.randn(1, 2, 8), bases, LavoState.empty(1, 2, 3))
+        >>> q, x = torch.randn(1, 2, 8), torch.randn(1, 2, 8)
+        >>> out, state = orthogonal_memory_step(q, x, bases, LavoState.empty(1, 2, 3))
         >>> out.shape, int(state.seen)
         (torch.Size([1, 2, 8]), 1)
     """
@@ -368,7 +370,8 @@ def orthogonal_memory_recurrent(
         >>> import torch
         >>> from retrofit.ops import orthogonal_memory_recurrent
         >>> bases = torch.linalg.qr(torch.randn(2, 8, 3))[0].transpose(1, 2)
-        >>> out, state = orthogonal_memory_recurrent(torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8), bases, block=4)
+        >>> q, x = torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+        >>> out, state = orthogonal_memory_recurrent(q, x, bases, block=4)
         >>> out.shape, int(state.count), int(state.pending_count)
         (torch.Size([1, 2, 6, 8]), 4, 2)
     """

@@ -49,7 +49,8 @@ def linear_cross_entropy_reference(
     Example:
         >>> import torch
         >>> from retrofit.ops import linear_cross_entropy_reference
-        >>> linear_cross_entropy_reference(torch.randn(5, 8), torch.randn(11, 8), torch.tensor([0, 3, 10, 2, 2])).shape
+        >>> h, w, y = torch.randn(5, 8), torch.randn(11, 8), torch.tensor([0, 3, 10, 2, 2])
+        >>> linear_cross_entropy_reference(h, w, y).shape
         torch.Size([5])
     """
     logits = F.linear(hidden, weight, bias).float()
@@ -69,10 +70,11 @@ def linear_cross_entropy(
     token_block: int = TOKEN_BLOCK,
     vocab_block: int = VOCAB_BLOCK,
 ) -> torch.Tensor:
-    """Blocked form of :func:`linear_cross_entropy_reference`: never more than ``token_block x vocab_block`` logits alive.
+    """Blocked form of :func:`linear_cross_entropy_reference`.
 
-    The matmul runs in the weight's dtype (as the model's head does); the softcap, the
-    log-sum-exp and the result are fp32. Runs without autograd (evaluation).
+    Never more than ``token_block x vocab_block`` logits are alive. The matmul runs in the
+    weight's dtype (as the model's head does); the softcap, the log-sum-exp and the result are
+    fp32. Runs without autograd (evaluation).
 
     Args:
         hidden: ``(N, D)`` final hidden states.

@@ -25,7 +25,21 @@ __all__ = ["macchiato_attention", "macchiato_attention_reference", "macchiato_sl
 
 
 def repeat_kv_heads(x: torch.Tensor, num_query_heads: int) -> torch.Tensor:
-    """``(B, Hkv, T, D) -> (B, Hq, T, D)``, each KV head repeated over its query group."""
+    """Each KV head repeated over its query group.
+
+    Args:
+        x: ``(B, Hkv, T, D)`` keys or values.
+        num_query_heads: ``Hq`` (a multiple of ``Hkv``).
+
+    Returns:
+        ``(B, Hq, T, D)`` (``x`` itself when ``Hq == Hkv``).
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import repeat_kv_heads
+        >>> repeat_kv_heads(torch.randn(1, 2, 5, 8), 4).shape
+        torch.Size([1, 4, 5, 8])
+    """
     group = num_query_heads // x.shape[1]
     return x if group == 1 else x.repeat_interleave(group, dim=1)
 
@@ -50,15 +64,43 @@ def macchiato_attention(
     far_sinks: FarSinks | None = None,
     backend: str | None = "auto",
 ) -> tuple[torch.Tensor, LatteState | None]:
-    """O(T (w d + C L + L D)) Macchiato. Returns ``(out (B, Hq, T, D), latent state or None)``.
+    """Latte Macchiato in O(T (w d + C L + L D)): the window attention as state 0 mixed with causal Latte.
 
-    ``key_padding_mask`` ``(B, P + T)``. ``latent_logits=None``: no latent states (L = 0, the
-    window alone). ``sinks``: ``(idx, valid, k, v)`` of the attention sinks as
-    :func:`retrofit.ops.sinks.first_valid` returns them, with the new tokens' first stream index
-    ``q_start`` (see :func:`retrofit.ops.sinks.sink_window_attention`); ``far_sinks``: their capped
-    distance (:func:`retrofit.ops.sinks.capped_sinks`). One new token with
-    ``output_final_state`` (decoding) takes the Latte step, from an empty state if none is given.
-    ``chunk_size=None`` keeps the Latte kernel's own default; ``backend`` goes to both branches.
+    One new token with ``output_final_state`` (decoding) takes the Latte step, from an empty
+    state if none is given.
+
+    Args:
+        q: ``(B, Hq, T, d)`` queries of the T new tokens.
+        k: ``(B, Hkv, P + T, d)`` keys, ``P = num_past`` cached window keys first (``Hq % Hkv == 0``).
+        v: ``(B, Hkv, P + T, D)`` values (the latent states read the new tokens' ones).
+        mix_logits: ``(B, Hq, T, L + 1)`` logits of p(l|t); column 0 is the window state.
+        latent_logits: ``(B, Hq, T, L)`` latent key logits; None: no latent states (the window alone).
+        window: ``w``: query t sees keys ``t - w < s <= t``.
+        scaling: score scale of the window attention (default ``d ** -0.5``).
+        softcap: ``softcap * tanh(score / softcap)`` on the window scores when set.
+        key_padding_mask: ``(B, P + T)`` bool, True for real tokens; padded queries output 0.
+        chunk_size: the Latte kernel's chunk (None keeps its own default).
+        initial_state: the latent :class:`LatteState` of the tokens before (None: empty).
+        output_final_state: also return the latent state after the last token.
+        num_past: ``P``.
+        sinks: ``(idx, valid, k, v)`` of the attention sinks as :func:`retrofit.ops.sinks.first_valid`
+            returns them (see :func:`retrofit.ops.sinks.sink_window_attention`); None: no sinks.
+        q_start: stream position of the first new token (for the sinks).
+        far_sinks: the sinks' capped distance (:func:`retrofit.ops.sinks.capped_sinks`).
+        backend: goes to both branches.
+
+    Returns:
+        ``(out, state)``: ``out`` ``(B, Hq, T, D)`` in ``v.dtype``; the latent :class:`LatteState`
+        (m ``(B, Hq, L, D)``) if requested, else None.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import macchiato_attention
+        >>> q, k, v = torch.randn(1, 4, 20, 8), torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)
+        >>> mix, lat = torch.randn(1, 4, 20, 3), torch.randn(1, 4, 20, 2)  # L = 2 latent states
+        >>> out, state = macchiato_attention(q, k, v, mix, lat, window=8, output_final_state=True)
+        >>> out.shape, state.m.shape
+        (torch.Size([1, 4, 20, 8]), torch.Size([1, 4, 2, 8]))
     """
     p = _mix_weights(mix_logits)
     window_kw = dict(scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask, num_past=num_past, backend=backend)
@@ -150,13 +192,36 @@ def macchiato_slot_step(
 ) -> tuple[torch.Tensor, LatteState | None]:
     """One decoding token with the window and sinks held in key slots.
 
-    ``slot_k``/``slot_v`` ``(B, Hkv, S, d|D)`` and ``allowed`` ``(B, S)`` as in
-    :func:`retrofit.ops.slots.slot_attention_step` (the new token already written to its slot);
-    ``v_new`` ``(B, Hkv, 1, D)`` the new token's value for the latent step; ``mix_logits``
-    ``(B, Hq, 1, L + 1)``, ``latent_logits`` ``(B, Hq, 1, L)`` or None; ``valid`` ``(B, 1)``: a
-    padded token outputs zeros and leaves the latent state alone. The same function as
-    :func:`macchiato_attention` on one token with the cache's window. Returns
-    ``(out (B, Hq, 1, D), new latent state or None)``.
+    The same function as :func:`macchiato_attention` on one token with the cache's window.
+
+    Args:
+        q: ``(B, Hq, 1, d)`` the new token's query.
+        slot_k: ``(B, Hkv, S, d)`` key slots as in :func:`retrofit.ops.slots.slot_attention_step`
+            (the new token already written to its slot).
+        slot_v: ``(B, Hkv, S, D)`` value slots.
+        allowed: ``(B, S)`` bool, the slots the query sees.
+        v_new: ``(B, Hkv, 1, D)`` the new token's value for the latent step.
+        mix_logits: ``(B, Hq, 1, L + 1)`` logits of p(l|t); column 0 is the window state.
+        latent_logits: ``(B, Hq, 1, L)`` or None (no latent states).
+        state: the latent :class:`LatteState` before the token (None: empty).
+        valid: ``(B, 1)`` bool; a padded token outputs zeros and leaves the latent state alone.
+        scaling: score scale (default ``d ** -0.5``).
+        softcap: ``softcap * tanh(score / softcap)`` when set.
+        backend: the latent step's backend.
+
+    Returns:
+        ``(out, state)``: ``out`` ``(B, Hq, 1, D)`` in ``slot_v.dtype``; the new latent state, or
+        None without latent states.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import macchiato_slot_step
+        >>> q, slot_k, slot_v = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8)
+        >>> allowed = torch.ones(1, 6, dtype=torch.bool)
+        >>> mix, lat = torch.randn(1, 4, 1, 3), torch.randn(1, 4, 1, 2)
+        >>> out, state = macchiato_slot_step(q, slot_k, slot_v, allowed, slot_v[:, :, -1:], mix, lat, None)
+        >>> out.shape, state.m.shape
+        (torch.Size([1, 4, 1, 8]), torch.Size([1, 4, 2, 8]))
     """
     p = _mix_weights(mix_logits)
     swa = slot_attention_step(q, slot_k, slot_v, allowed, scaling=scaling, softcap=softcap)
@@ -182,7 +247,32 @@ def macchiato_attention_reference(
     softcap: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Dense references of both branches (tests only)."""
+    """Dense references of both branches (tests only).
+
+    p(0|t) times the dense window attention, plus the O(T^2) Latte.
+
+    Args:
+        q: ``(B, Hq, T, d)`` queries.
+        k: ``(B, Hkv, T, d)`` keys (``Hq % Hkv == 0``).
+        v: ``(B, Hkv, T, D)`` values.
+        mix_logits: ``(B, Hq, T, L + 1)`` logits of p(l|t); column 0 is the window state.
+        latent_logits: ``(B, Hq, T, L)`` latent key logits.
+        window: ``w``: query t sees keys ``t - w < s <= t``.
+        scaling: score scale (default ``d ** -0.5``).
+        softcap: ``softcap * tanh(score / softcap)`` when set.
+        key_padding_mask: ``(B, T)`` bool, True for real tokens.
+
+    Returns:
+        ``(B, Hq, T, D)`` in ``v.dtype``.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import macchiato_attention_reference
+        >>> q, k, v = torch.randn(1, 4, 20, 8), torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)
+        >>> mix, lat = torch.randn(1, 4, 20, 3), torch.randn(1, 4, 20, 2)
+        >>> macchiato_attention_reference(q, k, v, mix, lat, window=8).shape
+        torch.Size([1, 4, 20, 8])
+    """
     p = torch.softmax(mix_logits.double(), dim=-1)
     swa = sliding_window_attention_reference(q, k, v, window, scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask)
     latent = causal_latte_reference(p[..., 1:], latent_logits, repeat_kv_heads(v, q.shape[1]), key_padding_mask=key_padding_mask)

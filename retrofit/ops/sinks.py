@@ -50,11 +50,26 @@ FUSED_MAX_QUERIES = 16
 
 
 def first_valid(n: int, idx: torch.Tensor, valid: torch.Tensor, *tensors: torch.Tensor):
-    """The first ``n`` valid candidates of each row, in stream order.
+    """The first ``n`` valid candidates of each row, in stream order (how the sinks are chosen).
 
-    idx ``(B, C)`` stream indices (ascending), valid ``(B, C)``, each tensor ``(B, H, C, d)``.
-    Returns ``(idx (B, n), valid (B, n), *tensors (B, H, n, d))``; a row with fewer than ``n``
-    valid candidates keeps invalid slots (valid False), never attended.
+    Args:
+        n: slots to keep.
+        idx: ``(B, C)`` long stream indices of the candidates, ascending.
+        valid: ``(B, C)`` bool, True for real tokens.
+        *tensors: each ``(B, H, C, d)``, gathered alongside (the keys and values).
+
+    Returns:
+        ``(idx (B, n), valid (B, n), *tensors (B, H, n, d))``; a row with fewer than ``n`` valid
+        candidates keeps invalid slots (valid False), never attended.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import first_valid
+        >>> k = torch.randn(1, 2, 5, 8)
+        >>> valid = torch.tensor([[False, True, True, True, True]])
+        >>> idx, valid, sink_k = first_valid(2, torch.arange(5)[None], valid, k)
+        >>> idx.tolist(), valid.tolist(), sink_k.shape
+        ([[1, 2]], [[True, True]], torch.Size([1, 2, 2, 8]))
     """
     B, C = idx.shape
     if C < n:  # pad candidates to n slots
@@ -81,8 +96,31 @@ class FarSinks(NamedTuple):
 
 def capped_sinks(q: torch.Tensor, sink_k: torch.Tensor, sink_idx: torch.Tensor, q_start: int, distance: int,
                  inv_freq: torch.Tensor) -> FarSinks | None:
-    """The :class:`FarSinks` of a call whose queries (post-RoPE, at ``q_start + i``) see the sinks
-    ``sink_k`` (post-RoPE, at ``sink_idx`` ``(B, n)``); None when no pair can be that far apart."""
+    """The :class:`FarSinks` of a call whose queries see their sinks from farther than ``distance``.
+
+    Args:
+        q: ``(B, Hq, Tq, d)`` post-RoPE queries at stream positions ``q_start + i``.
+        sink_k: ``(B, Hkv, n, d)`` post-RoPE sink keys.
+        sink_idx: ``(B, n)`` the sinks' stream positions.
+        q_start: stream position of the first query.
+        distance: the cap.
+        inv_freq: ``(F,)`` the layer's rotary frequencies.
+
+    Returns:
+        :class:`FarSinks` (q ``(B, Hq, Tq, d)`` rotated to ``distance``, k ``(B, Hkv, n, d)`` rotated
+        back to position 0), or None when no pair can be that far apart.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import capped_sinks
+        >>> inv_freq = 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8)
+        >>> q, sink_k, sink_idx = torch.randn(1, 4, 6, 8), torch.randn(1, 2, 2, 8), torch.tensor([[0, 1]])
+        >>> far = capped_sinks(q, sink_k, sink_idx, 100, 50, inv_freq)
+        >>> far.q.shape, far.k.shape, far.distance
+        (torch.Size([1, 4, 6, 8]), torch.Size([1, 2, 2, 8]), 50)
+        >>> capped_sinks(q, sink_k, sink_idx, 0, 50, inv_freq) is None  # queries at 0..5: every sink within 50
+        True
+    """
     Tq = q.shape[2]
     if q_start + Tq - 1 <= distance:  # sink indices are >= 0: no query is far from any sink
         return None
@@ -92,8 +130,31 @@ def capped_sinks(q: torch.Tensor, sink_k: torch.Tensor, sink_idx: torch.Tensor, 
 
 def capped_sink_keys(sink_k: torch.Tensor, sink_idx: torch.Tensor, t: int, distance: int,
                      inv_freq: torch.Tensor) -> torch.Tensor:
-    """Sink keys ``(B, Hkv, n, d)`` as one query at ``t`` must see them: each sink farther than
-    ``distance`` moved to ``t - distance`` (a decoding step's in-place form of :class:`FarSinks`)."""
+    """Sink keys as one query at ``t`` must see them.
+
+    Each sink farther than ``distance`` is moved to ``t - distance``: the decoding step's
+    in-place form of :class:`FarSinks`.
+
+    Args:
+        sink_k: ``(B, Hkv, n, d)`` post-RoPE sink keys.
+        sink_idx: ``(B, n)`` the sinks' stream positions.
+        t: the query's stream position.
+        distance: the cap.
+        inv_freq: ``(F,)`` the layer's rotary frequencies.
+
+    Returns:
+        ``(B, Hkv, n, d)``.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import capped_sink_keys
+        >>> inv_freq = 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8)
+        >>> sink_k = torch.randn(1, 2, 2, 8)
+        >>> capped_sink_keys(sink_k, torch.tensor([[0, 1]]), 100, 50, inv_freq).shape
+        torch.Size([1, 2, 2, 8])
+        >>> torch.equal(capped_sink_keys(sink_k, torch.tensor([[0, 1]]), 30, 50, inv_freq), sink_k)  # all within
+        True
+    """
     shift = (t - distance - sink_idx).clamp(min=0)  # (B, n); 0 = within the cap, unchanged
     return rope_rotate(sink_k, shift[:, None, :], inv_freq)
 
@@ -116,12 +177,41 @@ def sink_window_attention(
     far: FarSinks | None = None,
     backend: str | None = "auto",
 ) -> torch.Tensor:
-    """``(B, Hq, Tq, Dv)``: softmax attention over each query's window keys and its sinks.
+    """Softmax attention over each query's window keys and its attention sinks, in one softmax.
 
     The window attention and its log-sum-exp are the dispatched ops (``backend=`` is passed to
     both); on CPU, where the torch kernel is the only one, they come from one pass
-    (:func:`retrofit.ops.sliding_window.sliding_window_attention_with_lse`). ``far``: the capped scores of sink pairs more than ``far.distance`` apart
-    (:func:`capped_sinks`). Differentiable in q, k, v, sink_k, sink_v.
+    (:func:`retrofit.ops.sliding_window.sliding_window_attention_with_lse`). Calls with few queries
+    run one dense softmax over ``[sinks; window keys]``. Differentiable in q, k, v, sink_k, sink_v.
+
+    Args:
+        q: ``(B, Hq, Tq, d)`` queries at stream positions ``q_start + i``.
+        k: ``(B, Hkv, num_past + Tq, d)`` window keys (``Hq % Hkv == 0``).
+        v: ``(B, Hkv, num_past + Tq, Dv)`` window values.
+        window: ``w``: query t sees keys ``t - w < s <= t``.
+        sink_k: ``(B, Hkv, n, d)`` sink keys (from :func:`first_valid`).
+        sink_v: ``(B, Hkv, n, Dv)`` sink values.
+        sink_idx: ``(B, n)`` the sinks' stream positions.
+        sink_valid: ``(B, n)`` bool; a sink is seen by the queries whose window it lies before.
+        q_start: stream position of the first query.
+        scaling: score scale (default ``d ** -0.5``).
+        softcap: ``softcap * tanh(score / softcap)`` when set.
+        key_padding_mask: ``(B, num_past + Tq)`` bool, True for real tokens; padded queries output 0.
+        num_past: cached window keys in front of the queries' own.
+        far: the capped scores of sink pairs more than ``far.distance`` apart (:func:`capped_sinks`).
+        backend: the window ops' backend.
+
+    Returns:
+        ``(B, Hq, Tq, Dv)``.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import first_valid, sink_window_attention
+        >>> q, k, v = torch.randn(1, 4, 32, 8), torch.randn(1, 2, 32, 8), torch.randn(1, 2, 32, 8)
+        >>> mask = torch.ones(1, 32, dtype=torch.bool)
+        >>> idx, valid, sink_k, sink_v = first_valid(1, torch.arange(32)[None], mask, k, v)
+        >>> sink_window_attention(q, k, v, 8, sink_k, sink_v, idx, valid).shape
+        torch.Size([1, 4, 32, 8])
     """
     B, Hq, Tq, d = q.shape
     Hkv = k.shape[1]
@@ -208,9 +298,28 @@ def sink_window_attention_reference(
 ) -> torch.Tensor:
     """Dense O(T^2) form over one whole sequence (no cache): the mask is band OR first-``sinks``-valid.
 
-    ``rope = (inv_freq, distance)``: q and k are given before RoPE; they are rotated to their
-    stream positions here, and a sink more than ``distance`` before a query (and outside its
-    window, else it is one of the window's keys) is scored at ``distance``.
+    Args:
+        q: ``(B, Hq, T, d)`` queries (post-RoPE, or pre-RoPE with ``rope``).
+        k: ``(B, Hkv, T, d)`` keys (``Hq % Hkv == 0``).
+        v: ``(B, Hkv, T, Dv)`` values.
+        window: ``w``: query t sees keys ``t - w < s <= t``.
+        sinks: the first ``sinks`` real tokens of each row are sinks.
+        scaling: score scale (default ``d ** -0.5``).
+        softcap: ``softcap * tanh(score / softcap)`` when set.
+        key_padding_mask: ``(B, T)`` bool, True for real tokens; padded queries output 0.
+        rope: ``(inv_freq, distance)``: q and k are given before RoPE; they are rotated to their
+            stream positions here, and a sink more than ``distance`` before a query (and outside
+            its window, else it is one of the window's keys) is scored at ``distance``.
+
+    Returns:
+        ``(B, Hq, T, Dv)`` in ``v.dtype``.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import sink_window_attention_reference
+        >>> q, k, v = torch.randn(1, 4, 20, 8), torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)
+        >>> sink_window_attention_reference(q, k, v, 8, 1).shape
+        torch.Size([1, 4, 20, 8])
     """
     B, Hq, T, d = q.shape
     Hkv = k.shape[1]
