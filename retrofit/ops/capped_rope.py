@@ -73,15 +73,8 @@ def capped_rope_attention_reference(
     ``Tq x Tk`` rotation).
 
     Args:
-        q: ``(B, Hq, Tq, d)`` post-RoPE queries.
-        k: ``(B, Hkv, Tk, d)`` post-RoPE keys (``Hq % Hkv == 0``).
-        v: ``(B, Hkv, Tk, Dv)`` values.
-        distance: the cap (``>= 1``): pairs farther apart are scored as if this far.
-        inv_freq: ``(F,)`` the layer's rotary frequencies (``2F <= d``).
-        q_start: stream position of the first query (default ``Tk - Tq``: the last keys).
-        scaling: score scale (default ``d ** -0.5``).
-        softcap: ``softcap * tanh(score / softcap)`` when set.
-        key_padding_mask: ``(B, Tk)`` bool, True for real tokens; padded queries output 0.
+        q, k, v, distance, inv_freq, q_start, scaling, softcap, key_padding_mask: as
+            :func:`capped_rope_attention`.
 
     Returns:
         ``(B, Hq, Tq, Dv)`` in ``v.dtype``.

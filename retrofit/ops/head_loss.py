@@ -59,13 +59,7 @@ def linear_head_losses_reference(
     """Dense form: whole fp32 logits ``(N, V)``, then the summed KL to the teacher and NLL.
 
     Args:
-        hidden: ``(N, D)`` the student's final hidden states.
-        weight: ``(V, D)`` the LM head.
-        targets: ``(N,)`` long in ``[0, V)`` or ``IGNORE_INDEX`` (not scored); None: ``nll_sum`` is 0.
-        teacher: ``(N, D)`` the teacher's hidden states through the same head, no gradient;
-            None: ``kl_sum`` is 0.
-        bias: ``(V,)`` or None.
-        softcap: ``softcap * tanh(logit / softcap)`` when set.
+        hidden, weight, targets, teacher, bias, softcap: as :func:`linear_head_losses`.
 
     Returns:
         ``(kl_sum, nll_sum)``: fp32 scalars summed over positions (fp64 for an fp64 weight, as

@@ -412,16 +412,7 @@ def local_attention_reference(
     Without ``rel_bias`` this is exactly :func:`sliding_window_attention_reference`.
 
     Args:
-        q: ``(B, Hq, Tq, d)`` queries.
-        k: ``(B, Hkv, num_past + Tq, d)`` keys (``Hq % Hkv == 0``).
-        v: ``(B, Hkv, num_past + Tq, Dv)`` values.
-        window: ``w``: query t sees keys ``t - w < s <= t``.
-        rel_bias: ``(Hq or 1, w)`` added to the score of the key at distance ``delta``
-            (``rel_bias[h, delta]``), after scaling and soft-capping; None: no bias.
-        scaling: score scale (default ``d ** -0.5``).
-        softcap: ``softcap * tanh(score / softcap)`` when set.
-        key_padding_mask: ``(B, num_past + Tq)`` bool, True for real tokens; padded queries output 0.
-        num_past: cached keys in front of the queries' own.
+        q, k, v, window, rel_bias, scaling, softcap, key_padding_mask, num_past: as :func:`local_attention`.
 
     Returns:
         ``(B, Hq, Tq, Dv)``.
@@ -666,20 +657,8 @@ def lavo_attention_reference(
     """Dense references of both branches and the gated average (tests only).
 
     Args:
-        q: ``(B, Hq, Tq, d)`` queries of the local attention.
-        k: ``(B, Hkv, num_past + Tq, d)`` keys (``Hq % Hkv == 0``).
-        v: ``(B, Hkv, num_past + Tq, D)`` values.
-        bases: ``(Hq, r, D)`` the memory's bases.
-        window: ``w``: the local window and the dissection block.
-        rel_bias: ``(Hq or 1, w)`` relative position bias of the local attention (None: none).
-        global_query: ``(B, Hq, Tq, D)`` reads the memory (default: q, which then needs d = D).
-        global_weight: ``g``, a scalar or ``(Hq,)`` (may carry gradients): ``out = (1 - g) local
-            + g global`` where the memory holds something, else ``local``.
-        dissect: True reads complete windows only (sec. 3.2); False uses eq. 4 (all s <= t).
-        scaling: local score scale (default ``d ** -0.5``).
-        memory_scaling: multiplies the memory's read logits.
-        softcap: ``softcap * tanh(score / softcap)`` on the local scores when set.
-        key_padding_mask: ``(B, num_past + Tq)`` bool, True for real tokens; padded queries output 0.
+        q, k, v, bases, window, rel_bias, global_query, global_weight, dissect, scaling, memory_scaling,
+            softcap, key_padding_mask: as :func:`lavo_attention` (no cached keys: ``Tk = Tq = T``).
 
     Returns:
         ``(B, Hq, T, D)`` in ``v.dtype``.

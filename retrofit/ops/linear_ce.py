@@ -37,11 +37,7 @@ def linear_cross_entropy_reference(
     """Dense form: full fp32 logits ``(N, V)``, then cross-entropy.
 
     Args:
-        hidden: ``(N, D)`` final hidden states.
-        weight: ``(V, D)`` the LM head.
-        targets: ``(N,)`` long, every one in ``[0, V)``.
-        bias: ``(V,)`` or None.
-        softcap: ``softcap * tanh(logit / softcap)`` when set.
+        hidden, weight, targets, bias, softcap: as :func:`linear_cross_entropy`.
 
     Returns:
         ``(N,)`` fp32 negative log-likelihoods.

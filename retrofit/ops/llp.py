@@ -103,13 +103,7 @@ def llp_attention_reference(
     """Dense masked form, O(T^2): the reference.
 
     Args:
-        q: ``(B, Hq, T, d)`` queries.
-        k: ``(B, Hkv, T, d)`` keys (``Hq % Hkv == 0``; as many as queries).
-        v: ``(B, Hkv, T, Dv)`` values.
-        segment: ``s``, even: half-segments of ``s / 2`` real tokens.
-        scaling: score scale (default ``d ** -0.5``).
-        softcap: ``softcap * tanh(score / softcap)`` when set.
-        key_padding_mask: ``(B, T)`` bool, True for real tokens; padded queries output 0.
+        q, k, v, segment, scaling, softcap, key_padding_mask: as :func:`llp_attention`.
 
     Returns:
         ``(B, Hq, T, Dv)``.

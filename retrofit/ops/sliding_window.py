@@ -103,14 +103,7 @@ def sliding_window_attention_reference(
     """Dense masked form, O(Tq * Tk): the reference, and the fast path for short query blocks.
 
     Args:
-        q: ``(B, Hq, Tq, d)`` queries.
-        k: ``(B, Hkv, num_past + Tq, d)`` keys (``Hq % Hkv == 0``).
-        v: ``(B, Hkv, num_past + Tq, Dv)`` values.
-        window: ``w``: query t sees keys ``t - w < s <= t``.
-        scaling: score scale (default ``d ** -0.5``).
-        softcap: ``softcap * tanh(score / softcap)`` when set.
-        key_padding_mask: ``(B, num_past + Tq)`` bool, True for real tokens; padded queries output 0.
-        num_past: cached keys in front of the queries' own.
+        q, k, v, window, scaling, softcap, key_padding_mask, num_past: as :func:`sliding_window_attention`.
 
     Returns:
         ``(B, Hq, Tq, Dv)`` in ``v.dtype``.
