@@ -189,6 +189,23 @@ def test_values_and_gradients_match_the_reference_in_float64(form, fallbacks):
     assert (fallbacks == []) == (form == "chunked")
 
 
+def test_steps_values_and_gradients_match_the_reference_in_float64():
+    """The decoding step, looped over 120 padded tokens from an empty state: values and q, k, v
+    gradients through the state against the materialised reference."""
+    T = 120
+    q, k, v = _qkv(2, 2, T, 5, 4, scale=3.0)
+    mask = padding_mask(2, T, [0, 19])
+
+    def steps(q, k, v):
+        state, outs = LatteState.empty(2, 2, 5, 4, dtype=torch.float64), []
+        for t in range(T):
+            o, state = exp_linear_attention_step(q[:, :, t], k[:, :, t], v[:, :, t], state, valid=mask[:, t])
+            outs.append(o)
+        return torch.stack(outs, 2)
+
+    assert_values_and_grads_match(steps, lambda q, k, v: exp_linear_attention_reference(q, k, v, key_padding_mask=mask), (q, k, v))
+
+
 def test_query_shift_per_token_cancels_exactly_in_chunked_form(fallbacks):
     q, k, v = _qkv(1, 2, 70, 8, 4)
     out, _ = exp_linear_attention(q, k, v, chunk_size=16)

@@ -181,6 +181,17 @@ def test_values_and_gradients_match_reference_float64(split):
     assert_values_and_grads_match(op, lambda q, k, v: causal_latte_reference(q, k, v, key_padding_mask=mask), (q, k, v))
 
 
+def test_recurrent_values_and_gradients_match_reference_float64():
+    """The decoding step, looped over 120 padded tokens: values and q, k, v gradients through the state."""
+    q, k, v = latte_inputs(2, 2, 120, 5, 4, spread=20.0)
+    mask = padding_mask(2, 120, [0, 17])
+    assert_values_and_grads_match(
+        lambda q, k, v: causal_latte_recurrent(q, k, v, key_padding_mask=mask)[0],
+        lambda q, k, v: causal_latte_reference(q, k, v, key_padding_mask=mask),
+        (q, k, v),
+    )
+
+
 def test_from_logits_values_and_gradients_match_reference_float64():
     q_logits, k, v = latte_inputs(2, 2, 200, 5, 4, spread=10.0)
     q_logits = q_logits * 30

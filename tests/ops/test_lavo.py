@@ -241,6 +241,19 @@ def test_memory_values_and_gradients_match_the_dense_reference(block):
     )
 
 
+@pytest.mark.parametrize("block", [None, 16])
+def test_memory_recurrent_values_and_gradients_match_the_dense_reference(block):
+    """The decoding step, looped over 120 padded tokens: values and the q, x, bases gradients."""
+    q, x = torch.randn(2, 3, 120, 6, dtype=torch.float64) * 5, torch.randn(2, 3, 120, 6, dtype=torch.float64)
+    mask = padding_mask(2, 120, [0, 27])
+    kw = dict(block=block, scaling=3.0, key_padding_mask=mask)
+    assert_values_and_grads_match(
+        lambda q, x, bases: orthogonal_memory_recurrent(q, x, bases, **kw)[0],
+        lambda q, x, bases: orthogonal_memory_attention_reference(q, x, bases, **kw),
+        (q, x, _bases(3, 4, 6)),
+    )
+
+
 # ------------------------------------------------------------------ LAVO
 
 

@@ -137,6 +137,26 @@ def test_values_and_gradients_match_dense_float64(softcap, segment):
     )
 
 
+def test_cached_values_and_gradients_match_dense_float64():
+    """A 70-token prefill, a 13-token chunk, then single tokens through the cached form (GQA, padding,
+    soft-capping): values and q, k, v gradients, through the cached keys, against the dense form."""
+    T, segment = 100, 16
+    q, k, v = _inputs(2, 4, 2, T, d=6, dv=5, scale=3.0)
+    mask = padding_mask(2, T, [0, 23])
+    kw = dict(scaling=0.5, softcap=8.0)
+
+    def cached(q, k, v):
+        state, outs = None, []
+        for a, b in [(0, 70), (70, 83)] + [(t, t + 1) for t in range(83, T)]:
+            o, state = llp_attention_cached(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], segment, state,
+                                            key_padding_mask=mask[:, a:b], **kw)
+            outs.append(o)
+        return torch.cat(outs, 2)
+
+    assert_values_and_grads_match(cached, lambda q, k, v: llp_attention_reference(q, k, v, segment, key_padding_mask=mask, **kw),
+                                  (q, k, v))
+
+
 def test_bf16_within_tolerance():
     q, k, v = _inputs(1, 4, 2, 300, d=16, dv=16, dtype=torch.float32, scale=1.0)
     args = [x.bfloat16() for x in (q, k, v)]
