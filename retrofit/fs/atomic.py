@@ -4,6 +4,11 @@ Every writer builds the content in a temporary file in the target's own folder (
 system, so the rename is atomic), flushes and fsyncs it, renames it over the target with
 ``os.replace`` and fsyncs the folder. On any error (including KeyboardInterrupt / SIGTERM turned
 into an exception) the temporary file is removed and the old target is left untouched.
+
+This module is the toolkit's one writer of files: whole files (:func:`atomic_file` and the
+``write_*_atomic`` helpers, :func:`save_figure_atomic`), whole folders (:func:`atomic_directory`),
+their removal (:func:`remove_directory`) and append-only logs (:class:`AppendLog`).
+``tests/test_atomic_only.py`` fails on code elsewhere that opens a file for writing in place.
 """
 from __future__ import annotations
 
@@ -17,13 +22,13 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Iterator
 
 from retrofit.errors import CheckpointError
-from retrofit.fs.guard import check_replaceable, write_manifest
+from retrofit.fs.guard import MANIFEST, check_replaceable, folder_files
 from retrofit.fs.locks import output_lock
-from retrofit.fs.tempdirs import SWAP_KIND, clean_stale_temps, make_temp_dir, settle_swap
+from retrofit.fs.tempdirs import SWAP_KIND, clean_stale_temps, make_temp_dir, settle_swap, temp_name
 
 __all__ = [
-    "atomic_directory", "atomic_file", "fsync_dir", "json_text", "save_figure_atomic", "write_bytes_atomic", "write_json_atomic",
-    "write_text_atomic",
+    "AppendLog", "atomic_directory", "atomic_file", "fsync_dir", "json_text", "remove_directory", "save_figure_atomic",
+    "write_bytes_atomic", "write_json_atomic", "write_manifest", "write_text_atomic",
 ]
 
 
@@ -133,6 +138,97 @@ def save_figure_atomic(fig: Any, path: str | os.PathLike, *, dpi: int = 120) -> 
     return path
 
 
+class AppendLog:
+    """A file of one record per line that only ever holds whole records (``metrics.jsonl``).
+
+    :meth:`append` adds a record with one ``write`` on a descriptor opened ``O_APPEND``; a write
+    that fails part-way is cut back, so no torn record stays behind. A line without its newline
+    at the end of the file (the writer killed mid-write, or a crash of the machine) is no record:
+    :meth:`records` skips it and :meth:`retain` drops it. :meth:`retain` rewrites the file
+    atomically (a resumed run drops the records past its checkpoint, so none is written twice);
+    :meth:`sync` makes every appended record durable (call it before publishing a checkpoint,
+    so no record the checkpoint has seen can be lost). One writer at a time (hold the output
+    folder's lock, :func:`retrofit.fs.output_lock`); readers may read while it writes.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+
+    def _read(self) -> tuple[list[str], bool]:
+        """``(complete lines, whether a torn line follows them)``."""
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return [], False
+        *whole, torn = data.split(b"\n")  # the last piece is b"" after a final newline, else a torn record
+        return [line.decode("utf-8") for line in whole], bool(torn)
+
+    def records(self) -> list[str]:
+        """The complete lines (without their newline), oldest first; ``[]`` if there is no file."""
+        return self._read()[0]
+
+    def retain(self, keep: Callable[[str], bool]) -> int:
+        """Atomically keep only the complete records ``keep`` accepts; returns how many lines went."""
+        lines, torn = self._read()
+        kept = [line for line in lines if keep(line)]
+        dropped = len(lines) - len(kept) + int(torn)
+        if dropped:
+            write_text_atomic(self.path, "".join(line + "\n" for line in kept))
+        return dropped
+
+    def append(self, record: str) -> None:
+        """Add ``record`` (one line, no newline inside) at the end, whole or not at all."""
+        if "\n" in record or "\r" in record:
+            raise ValueError("an AppendLog record is one line: it holds no newline")
+        data = (record + "\n").encode("utf-8")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            start = os.fstat(fd).st_size
+            try:
+                done = 0
+                while done < len(data):
+                    done += os.write(fd, data[done:])
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, start)  # a full disk or an interrupt leaves no half record
+                raise
+        finally:
+            os.close(fd)
+
+    def sync(self) -> None:
+        """Flush the records appended so far (and the file's entry in its folder) to disk."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(self.path.parent)
+
+
+def write_manifest(folder: str | os.PathLike) -> Path:
+    """Record every file now in ``folder`` as written by retrofit (what makes it replaceable later)."""
+    files, _ = folder_files(folder)
+    return write_text_atomic(Path(folder) / MANIFEST, json.dumps(
+        {"written_by": "retrofit", "files": [f for f in files if f != MANIFEST]}, indent=1) + "\n")
+
+
+def remove_directory(path: str | os.PathLike) -> None:
+    """Delete the folder ``path``: renamed out of the way first (``.NAME.trash-PID-HOST-RAND``), then
+    removed, so an interrupted delete leaves no half folder under its name; a killed one's trash is
+    removed by the next :func:`retrofit.fs.clean_stale_temps` of the folder it was in."""
+    path = Path(path)
+    if not path.exists():
+        return
+    trash = temp_name(path.parent, path.name, kind="trash")
+    os.rename(path, trash)
+    fsync_dir(path.parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
 def _swap(new: Path, target: Path) -> None:
     """Replace ``target`` by ``new`` through a swap folder; interrupted, the swap is settled, never lost."""
     swap = make_temp_dir(target.parent, target.name, kind=SWAP_KIND)
@@ -154,7 +250,7 @@ def atomic_directory(
 ) -> Iterator[Path]:
     """Yield a fresh temporary folder next to ``out_dir``; rename it to ``out_dir`` on success.
 
-    The finished folder gets a manifest of its files (:func:`retrofit.fs.guard.write_manifest`).
+    The finished folder gets a manifest of its files (:func:`write_manifest`).
     The target is locked for the whole write (``.NAME.lock``, see :mod:`retrofit.fs.locks`). An
     existing target is replaced only with ``overwrite`` and only if it is a checkpoint folder that
     neither is nor contains the current directory or a ``protect`` path (see

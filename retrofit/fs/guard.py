@@ -1,10 +1,10 @@
 """What an output path may be, and what ``--overwrite`` may replace.
 
 ``--overwrite`` replaces only a folder this toolkit wrote (:func:`retrofit.fs.atomic_directory`
-leaves a manifest, ``.retrofit-files.json``, listing every file it wrote) that holds nothing
-beyond those files (a user's note dropped in makes it irreplaceable: unknown files are never
-deleted), and never a folder that is or contains a protected path: the current directory, the
-input model, a delta's base.
+leaves a manifest, ``.retrofit-files.json``, listing every file it wrote: see
+:func:`retrofit.fs.atomic.write_manifest`) that holds nothing beyond those files (a user's note
+dropped in makes it irreplaceable: unknown files are never deleted), and never a folder that is or
+contains a protected path: the current directory, the input model, a delta's base.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from retrofit.errors import CheckpointError
 
 __all__ = [
     "MANIFEST", "check_output_folder", "check_replaceable", "folder_files", "is_replaceable_checkpoint",
-    "protected_paths", "write_manifest",
+    "protected_paths",
 ]
 
 MANIFEST = ".retrofit-files.json"
@@ -52,14 +52,6 @@ def folder_files(folder: str | os.PathLike) -> tuple[list[str], list[str]]:
             full = os.path.join(root, name)
             (files if os.path.isfile(full) and not os.path.islink(full) else odd).append((rel / name).as_posix())
     return sorted(files), sorted(odd)
-
-
-def write_manifest(folder: str | os.PathLike) -> Path:
-    """Record every file now in ``folder`` as written by retrofit (what makes it replaceable later)."""
-    files, _ = folder_files(folder)
-    path = Path(folder) / MANIFEST
-    path.write_text(json.dumps({"written_by": "retrofit", "files": [f for f in files if f != MANIFEST]}, indent=1) + "\n")
-    return path
 
 
 def _manifest(folder: Path) -> set[str] | None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 __all__ = [
     "Terminated", "clean_stale_temps", "host_name", "make_temp_dir", "pid_alive", "recover_interrupted_swaps",
-    "settle_swap", "terminate_on_sigterm",
+    "settle_swap", "temp_name", "terminate_on_sigterm",
 ]
 
 logger = logging.getLogger("retrofit.fs")
@@ -55,11 +55,16 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def temp_name(parent: Path, name: str, kind: str = "tmp") -> Path:
+    """``parent/.NAME.KIND-PID-HOST-RAND`` (``kind``: lower-case letters), a name this process owns."""
+    return Path(parent) / f".{name}.{kind}-{os.getpid()}-{host_name()}-{secrets.token_hex(4)}"
+
+
 def make_temp_dir(parent: Path, name: str, kind: str = "tmp") -> Path:
     """Create and return ``parent/.NAME.KIND-PID-HOST-RAND`` (``kind``: lower-case letters)."""
     parent = Path(parent)
     parent.mkdir(parents=True, exist_ok=True)
-    path = parent / f".{name}.{kind}-{os.getpid()}-{host_name()}-{secrets.token_hex(4)}"
+    path = temp_name(parent, name, kind)
     path.mkdir()
     return path
 

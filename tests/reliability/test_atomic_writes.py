@@ -123,3 +123,71 @@ def test_results_writer_writes_both_files_atomically(tmp_path):
     js, md = write_results(tmp_path / "b", {"x": 1}, "# bench\n", markdown_name="results.md", finite=False)
     assert md.name == "results.md" and _only(tmp_path / "b") == ["results.json", "results.md"]
     assert os.path.dirname(js) == str(tmp_path / "b")
+
+
+# ---------------------------------------------------------------------- append-only logs
+def test_append_log_adds_whole_records_and_a_torn_one_is_no_record(tmp_path):
+    log = atomic.AppendLog(tmp_path / "m.jsonl")
+    assert log.records() == [] and log.retain(lambda line: True) == 0 and _only(tmp_path) == []
+    log.append('{"step": 1}')
+    log.append('{"step": 2}')
+    with open(log.path, "ab") as fh:  # a writer killed mid-record
+        fh.write(b'{"step": 3, "lo')
+    assert log.records() == ['{"step": 1}', '{"step": 2}']
+    assert log.retain(lambda line: True) == 1  # the torn record goes, the whole ones stay
+    assert log.path.read_bytes() == b'{"step": 1}\n{"step": 2}\n'
+    assert log.retain(lambda line: "1" in line) == 1 and log.records() == ['{"step": 1}']
+    log.sync()
+    with pytest.raises(ValueError):
+        log.append("two\nrecords")
+    assert log.records() == ['{"step": 1}'] and _only(tmp_path) == ["m.jsonl"]
+
+
+def test_a_failed_append_leaves_no_half_record(tmp_path, monkeypatch):
+    log = atomic.AppendLog(tmp_path / "m.jsonl")
+    log.append("first")
+    real = os.write
+
+    def half_then_full(fd, data):  # the disk fills after part of the record
+        real(fd, data[:3])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(atomic.os, "write", half_then_full)
+    with pytest.raises(OSError, match="No space"):
+        log.append("second record")
+    monkeypatch.undo()
+    assert log.path.read_bytes() == b"first\n"
+    log.append("third")
+    assert log.records() == ["first", "third"]
+
+
+def test_a_failed_retain_keeps_every_record(tmp_path, monkeypatch):
+    log = atomic.AppendLog(tmp_path / "m.jsonl")
+    for i in range(3):
+        log.append(str(i))
+    monkeypatch.setattr(atomic.os, "replace", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+    with pytest.raises(OSError):
+        log.retain(lambda line: line == "0")
+    assert log.records() == ["0", "1", "2"] and _only(tmp_path) == ["m.jsonl"]
+
+
+# ---------------------------------------------------------------------- removing a folder
+def test_remove_directory_leaves_nothing_and_a_killed_removal_is_cleaned_later(tmp_path, monkeypatch):
+    from retrofit.fs import clean_stale_temps
+
+    folder = tmp_path / "checkpoint-3"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "sub" / "w.bin").write_bytes(b"x")
+    atomic.remove_directory(folder)
+    atomic.remove_directory(folder)  # gone already: nothing to do
+    assert _only(tmp_path) == []
+    (folder / "sub").mkdir(parents=True)
+    monkeypatch.setattr(atomic.shutil, "rmtree", lambda *a, **k: None)  # killed after the rename
+    atomic.remove_directory(folder)
+    monkeypatch.undo()
+    (trash,) = tmp_path.iterdir()
+    assert trash.name.startswith(".checkpoint-3.trash-") and not folder.exists()
+    assert clean_stale_temps(tmp_path) == []  # its writer (this process) is alive: kept
+    dead = trash.with_name(trash.name.replace(f"-{os.getpid()}-", "-999999999-"))
+    trash.rename(dead)
+    assert clean_stale_temps(tmp_path) == [dead] and _only(tmp_path) == []
