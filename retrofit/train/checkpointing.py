@@ -2,46 +2,50 @@
 
 Layout of ``OUTPUT_DIR``::
 
-    checkpoint-200/            complete checkpoints only (a folder is renamed into this name last)
-        pytorch_model/         DeepSpeed engine state: trainable weights, optimizer shards, per rank
-        random_states_<r>.pkl  RNG states per rank (accelerate)
-        data_state_rank<r>.pt  data position per rank (document stream, tail, shuffle buffer)
-        trainer_state.json     step, tokens, world size, recipe fingerprint; written last
-    .tmp-checkpoint-300/       a save in progress (or killed): never resumed from, removed on start
-    final/                     the exported model (retrofit.load-able)
+    checkpoint-200/              complete checkpoints only (a folder is renamed into this name last)
+        pytorch_model/           DeepSpeed engine state: trainable weights, optimizer shards, per rank
+        random_states_<r>.pkl    RNG states per rank (accelerate)
+        data_state_rank<r>.json  data position per rank (document stream, tail, shuffle buffer) ...
+        data_state_rank<r>.npz   ... and its arrays (the carried tokens and the shuffle pool)
+        trainer_state.json       step, tokens, world size, recipe fingerprint; written last
+        .retrofit-files.json     the files the save wrote (:func:`retrofit.fs.atomic_directory`)
+    .checkpoint-300.tmp-PID-HOST-RAND/   a save in progress (or killed): never resumed from, removed on start
+    final/                       the exported model (retrofit.load-able)
     metrics.jsonl, recipe.yaml, tensorboard/
 
-All ranks write into the temporary folder, then rank 0 writes ``trainer_state.json`` and
-renames the folder: a save that is killed at any point leaves no ``checkpoint-N``. Several
-nodes need a shared file system for ``OUTPUT_DIR`` (as DeepSpeed checkpoints do).
+A checkpoint is published with :func:`retrofit.fs.atomic_directory`: all ranks write into its
+temporary folder, then rank 0 writes ``trainer_state.json`` and the folder is renamed to
+``checkpoint-N`` (a re-save of a step swaps the older folder out): a save that is killed at any
+point leaves no ``checkpoint-N`` and no half one. Several nodes need a shared file system for
+``OUTPUT_DIR`` (as DeepSpeed checkpoints do). Earlier versions named a save in progress
+``.tmp-checkpoint-N`` and a folder being deleted ``.trash-*``; :func:`clean_stale` removes those too.
 """
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import re
 import shutil
-import uuid
 from pathlib import Path
+from typing import Iterator
 
 from retrofit.errors import CheckpointError
-from retrofit.fs.atomic import fsync_dir, write_json_atomic as _write_json_atomic
+from retrofit.fs import atomic_directory, clean_stale_temps, remove_directory
+from retrofit.fs.atomic import write_json_atomic as _write_json_atomic, write_manifest
+from retrofit.fs.guard import MANIFEST
 
 __all__ = [
-    "STATE_FILE", "checkpoint_dir", "temp_dir", "list_checkpoints", "latest_checkpoint", "publish",
-    "remove_dir", "rotate", "clean_stale", "read_state", "write_json_atomic",
+    "STATE_FILE", "checkpoint_dir", "list_checkpoints", "latest_checkpoint", "publishing", "write_state",
+    "rotate", "clean_stale", "read_state", "write_json_atomic",
 ]
 
 STATE_FILE = "trainer_state.json"
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
+_LEGACY_TEMPS = (".tmp-checkpoint-", ".trash-")  # what earlier versions left of killed saves and deletes
 
 
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
     return Path(output_dir) / f"checkpoint-{step}"
-
-
-def temp_dir(output_dir: Path, step: int) -> Path:
-    return Path(output_dir) / f".tmp-checkpoint-{step}"
 
 
 def list_checkpoints(output_dir: Path) -> list[tuple[int, Path]]:
@@ -65,23 +69,26 @@ def write_json_atomic(path: Path, data: dict) -> None:
     _write_json_atomic(path, data, sort_keys=True, default=None)
 
 
-def publish(tmp: Path, final: Path, state: dict) -> Path:
-    """Write the state file into ``tmp`` (the completeness marker) and rename ``tmp`` to ``final``."""
-    write_json_atomic(tmp / STATE_FILE, state)
-    if final.exists():  # a re-save of the same step (e.g. after resuming from it): replace it
-        remove_dir(final)
-    os.rename(tmp, final)
-    fsync_dir(final.parent)
-    return final
+def write_state(folder: Path, state: dict) -> Path:
+    """Write ``trainer_state.json`` into the folder being published: its completeness marker, written last."""
+    path = Path(folder) / STATE_FILE
+    write_json_atomic(path, state)
+    return path
 
 
-def remove_dir(path: Path) -> None:
-    """Rename out of the way first, then delete: an interrupted delete leaves no valid-looking folder."""
-    if not path.exists():
-        return
-    trash = path.with_name(f".trash-{path.name}-{uuid.uuid4().hex[:8]}")
-    os.rename(path, trash)
-    shutil.rmtree(trash, ignore_errors=True)
+@contextlib.contextmanager
+def publishing(final: Path) -> Iterator[Path]:
+    """Yield the temporary folder a checkpoint is written into; on success it becomes ``final``.
+
+    Call it on one rank (the others write into the folder it yields) and end the block with
+    :func:`write_state`. An existing ``final`` (a step saved again, e.g. after resuming from an
+    earlier checkpoint) is replaced only once the new one is complete.
+    """
+    final = Path(final)
+    if final.is_dir() and (final / STATE_FILE).is_file() and not (final / MANIFEST).exists():
+        write_manifest(final)  # an earlier version's checkpoint (no manifest): the run's own, so replaceable
+    with atomic_directory(final, overwrite=True) as tmp:
+        yield tmp
 
 
 def rotate(output_dir: Path, keep_last: int) -> list[Path]:
@@ -89,16 +96,19 @@ def rotate(output_dir: Path, keep_last: int) -> list[Path]:
     found = list_checkpoints(output_dir)
     doomed = [p for _, p in found[: max(0, len(found) - keep_last)]]
     for p in doomed:
-        remove_dir(p)
+        remove_directory(p)
     return doomed
 
 
 def clean_stale(output_dir: Path) -> None:
-    """Remove leftovers of killed saves and deletes (``.tmp-checkpoint-*``, ``.trash-*``)."""
-    if not Path(output_dir).is_dir():
+    """Remove leftovers of killed saves and deletes: temporary folders of dead writers, and earlier versions'
+    ``.tmp-checkpoint-*`` / ``.trash-*``. Call it only while no other process writes ``output_dir``."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
         return
-    for p in Path(output_dir).iterdir():
-        if p.is_dir() and (p.name.startswith(".tmp-checkpoint-") or p.name.startswith(".trash-")):
+    clean_stale_temps(output_dir)
+    for p in output_dir.iterdir():
+        if p.is_dir() and not p.is_symlink() and p.name.startswith(_LEGACY_TEMPS):
             shutil.rmtree(p, ignore_errors=True)
 
 

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from retrofit.errors import CheckpointError, DataError, RetrofitError, SpecError, TrainingError
+from retrofit.fs.atomic import atomic_file, write_text_atomic
 from retrofit.train import checkpointing as ckpt
 from retrofit.train.distributed import (
     deepspeed_config,
@@ -110,8 +111,9 @@ def _save_data_state(state: dict, folder: Path, rank: int) -> None:
     arrays = {"carry": state["carry"], "pool": state["pool"]}
     meta = {k: v for k, v in state.items() if k not in arrays}
     meta["rng"] = [meta["rng"][0], list(meta["rng"][1]), meta["rng"][2]]
-    np.savez(folder / f"data_state_rank{rank}.npz", **arrays)
-    (folder / f"data_state_rank{rank}.json").write_text(json.dumps(meta))
+    with atomic_file(folder / f"data_state_rank{rank}.npz", "wb") as fh:
+        np.savez(fh, **arrays)
+    write_text_atomic(folder / f"data_state_rank{rank}.json", json.dumps(meta))
 
 
 def _load_data_state(folder: Path, rank: int) -> dict:
@@ -196,7 +198,8 @@ class _Run:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             import yaml
 
-            (self.output_dir / "recipe.yaml").write_text(yaml.safe_dump({**r.to_dict(), "base_dir": r.base_dir}, sort_keys=False))
+            write_text_atomic(self.output_dir / "recipe.yaml",
+                              yaml.safe_dump({**r.to_dict(), "base_dir": r.base_dir}, sort_keys=False))
             self.logger = MetricsLogger(
                 self.output_dir, enabled=True, tensorboard=r.logging.tensorboard, wandb=r.logging.wandb,
                 wandb_project=r.logging.wandb_project, run_name=r.logging.run_name or self.output_dir.name,
@@ -480,34 +483,49 @@ class _Run:
 
     def save(self) -> Path:
         self._check_finite_weights()
-        tmp, final = ckpt.temp_dir(self.output_dir, self.step), ckpt.checkpoint_dir(self.output_dir, self.step)
+        final = ckpt.checkpoint_dir(self.output_dir, self.step)
         try:
+            with (ckpt.publishing(final) if self.main else contextlib.nullcontext()) as tmp:
+                tmp = self._from_main(tmp)
+                try:
+                    self.acc.wait_for_everyone()
+                    self.acc.save_state(str(tmp), exclude_frozen_parameters=True)
+                    _save_data_state(self.train_data.state_dict(), tmp, self.rank)
+                    self.acc.wait_for_everyone()
+                    if self.main:
+                        if self.logger is not None:
+                            self.logger.sync()  # every record up to this step is on disk before the checkpoint
+                        ckpt.write_state(tmp, {
+                            "step": self.step, "tokens": self.tokens, "world_size": self.world,
+                            "total_steps": self.total_steps, "fingerprint": _fingerprint(self.recipe),
+                            "base_fingerprint": self.base_fingerprint, "section_digest": self.section_digest,
+                            "tokenizer_digest": self.tokenizer_digest, "time": time.time()})
+                except OSError as exc:  # full or read-only disk: the temporary folder goes, no checkpoint appears
+                    raise self._save_failed(final, exc) from None
             if self.main:
-                ckpt.remove_dir(tmp)
-                tmp.mkdir(parents=True)
-            self.acc.wait_for_everyone()
-            self.acc.save_state(str(tmp), exclude_frozen_parameters=True)
-            _save_data_state(self.train_data.state_dict(), tmp, self.rank)
-            self.acc.wait_for_everyone()
-            if self.main:
-                state = {"step": self.step, "tokens": self.tokens, "world_size": self.world,
-                         "total_steps": self.total_steps, "fingerprint": _fingerprint(self.recipe),
-                         "base_fingerprint": self.base_fingerprint, "section_digest": self.section_digest,
-                         "tokenizer_digest": self.tokenizer_digest,
-                         "time": time.time()}
-                ckpt.publish(tmp, final, state)
                 ckpt.rotate(self.output_dir, self.recipe.checkpoint.keep_last)
-        except OSError as exc:  # full or read-only disk: no half-written checkpoint stays behind
-            if self.main:
-                ckpt.remove_dir(tmp)
-            raise TrainingError(f"cannot write checkpoint {final.name} into {self.output_dir}: {exc.strerror or exc}; "
-                                f"free space or choose a writable checkpoint.output_dir (the last complete checkpoint "
-                                f"is {self.last_saved or 'none'})") from None
+        except (OSError, CheckpointError) as exc:  # the publication itself (its rename, lock or swap), or rotation
+            raise self._save_failed(final, exc) from None
         self.acc.wait_for_everyone()
         self.last_saved = final
         for cb in self.callbacks:
             cb.on_save(self.step, final)
         return final
+
+    def _from_main(self, path: Path | None) -> Path:
+        """Rank 0's ``path`` on every rank (the temporary folder only rank 0 can name)."""
+        if self.world > 1:
+            box = [None if path is None else str(path)]
+            torch.distributed.broadcast_object_list(box, src=0)
+            path = Path(box[0])
+        return path
+
+    def _save_failed(self, final: Path, exc: Exception) -> TrainingError:
+        last = f"the last complete checkpoint is {self.last_saved or 'none'}"
+        if isinstance(exc, CheckpointError):  # says what failed and what to do
+            return TrainingError(f"{exc} ({last})")
+        return TrainingError(f"cannot write checkpoint {final.name} into {self.output_dir}: {exc.strerror or exc}; "
+                             f"free space or choose a writable checkpoint.output_dir ({last})")
 
     def export(self) -> Path:
         """The trained model as a ``retrofit.load``-able folder at ``OUTPUT_DIR/final`` (LoRA merged in)."""

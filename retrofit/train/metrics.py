@@ -1,8 +1,10 @@
 """Where training metrics go (rank 0 only): ``metrics.jsonl``, TensorBoard, optionally W&B.
 
-``metrics.jsonl`` holds one JSON object per logged step (``kind`` = ``train`` or ``eval``) and
-is appended across resumes; a resumed run first drops lines past its checkpoint's step so
-the file reads as one uninterrupted run.
+``metrics.jsonl`` holds one JSON object per logged step (``kind`` = ``train`` or ``eval``), an
+:class:`retrofit.fs.AppendLog` appended across resumes: a resumed run first drops the lines past
+its checkpoint's step (a run that starts afresh, all of them), so the file reads as one
+uninterrupted run with no step twice; the trainer syncs it before publishing each checkpoint, so
+no line a checkpoint has seen is lost; a line torn by a kill is no line.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from retrofit.errors import SpecError
+from retrofit.fs.atomic import AppendLog, write_text_atomic
 
 __all__ = ["MetricsLogger", "flatten", "read_metrics"]
 
@@ -33,27 +36,29 @@ def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 def read_metrics(path: Path, kind: str | None = None) -> list[dict]:
     """The records of a ``metrics.jsonl`` (optionally only one ``kind``)."""
     rows = []
-    if Path(path).is_file():
-        for line in Path(path).read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                if kind is None or row.get("kind") == kind:
-                    rows.append(row)
+    for line in AppendLog(path).records():
+        if line.strip():
+            row = json.loads(line)
+            if kind is None or row.get("kind") == kind:
+                rows.append(row)
     return rows
 
 
 class MetricsLogger:
-    """Fan-out of ``log(kind, step, metrics)`` to the sinks a recipe asks for."""
+    """Fan-out of ``log(kind, step, metrics)`` to the sinks a recipe asks for.
+
+    ``resume_step`` is the step of the checkpoint the run resumes from (``None``: a fresh start).
+    """
 
     def __init__(self, output_dir: Path, *, enabled: bool, tensorboard: bool, wandb: bool, wandb_project: str,
                  run_name: str, config: dict, resume_step: int | None):
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
+        self._log = AppendLog(self.path)
         self._tb = self._wandb = None
         if not enabled:
             return
-        if resume_step is not None:
-            self._truncate_after(resume_step)
+        self._truncate_after(resume_step)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -65,23 +70,21 @@ class MetricsLogger:
             except ImportError:
                 raise SpecError("logging.wandb=true needs the wandb package: pip install wandb") from None
             id_file = Path(output_dir) / "wandb_run_id"
-            run_id = id_file.read_text().strip() if id_file.is_file() else wb.util.generate_id()
-            id_file.write_text(run_id + "\n")
+            run_id = id_file.read_text().strip() if id_file.is_file() else ""
+            if not run_id:
+                run_id = wb.util.generate_id()
+                write_text_atomic(id_file, run_id + "\n")
             self._wandb = wb.init(project=wandb_project, name=run_name, id=run_id, resume="allow",
                                   config=flatten(config), dir=str(output_dir))
 
-    def _truncate_after(self, step: int) -> None:
-        if not self.path.is_file():
-            return
-        keep = [r for r in read_metrics(self.path) if r.get("step", 0) <= step]
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    def _truncate_after(self, step: int | None) -> None:
+        """Keep the records up to ``step`` (``None``: none): the steps this run logs again go."""
+        self._log.retain(lambda line: step is not None and bool(line.strip()) and json.loads(line).get("step", 0) <= step)
 
     def log(self, kind: str, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
-        row = {"kind": kind, "step": step, **metrics}
-        with self.path.open("a") as fh:
-            fh.write(json.dumps(row) + "\n")
+        self._log.append(json.dumps({"kind": kind, "step": step, **metrics}))
         scalars = {f"{kind}/{k}": v for k, v in metrics.items()
                    if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
         if self._tb is not None:
@@ -90,6 +93,11 @@ class MetricsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(scalars, step=step)
+
+    def sync(self) -> None:
+        """Make every record logged so far durable (before a checkpoint that has seen them is published)."""
+        if self.enabled:
+            self._log.sync()
 
     def close(self) -> None:
         if self._tb is not None:

@@ -55,8 +55,14 @@ def test_killed_run_resumes_to_the_same_losses_and_weights(converted_dir, books,
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert [s for s, _ in list_checkpoints(out)] == [3]  # steps 4 and 5 ran but were never saved
     assert not (out / "final").exists()
-    # a save killed half-way leaves only a temporary folder, which is never resumed from
-    (out / ".tmp-checkpoint-6" / "pytorch_model").mkdir(parents=True)
+    # a save killed half-way leaves only a temporary folder, which is never resumed from (and
+    # one of an earlier version, which named it otherwise)
+    from retrofit.fs.tempdirs import host_name
+
+    dead_pid = 999_999_999  # above any pid_max: the writer is gone
+    killed = [out / f".checkpoint-6.tmp-{dead_pid}-{host_name()}-0123abcd", out / ".tmp-checkpoint-6"]
+    for folder in killed:
+        (folder / "pytorch_model").mkdir(parents=True)
 
     resumed = train(recipe_from_dict(_recipe(converted_dir, books, out)))
     assert resumed.resumed_from is not None and resumed.resumed_from.name == "checkpoint-3"
@@ -66,8 +72,12 @@ def test_killed_run_resumes_to_the_same_losses_and_weights(converted_dir, books,
     assert [(r["step"], r["loss"], r["lr"]) for r in read_metrics(out / "metrics.jsonl", "train")] == \
            [(r["step"], r["loss"], r["lr"]) for r in read_metrics(tmp_path / "reference" / "metrics.jsonl", "train")]
     assert resumed.evals[-1]["loss"] == reference.evals[-1]["loss"]
+    # metrics.jsonl across the kill: every record of the uninterrupted run, none twice
+    assert [(r["kind"], r["step"]) for r in read_metrics(out / "metrics.jsonl")] == \
+           [(r["kind"], r["step"]) for r in read_metrics(tmp_path / "reference" / "metrics.jsonl")]
 
     a, b = load_file(str(reference.final_dir / "model.safetensors")), load_file(str(out / "final" / "model.safetensors"))
     assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
     assert [s for s, _ in list_checkpoints(out)] == [3, 6, 8]
-    assert not (out / ".tmp-checkpoint-6").exists()
+    assert not any(folder.exists() for folder in killed)
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary folder, trash or lock
