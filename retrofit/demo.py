@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from retrofit import __version__
 from retrofit.errors import RetrofitError
+from retrofit.fs.atomic import save_figure_atomic, write_json_atomic, write_text_atomic
 from retrofit.precision import auto_dtype_name
 from retrofit.results import markdown_table
 
@@ -154,7 +155,7 @@ def _loss_curve(history: list[dict], evals: list[dict], path: Path) -> Path | No
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure_atomic(fig, path, dpi=120)
     plt.close(fig)
     return path
 
@@ -304,11 +305,10 @@ def _write_report(out: Path, s: DemoSettings, conversion: dict, result: Any, cur
     lines += ["", "## Generation (greedy)", "", f"Cache: {cache}.", "", "Prompt (end):", "",
               "> " + sample["prompt"][-400:].replace("\n", " "), "", "Continuation:", "",
               "> " + sample["continuation"].replace("\n", " "), ""]
-    report = out / "report.md"
-    report.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    (out / "results.json").write_text(json.dumps({
+    report = write_text_atomic(out / "report.md", "\n".join(lines) + "\n")
+    write_json_atomic(out / "results.json", {
         "settings": s.__dict__, "stage_seconds": times, "conversion": conversion,
         "training": {"steps": result.steps, "tokens": result.tokens, "evals": result.evals},
         "perplexity": ppl, "passkey": keys, "generation": sample,
-    }, indent=2, default=str), encoding="utf-8")
+    }, indent=2, default=str)
     return report

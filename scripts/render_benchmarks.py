@@ -349,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
                                                    str(args.out), "rendered"))
         print(f"{args.out.name} is stale: run python scripts/render_benchmarks.py", file=sys.stderr)
         return 1
-    args.out.write_text(text, encoding="utf-8")
+    from retrofit.fs.atomic import write_text_atomic
+
+    write_text_atomic(args.out, text)
     print(f"wrote {args.out}")
     return 0
 

@@ -409,7 +409,6 @@ def _check_probe_positions(args: argparse.Namespace, config) -> None:
 def _ranked_spec(args: argparse.Namespace, spec, model, tokenizer, out):
     """Rank the spec's layers (KL of converting each alone); the spec without the K costliest, or None."""
     import dataclasses
-    import json
     import time
 
     from retrofit.errors import SpecError
@@ -439,10 +438,11 @@ def _ranked_spec(args: argparse.Namespace, spec, model, tokenizer, out):
     for r in ranking:
         show(f"  layer {r['layer']:>3}  KL {r['kl']:.4f}")
     if args.rank_layers and not args.keep_full:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "layer_ranking.json").write_text(json.dumps({
+        from retrofit.fs.atomic import write_json_atomic
+
+        write_json_atomic(out / "layer_ranking.json", {
             "spec": spec.to_dict(), "probe": args.rank_probe, "probe_tokens": int(ids.shape[1]),
-            "scored_positions": int(last or ids.shape[1]), "ranking": ranking}, indent=1) + "\n")
+            "scored_positions": int(last or ids.shape[1]), "ranking": ranking}, indent=1, default=None)
         show(f"wrote {out / 'layer_ranking.json'}")
         return None
     keep = {r["layer"] for r in ranking[: args.keep_full]}

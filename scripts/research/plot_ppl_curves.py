@@ -65,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(args.out, dpi=120)
+    from retrofit.fs.atomic import save_figure_atomic
+
+    save_figure_atomic(fig, args.out, dpi=120)
     print(f"wrote {args.out}")
     return 0
 

@@ -16,13 +16,14 @@ A killed ablation continues where it stopped (each share's run resumes from its 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from retrofit.fs.atomic import save_figure_atomic, write_json_atomic
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -73,8 +74,7 @@ def plot(results: dict, base: float | None, path: Path, title: str) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_figure_atomic(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,8 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     plot(results, base, Path(args.plot), title)
     summary = {"command": " ".join(["python", "scripts/research/swa_share_ablation.py", *(argv if argv is not None else sys.argv[1:])]),
                "recipe": str(args.recipe), "overrides": args.overrides, "base_heldout_loss": base, "shares": results}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "ablation.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_json_atomic(out / "ablation.json", summary, indent=2, default=None)
 
     print("\n| init SWA share | held-out loss, untrained | after {} steps | change | step time |".format(steps))
     print("|---|---|---|---|---|")
