@@ -8,7 +8,7 @@ into an exception) the temporary file is removed and the old target is left unto
 This module is the toolkit's one writer of files: whole files (:func:`atomic_file` and the
 ``write_*_atomic`` helpers, :func:`save_figure_atomic`), whole folders (:func:`atomic_directory`),
 their removal (:func:`remove_directory`) and append-only logs (:class:`AppendLog`).
-``tests/test_atomic_only.py`` fails on code elsewhere that opens a file for writing in place.
+``tests/test_one_writer.py`` fails on code elsewhere that opens a file for writing in place.
 """
 from __future__ import annotations
 
