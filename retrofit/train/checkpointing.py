@@ -33,6 +33,7 @@ from retrofit.errors import CheckpointError
 from retrofit.fs import atomic_directory, clean_stale_temps, remove_directory
 from retrofit.fs.atomic import write_json_atomic as _write_json_atomic, write_manifest
 from retrofit.fs.guard import MANIFEST
+from retrofit.fs.tempdirs import SWAP_KIND, recover_interrupted_swaps
 
 __all__ = [
     "STATE_FILE", "checkpoint_dir", "list_checkpoints", "latest_checkpoint", "publishing", "write_state",
@@ -41,6 +42,7 @@ __all__ = [
 
 STATE_FILE = "trainer_state.json"
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
+_SWAP = re.compile(rf"^\.(checkpoint-\d+)\.{SWAP_KIND}-")  # a replacement of checkpoint-N in progress (or killed)
 _LEGACY_TEMPS = (".tmp-checkpoint-", ".trash-")  # what earlier versions left of killed saves and deletes
 
 
@@ -101,11 +103,15 @@ def rotate(output_dir: Path, keep_last: int) -> list[Path]:
 
 
 def clean_stale(output_dir: Path) -> None:
-    """Remove leftovers of killed saves and deletes: temporary folders of dead writers, and earlier versions'
-    ``.tmp-checkpoint-*`` / ``.trash-*``. Call it only while no other process writes ``output_dir``."""
+    """Settle and remove what killed saves and deletes left: a re-save killed between its swap's renames
+    gets its checkpoint back (:func:`retrofit.fs.recover_interrupted_swaps`), temporary folders of dead
+    writers go, and so do earlier versions' ``.tmp-checkpoint-*`` / ``.trash-*``. Call it only while no
+    other process writes ``output_dir`` (the run holds its lock)."""
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return
+    for name in sorted({m.group(1) for p in output_dir.iterdir() if (m := _SWAP.match(p.name))}):
+        recover_interrupted_swaps(output_dir / name)
     clean_stale_temps(output_dir)
     for p in output_dir.iterdir():
         if p.is_dir() and not p.is_symlink() and p.name.startswith(_LEGACY_TEMPS):

@@ -95,3 +95,16 @@ def test_metrics_hold_every_step_once_across_resumes(tmp_path):
     assert [(r["kind"], r["step"]) for r in read_metrics(log.path)][-2:] == [("train", 5), ("eval", 5)]
     _logger(tmp_path, None).log("train", 1, {"loss": 1.0})  # started afresh (no checkpoint): a new run's log
     assert [r["step"] for r in read_metrics(log.path)] == [1]
+
+
+def test_a_resave_killed_between_its_swap_renames_gives_its_checkpoint_back(tmp_path):
+    from retrofit.fs.tempdirs import SWAP_KIND, host_name
+
+    _save(tmp_path, 6, payload=b"new")
+    swap = tmp_path / f".checkpoint-6.{SWAP_KIND}-999999999-{host_name()}-0123abcd"  # its writer is gone
+    swap.mkdir()
+    (tmp_path / "checkpoint-6").rename(swap / "new")  # killed after moving the new folder in, the old one out
+    assert ckpt.list_checkpoints(tmp_path) == []
+    ckpt.clean_stale(tmp_path)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [6] and _names(tmp_path) == ["checkpoint-6"]
+    assert (tmp_path / "checkpoint-6" / "pytorch_model" / "w.bin").read_bytes() == b"new"
