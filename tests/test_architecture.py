@@ -38,7 +38,6 @@ TIERS: list[tuple[str, str, int]] = [
     ("retrofit.precision", "base", 0),
     ("retrofit.ops", "ops", 1),
     ("retrofit.layers", "layers", 2),
-    ("retrofit.cache", "layers", 2),  # decoding cache entries belong with their layers (wt-12c moves the file)
     ("retrofit.patches", "family", 3),
     ("retrofit.surgery", "model", 4),
     ("retrofit.hf", "model", 4),

@@ -6,7 +6,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from retrofit.cache import RetrofitCache, RetrofitLayerCache, layer_cache
+from retrofit.layers.cache import RetrofitCache, RetrofitLayerCache, layer_cache
 from retrofit.surgery import ConversionSpec, convert
 from tests.surgery.tiny import tiny_model
 

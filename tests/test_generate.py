@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from retrofit.cache import RetrofitCache, RetrofitLayerCache
+from retrofit.layers.cache import RetrofitCache, RetrofitLayerCache
 from retrofit.surgery import ConversionSpec, convert, new_parameter_names
 from tests.surgery.tiny import tiny_model
 

@@ -10,7 +10,9 @@ from retrofit.layers.conv import CausalDepthwiseConv
 from retrofit.layers.exp_linear import ExpLinearAttention, ExpLinearConfig
 from retrofit.layers.lavo import LavoAttention, LavoConfig, LavoLayerCache
 from retrofit.layers.llp import LLPAttention, LLPConfig, LLPLayerCache
-from retrofit.layers.macchiato import DEFAULT_INIT_SWA_SHARE, MacchiatoAttention, MacchiatoConfig, swa_bias
+from retrofit.layers.macchiato import (
+    DEFAULT_INIT_SWA_SHARE, MacchiatoAttention, MacchiatoConfig, MacchiatoLayerCache, swa_bias,
+)
 from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, MethodInfo, available_methods, get_method, register_method
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "LavoLayerCache",
     "MacchiatoAttention",
     "MacchiatoConfig",
+    "MacchiatoLayerCache",
     "MethodConfig",
     "MethodInfo",
     "RetrofitAttention",

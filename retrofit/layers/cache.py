@@ -1,36 +1,32 @@
 """Decoding cache for converted models: memory constant in the context length.
 
-Per converted layer a :class:`RetrofitLayerCache` holds
+Per converted layer a :class:`RetrofitLayerCache` holds what every method shares:
 
-* the latent state (a :class:`~retrofit.ops.LatteState`: ``m`` ``(B, H, L, D)``, ``z`` ``(B, H, L)``),
-* a rolling buffer of the last ``window - 1`` pretrained keys / values ``(B, Hkv, <= w-1, d)``
-  (post-RoPE) with their padding flags ``(B, <= w-1)``, which is all the sliding-window branch
-  can still see (Macchiato; exp-linear keeps none),
-* the last ``conv_size - 1`` latent-branch inputs when the layer has a causal conv,
-* the attention-sink keys / values (the first ``n`` real tokens, kept for good) with their
-  stream indices and flags, when the layer has sinks,
+* the method's recurrent state (a dataclass of tensors: :class:`~retrofit.ops.LatteState`,
+  :class:`~retrofit.ops.LavoState`, :class:`~retrofit.ops.LLPState`, or a method's own),
+* for windowed methods, a chronological buffer of the last ``window - 1`` pretrained keys /
+  values ``(B, Hkv, <= w-1, d)`` (post-RoPE, oldest first) with their padding flags
+  ``(B, <= w-1)``: all a ``w``-token window can still see (``window = 0`` keeps none),
 * the count of tokens seen (positions, ``get_seq_length``).
 
-The window buffer has two layouts. After a prefill it is chronological (``keys``/``values``/
-``valid``: the last ``window - 1`` tokens, oldest first), as multi-token calls need it. The first
-one-token call moves it into preallocated *slots* ``[n sinks | w ring slots]``
-(:meth:`RetrofitLayerCache.enter_slots`): each decoding step then writes its key/value into the ring
-slot of the token leaving the window (:meth:`write_slot`) and attends over the slots in place
-(:func:`retrofit.ops.slots.slot_attention_step`), with no per-step copy of the window. A later
-multi-token call reads the window back in chronological order (:meth:`past_kv`).
+A method that keeps more defines a subclass next to its layer (the per-method hook): it adds its
+fields, lists them in :meth:`RetrofitLayerCache.extra_tensors` and re-indexes them in
+:meth:`RetrofitLayerCache._apply`, and the layer's ``new_cache_layer()`` returns it (Macchiato's
+conv tail, attention sinks and decoding slots live in :mod:`retrofit.layers.macchiato`).
 
 Layers left as softmax attention keep the usual transformers layer (growing
 ``DynamicLayer``, or ``DynamicSlidingWindowLayer`` for natively windowed layers).
 
 How it is wired: a converted layer asks :func:`layer_cache` for its entry. If the model's
 forward or ``generate`` built a plain ``DynamicCache`` (they do whenever ``use_cache`` is on),
-the still-empty transformers layer at that index is swapped for a ``RetrofitLayerCache``
+the still-empty transformers layer at that index is swapped for the layer's own entry
 the first time the converted layer runs, so every cache that reaches a converted model
 becomes constant-memory without callers doing anything. :class:`RetrofitCache` builds the
 same structure up front (``RetrofitCache(model)``) for callers that want it explicitly.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Callable
 
@@ -38,163 +34,97 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 
-from retrofit.ops import LatteState
-
-__all__ = ["RetrofitLayerCache", "RetrofitCache", "cache_keyword", "layer_cache", "output_cache"]
+__all__ = ["RetrofitLayerCache", "RetrofitCache", "cache_keyword", "layer_cache", "map_state", "output_cache"]
 
 
 def _index(x: torch.Tensor | None, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
     return None if x is None else fn(x)
 
 
+def map_state(state: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``state`` (a dataclass of tensors, or None) with ``fn`` applied to each of its tensors."""
+    if state is None:
+        return None
+    return type(state)(**{f.name: _index(getattr(state, f.name), fn) for f in dataclasses.fields(state)})
+
+
+def _state_tensors(state: Any) -> list[torch.Tensor | None]:
+    return [] if state is None else [getattr(state, f.name) for f in dataclasses.fields(state)]
+
+
 class RetrofitLayerCache(CacheLayerMixin):
-    """Recurrent state + rolling key/value window of one converted layer."""
+    """Recurrent state + rolling key/value window of one converted layer.
+
+    Args:
+        window: the layer's sliding window ``w`` in tokens; the last ``w - 1`` keys/values are
+            kept (0: no key/value buffer, a purely recurrent method).
+
+    Example::
+
+        >>> import torch
+        >>> from retrofit.layers.cache import RetrofitLayerCache
+        >>> entry = RetrofitLayerCache(window=4)
+        >>> k = torch.randn(1, 2, 6, 8)  # (B, Hkv, T, d)
+        >>> entry.store(k, k, torch.ones(1, 6, dtype=torch.bool), None, num_new=6)
+        >>> entry.buffered, entry.get_seq_length()
+        (3, 6)
+    """
 
     is_sliding = True  # masks are never sized from it (the "retrofit" mask is the 2D padding mask)
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, window: int = 0, conv_size: int = 0, **kwargs):
+    def __init__(self, window: int = 0, **kwargs: Any):
         super().__init__()
         self.window = int(window)
-        self.conv_size = int(conv_size)
         self.valid: torch.Tensor | None = None  # (B, P) padding flags of the buffered keys
-        self.state: LatteState | None = None
-        self.conv_tail: torch.Tensor | None = None  # (B, conv_size - 1, hidden)
-        self.sinks: tuple[torch.Tensor, ...] | None = None  # (idx (B, n), valid (B, n), k, v (B, Hkv, n, d))
-        self.sinks_full = False  # every row has its n sinks: later tokens never become sinks
+        self.state: Any = None
         self.cumulative_length = 0
-        # decoding layout (None while chronological): keys/values (B, Hkv, n + w, d), allowed (B, n + w)
-        self.slot_keys: torch.Tensor | None = None
-        self.slot_values: torch.Tensor | None = None
-        self.slot_allowed: torch.Tensor | None = None
-        self.slot_filled = 0  # ring slots written so far (<= window), filled in order before wrapping
-        self.slot_next = 0  # the ring slot the next token goes to
-        self.sinks_settled = False  # every sink lies before the window: their slot flags are final
 
     # ------------------------------------------------------------------ converted layers' API
     @property
     def buffered(self) -> int:
-        if self.in_slots:
-            return min(self.slot_filled, max(self.window - 1, 0))
+        """Tokens in the key/value buffer."""
         return 0 if self.keys is None else self.keys.shape[-2]
 
     @property
     def has_past(self) -> bool:
-        """Whether a window buffer exists (a previous call stored keys), in either layout."""
-        return self.in_slots or self.keys is not None
-
-    @property
-    def in_slots(self) -> bool:
-        return self.slot_keys is not None
+        """Whether a window buffer exists (a previous call stored keys)."""
+        return self.keys is not None
 
     def past_kv(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """``(keys, values, valid)`` of the buffered tokens, oldest first (None before the first call)."""
-        if self.in_slots:
-            self.leave_slots()
         return self.keys, self.values, self.valid
-
-    # ------------------------------------------------------------------ decoding slots
-    def enter_slots(self) -> None:
-        """Move the chronological window (and the sinks) into ``[n sinks | w ring slots]``."""
-        if self.in_slots:
-            return
-        if self.keys is None or self.window < 1:
-            raise RuntimeError("enter_slots needs a filled window buffer (a prefill first) and window >= 1")
-        B, Hkv, P, d = self.keys.shape
-        n = 0 if self.sinks is None else self.sinks[2].shape[2]
-        w = self.window
-        self.slot_keys = self.keys.new_zeros(B, Hkv, n + w, d)
-        self.slot_values = self.values.new_zeros(B, Hkv, n + w, self.values.shape[-1])
-        self.slot_allowed = torch.zeros(B, n + w, dtype=torch.bool, device=self.keys.device)
-        if n:
-            self.slot_keys[:, :, :n] = self.sinks[2]
-            self.slot_values[:, :, :n] = self.sinks[3]
-        self.slot_keys[:, :, n : n + P] = self.keys
-        self.slot_values[:, :, n : n + P] = self.values
-        self.slot_allowed[:, n : n + P] = self.valid
-        self.slot_filled, self.slot_next = P, P % w
-        self.keys = self.values = self.valid = None
-
-    def write_slot(self, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """Store the next token's ``key``/``value`` ``(B, Hkv, 1, d)`` and flag ``valid`` ``(B, 1)``
-        (None: real) over the oldest ring slot.
-
-        Also flags the sinks this token sees: those before its window (stream index
-        ``<= t - window``); one inside the window is its ring slot already.
-        """
-        n = self.slot_keys.shape[2] - self.window
-        i = n + self.slot_next
-        self.slot_keys[:, :, i : i + 1] = key
-        self.slot_values[:, :, i : i + 1] = value
-        self.slot_allowed[:, i : i + 1] = True if valid is None else valid
-        if n and not self.sinks_settled:
-            first_seen = self.cumulative_length - self.window  # sinks at or before this index are seen
-            idx, ok = self.sinks[0], self.sinks[1]
-            self.slot_allowed[:, :n] = ok & (idx <= first_seen)
-            self.sinks_settled = first_seen >= int(idx.max())
-        self.slot_next = (self.slot_next + 1) % self.window
-        self.slot_filled = min(self.slot_filled + 1, self.window)
-
-    def slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(keys, values, allowed)`` over the sinks and the filled ring slots (views, no copy)."""
-        end = self.slot_keys.shape[2] - self.window + self.slot_filled
-        return self.slot_keys[:, :, :end], self.slot_values[:, :, :end], self.slot_allowed[:, :end]
-
-    def advance(self, state: LatteState | None, conv_tail: torch.Tensor | None) -> None:
-        """After a slot step: the new latent state and conv tail, one more token seen."""
-        self.state = state
-        self.conv_tail = conv_tail
-        self.cumulative_length += 1
-
-    def leave_slots(self) -> None:
-        """Back to the chronological buffer of the last ``window - 1`` tokens."""
-        n = self.slot_keys.shape[2] - self.window
-        ring = slice(n, n + self.slot_filled)
-        k, v, ok = self.slot_keys[:, :, ring], self.slot_values[:, :, ring], self.slot_allowed[:, ring]
-        if self.slot_filled == self.window:  # wrapped: the oldest token is at slot_next
-            k, v, ok = k.roll(-self.slot_next, 2), v.roll(-self.slot_next, 2), ok.roll(-self.slot_next, 1)
-        keep = max(self.window - 1, 0)
-        self.keys = k[:, :, k.shape[2] - keep :].contiguous()
-        self.values = v[:, :, v.shape[2] - keep :].contiguous()
-        self.valid = ok[:, ok.shape[1] - keep :].contiguous()
-        self.slot_keys = self.slot_values = self.slot_allowed = None
-        self.slot_filled = self.slot_next = 0
-        self.sinks_settled = False
 
     def store(
         self,
         keys: torch.Tensor | None,
         values: torch.Tensor | None,
         valid: torch.Tensor | None,
-        state: LatteState | None,
+        state: Any,
         num_new: int,
-        conv_tail: torch.Tensor | None = None,
-        sinks: tuple[torch.Tensor, ...] | None = None,
     ) -> None:
-        """Keep the last ``window - 1`` of ``keys``/``values``/``valid`` (past ++ new), the new state."""
+        """Keep the last ``window - 1`` of ``keys``/``values`` ``(B, Hkv, P + T, d)`` and ``valid``
+        ``(B, P + T)`` (past ++ new; None: keep no keys), the new ``state``, ``num_new`` more tokens seen."""
         keep = max(self.window - 1, 0)
         if keys is not None:
             self.keys = keys[..., -keep:, :].contiguous() if keep else keys[..., :0, :]
             self.values = values[..., -keep:, :].contiguous() if keep else values[..., :0, :]
             self.valid = valid[:, -keep:].contiguous() if keep else valid[:, :0]
         self.state = state
-        self.conv_tail = conv_tail
-        if sinks is not None and sinks is not self.sinks:
-            self.sinks = tuple(t.detach() for t in sinks)
-            self.sinks_full = bool(self.sinks[1].all())  # one check per call until full, then none
         self.cumulative_length += int(num_new)
         if not self.is_initialized:
-            ref = keys if keys is not None else state.m
+            ref = keys if keys is not None else _state_tensors(state)[0]
             self.dtype, self.device = ref.dtype, ref.device
             self.is_initialized = True
 
+    def extra_tensors(self) -> list[torch.Tensor | None]:
+        """A method's own tensors beyond the window and the state (hook for subclasses)."""
+        return []
+
     def memory_bytes(self) -> int:
         """Bytes held by this layer's tensors (constant once ``window - 1`` tokens were seen)."""
-        tensors = [self.keys, self.values, self.valid, self.conv_tail, *(self.sinks or ())]
-        tensors += [self.slot_keys, self.slot_values, self.slot_allowed]
-        if self.state is not None:
-            tensors += [self.state.m, self.state.z]
+        tensors = [self.keys, self.values, self.valid, *self.extra_tensors(), *_state_tensors(self.state)]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     # ------------------------------------------------------------------ CacheLayerMixin
@@ -218,13 +148,10 @@ class RetrofitLayerCache(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.keys = self.values = self.valid = self.conv_tail = None
-        self.state = self.sinks = None
-        self.sinks_full = False
+        """Empty again (subclasses reset their own fields, then call this)."""
+        self.keys = self.values = self.valid = None
+        self.state = None
         self.cumulative_length = 0
-        self.slot_keys = self.slot_values = self.slot_allowed = None
-        self.slot_filled = self.slot_next = 0
-        self.sinks_settled = False
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -232,14 +159,9 @@ class RetrofitLayerCache(CacheLayerMixin):
             raise NotImplementedError("a recurrent latent state cannot be rolled back (no assisted/speculative decoding)")
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.keys, self.values = _index(self.keys, fn), _index(self.values, fn)
-        self.valid, self.conv_tail = _index(self.valid, fn), _index(self.conv_tail, fn)
-        if self.state is not None:
-            self.state = LatteState(fn(self.state.m), fn(self.state.z))
-        if self.sinks is not None:
-            self.sinks = tuple(fn(t) for t in self.sinks)
-        self.slot_keys, self.slot_values = _index(self.slot_keys, fn), _index(self.slot_values, fn)
-        self.slot_allowed = _index(self.slot_allowed, fn)
+        """Apply ``fn`` to every tensor along the batch (subclasses map their own fields, then call this)."""
+        self.keys, self.values, self.valid = _index(self.keys, fn), _index(self.values, fn), _index(self.valid, fn)
+        self.state = map_state(self.state, fn)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._apply(lambda x: x.index_select(0, beam_idx.to(x.device)))
@@ -257,7 +179,7 @@ class RetrofitLayerCache(CacheLayerMixin):
         pass
 
     def __repr__(self) -> str:
-        return f"RetrofitLayerCache(window={self.window}, seen={self.cumulative_length}, buffered={self.buffered})"
+        return f"{type(self).__name__}(window={self.window}, seen={self.cumulative_length}, buffered={self.buffered})"
 
 
 def cache_keyword(fn: Callable[..., Any]) -> str:

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,7 +57,7 @@ from retrofit.errors import SpecError
 from retrofit.layers.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.base import RetrofitAttention
 from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, register_method, resolve_window
-from retrofit.ops import LavoState, lavo_attention
+from retrofit.ops import lavo_attention
 
 __all__ = ["LavoAttention", "LavoConfig", "LavoLayerCache", "LavoParameters", "build_lavo"]
 
@@ -132,22 +132,13 @@ def _logit(p: float) -> float:
 
 
 class LavoLayerCache(RetrofitLayerCache):
-    """Rolling window of the last ``w - 1`` keys/values + the orthogonal memory's :class:`LavoState`."""
+    """LAVO's decoding-cache entry: the generic rolling window of the last ``w - 1`` keys/values
+    and, as its state, the orthogonal memory's :class:`~retrofit.ops.LavoState` (``committed`` /
+    ``pending`` ``(B, Hq, r)``, counts ``(B,)``); nothing beyond the generic fields.
 
-    def memory_bytes(self) -> int:
-        tensors = [self.keys, self.values, self.valid]
-        if self.state is not None:
-            s = self.state
-            tensors += [s.committed, s.count, s.pending, s.pending_count]
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.keys = None if self.keys is None else fn(self.keys)
-        self.values = None if self.values is None else fn(self.values)
-        self.valid = None if self.valid is None else fn(self.valid)
-        if self.state is not None:
-            s = self.state
-            self.state = LavoState(fn(s.committed), fn(s.count), fn(s.pending), fn(s.pending_count))
+    Args:
+        window: the local window ``w`` in tokens.
+    """
 
 
 class LavoAttention(RetrofitAttention):

@@ -23,7 +23,7 @@ the current half-segment (at most ``segment - 1`` tokens per row), constant in c
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,7 +33,7 @@ from retrofit.errors import SpecError
 from retrofit.layers.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.base import RetrofitAttention
 from retrofit.layers.method import MethodConfig, opt, register_method
-from retrofit.ops import LLPState, llp_attention, llp_attention_cached
+from retrofit.ops import llp_attention, llp_attention_cached
 
 __all__ = ["LLPAttention", "LLPConfig", "LLPLayerCache", "build_llp"]
 
@@ -54,29 +54,17 @@ DEFAULT_SEGMENT = LLPConfig.segment
 
 
 class LLPLayerCache(RetrofitLayerCache):
-    """The keys/values an LLP layer's next query can still see (:class:`LLPState`)."""
+    """LLP's decoding-cache entry: its state is an :class:`~retrofit.ops.LLPState`, the keys/values
+    ``(B, Hkv, <= s + padding, d)`` the layer's next query can still see (no generic window buffer).
+
+    Args:
+        window: unused (0): the state holds the keys/values.
+    """
 
     @property
     def buffered(self) -> int:
         return 0 if self.state is None else self.state.length
 
-    def store_state(self, state: LLPState, num_new: int) -> None:
-        self.state = state
-        self.cumulative_length += int(num_new)
-        if not self.is_initialized:
-            self.dtype, self.device = state.k.dtype, state.k.device
-            self.is_initialized = True
-
-    def memory_bytes(self) -> int:
-        if self.state is None:
-            return 0
-        s = self.state
-        return sum(t.numel() * t.element_size() for t in (s.k, s.v, s.rank, s.seen))
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        if self.state is not None:
-            s = self.state
-            self.state = LLPState(fn(s.k), fn(s.v), fn(s.rank), fn(s.seen))
 
 
 class LLPAttention(RetrofitAttention):
@@ -112,7 +100,7 @@ class LLPAttention(RetrofitAttention):
             out = llp_attention(q, k, v, self.segment, **kw)
         else:
             out, state = llp_attention_cached(q, k, v, self.segment, cache.state, **kw)
-            cache.store_state(state, T)
+            cache.store(None, None, None, state, T)
         return self.patch.project_out(self, out), None
 
     def extra_repr(self) -> str:

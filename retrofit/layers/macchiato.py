@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -39,9 +39,11 @@ from retrofit.layers.base import RetrofitAttention
 from retrofit.layers.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.conv import CausalDepthwiseConv
 from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, register_method, resolve_window
-from retrofit.ops import capped_sink_keys, capped_sinks, first_valid, macchiato_attention, macchiato_slot_step
+from retrofit.ops import LatteState, capped_sink_keys, capped_sinks, first_valid, macchiato_attention, macchiato_slot_step
 
-__all__ = ["DEFAULT_INIT_SWA_SHARE", "MacchiatoAttention", "MacchiatoConfig", "build_macchiato", "swa_bias"]
+__all__ = [
+    "DEFAULT_INIT_SWA_SHARE", "MacchiatoAttention", "MacchiatoConfig", "MacchiatoLayerCache", "build_macchiato", "swa_bias",
+]
 
 # Initial sliding-window share p(0|t) of a fresh layer. Chosen by the ablation in BENCHMARKS.md
 # ("Which defaults training chose", scripts/research/swa_share_ablation.py, Gemma 3 270M, 100 steps): 0.9
@@ -107,6 +109,181 @@ class MacchiatoConfig(MethodConfig):
                  f"conv_size={self.conv_size}"]
         sinks = [f"sinks={self.sinks}"] + ([f"sink_distance={self.sink_distance}"] if self.sink_distance else [])
         return ", ".join(parts + (sinks if self.sinks else []))
+
+class MacchiatoLayerCache(RetrofitLayerCache):
+    """Macchiato's decoding-cache entry: the latent state (:class:`~retrofit.ops.LatteState`,
+    ``m`` ``(B, H, L, D)``, ``z`` ``(B, H, L)``) and the last ``window - 1`` keys/values of the
+    generic entry, plus
+
+    * the last ``conv_size - 1`` latent-branch inputs ``(B, conv_size - 1, hidden)`` when the
+      layer has a causal conv,
+    * the attention-sink keys / values (the first ``n`` real tokens, kept for good) with their
+      stream indices and flags, when the layer has sinks.
+
+    The window buffer has two layouts. After a prefill it is chronological (``keys``/``values``/
+    ``valid``: the last ``window - 1`` tokens, oldest first), as multi-token calls need it. The
+    first one-token call moves it into preallocated *slots* ``[n sinks | w ring slots]``
+    (:meth:`enter_slots`): each decoding step then writes its key/value into the ring slot of the
+    token leaving the window (:meth:`write_slot`) and attends over the slots in place
+    (:func:`retrofit.ops.slots.slot_attention_step`), with no per-step copy of the window. A later
+    multi-token call reads the window back in chronological order (:meth:`past_kv`).
+
+    Args:
+        window: the sliding window ``w`` in tokens.
+        conv_size: the layer's causal conv size (0: none).
+
+    Example::
+
+        >>> import torch
+        >>> from retrofit.layers.macchiato import MacchiatoLayerCache
+        >>> entry = MacchiatoLayerCache(window=4)
+        >>> k = torch.randn(1, 2, 6, 8)  # (B, Hkv, T, d)
+        >>> entry.store(k, k, torch.ones(1, 6, dtype=torch.bool), None, num_new=6)
+        >>> entry.enter_slots()  # the first decoding step's layout: [sinks | 4 ring slots]
+        >>> entry.slot_keys.shape, entry.buffered
+        (torch.Size([1, 2, 4, 8]), 3)
+    """
+
+    def __init__(self, window: int = 0, conv_size: int = 0, **kwargs: Any):
+        super().__init__(window=window, **kwargs)
+        self.conv_size = int(conv_size)
+        self.conv_tail: torch.Tensor | None = None  # (B, conv_size - 1, hidden)
+        self.sinks: tuple[torch.Tensor, ...] | None = None  # (idx (B, n), valid (B, n), k, v (B, Hkv, n, d))
+        self.sinks_full = False  # every row has its n sinks: later tokens never become sinks
+        # decoding layout (None while chronological): keys/values (B, Hkv, n + w, d), allowed (B, n + w)
+        self.slot_keys: torch.Tensor | None = None
+        self.slot_values: torch.Tensor | None = None
+        self.slot_allowed: torch.Tensor | None = None
+        self.slot_filled = 0  # ring slots written so far (<= window), filled in order before wrapping
+        self.slot_next = 0  # the ring slot the next token goes to
+        self.sinks_settled = False  # every sink lies before the window: their slot flags are final
+
+    @property
+    def buffered(self) -> int:
+        if self.in_slots:
+            return min(self.slot_filled, max(self.window - 1, 0))
+        return super().buffered
+
+    @property
+    def has_past(self) -> bool:
+        """Whether a window buffer exists (a previous call stored keys), in either layout."""
+        return self.in_slots or super().has_past
+
+    @property
+    def in_slots(self) -> bool:
+        return self.slot_keys is not None
+
+    def past_kv(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """``(keys, values, valid)`` of the buffered tokens, oldest first (None before the first call)."""
+        if self.in_slots:
+            self.leave_slots()
+        return super().past_kv()
+
+    def store(
+        self,
+        keys: torch.Tensor | None,
+        values: torch.Tensor | None,
+        valid: torch.Tensor | None,
+        state: LatteState | None,
+        num_new: int,
+        conv_tail: torch.Tensor | None = None,
+        sinks: tuple[torch.Tensor, ...] | None = None,
+    ) -> None:
+        """The generic :meth:`RetrofitLayerCache.store`, plus the new conv tail and the sinks."""
+        self.conv_tail = conv_tail
+        if sinks is not None and sinks is not self.sinks:
+            self.sinks = tuple(t.detach() for t in sinks)
+            self.sinks_full = bool(self.sinks[1].all())  # one check per call until full, then none
+        super().store(keys, values, valid, state, num_new)
+
+    # ------------------------------------------------------------------ decoding slots
+    def enter_slots(self) -> None:
+        """Move the chronological window (and the sinks) into ``[n sinks | w ring slots]``."""
+        if self.in_slots:
+            return
+        if self.keys is None or self.window < 1:
+            raise RuntimeError("enter_slots needs a filled window buffer (a prefill first) and window >= 1")
+        B, Hkv, P, d = self.keys.shape
+        n = 0 if self.sinks is None else self.sinks[2].shape[2]
+        w = self.window
+        self.slot_keys = self.keys.new_zeros(B, Hkv, n + w, d)
+        self.slot_values = self.values.new_zeros(B, Hkv, n + w, self.values.shape[-1])
+        self.slot_allowed = torch.zeros(B, n + w, dtype=torch.bool, device=self.keys.device)
+        if n:
+            self.slot_keys[:, :, :n] = self.sinks[2]
+            self.slot_values[:, :, :n] = self.sinks[3]
+        self.slot_keys[:, :, n : n + P] = self.keys
+        self.slot_values[:, :, n : n + P] = self.values
+        self.slot_allowed[:, n : n + P] = self.valid
+        self.slot_filled, self.slot_next = P, P % w
+        self.keys = self.values = self.valid = None
+
+    def write_slot(self, key: torch.Tensor, value: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Store the next token's ``key``/``value`` ``(B, Hkv, 1, d)`` and flag ``valid`` ``(B, 1)``
+        (None: real) over the oldest ring slot.
+
+        Also flags the sinks this token sees: those before its window (stream index
+        ``<= t - window``); one inside the window is its ring slot already.
+        """
+        n = self.slot_keys.shape[2] - self.window
+        i = n + self.slot_next
+        self.slot_keys[:, :, i : i + 1] = key
+        self.slot_values[:, :, i : i + 1] = value
+        self.slot_allowed[:, i : i + 1] = True if valid is None else valid
+        if n and not self.sinks_settled:
+            first_seen = self.cumulative_length - self.window  # sinks at or before this index are seen
+            idx, ok = self.sinks[0], self.sinks[1]
+            self.slot_allowed[:, :n] = ok & (idx <= first_seen)
+            self.sinks_settled = first_seen >= int(idx.max())
+        self.slot_next = (self.slot_next + 1) % self.window
+        self.slot_filled = min(self.slot_filled + 1, self.window)
+
+    def slots(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keys, values, allowed)`` over the sinks and the filled ring slots (views, no copy)."""
+        end = self.slot_keys.shape[2] - self.window + self.slot_filled
+        return self.slot_keys[:, :, :end], self.slot_values[:, :, :end], self.slot_allowed[:, :end]
+
+    def advance(self, state: LatteState | None, conv_tail: torch.Tensor | None) -> None:
+        """After a slot step: the new latent state and conv tail, one more token seen."""
+        self.state = state
+        self.conv_tail = conv_tail
+        self.cumulative_length += 1
+
+    def leave_slots(self) -> None:
+        """Back to the chronological buffer of the last ``window - 1`` tokens."""
+        n = self.slot_keys.shape[2] - self.window
+        ring = slice(n, n + self.slot_filled)
+        k, v, ok = self.slot_keys[:, :, ring], self.slot_values[:, :, ring], self.slot_allowed[:, ring]
+        if self.slot_filled == self.window:  # wrapped: the oldest token is at slot_next
+            k, v, ok = k.roll(-self.slot_next, 2), v.roll(-self.slot_next, 2), ok.roll(-self.slot_next, 1)
+        keep = max(self.window - 1, 0)
+        self.keys = k[:, :, k.shape[2] - keep :].contiguous()
+        self.values = v[:, :, v.shape[2] - keep :].contiguous()
+        self.valid = ok[:, ok.shape[1] - keep :].contiguous()
+        self.slot_keys = self.slot_values = self.slot_allowed = None
+        self.slot_filled = self.slot_next = 0
+        self.sinks_settled = False
+
+    # ------------------------------------------------------------------ RetrofitLayerCache hooks
+    def extra_tensors(self) -> list[torch.Tensor | None]:
+        return [self.conv_tail, *(self.sinks or ()), self.slot_keys, self.slot_values, self.slot_allowed]
+
+    def reset(self) -> None:
+        self.conv_tail = self.sinks = None
+        self.sinks_full = False
+        self.slot_keys = self.slot_values = self.slot_allowed = None
+        self.slot_filled = self.slot_next = 0
+        self.sinks_settled = False
+        super().reset()
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.conv_tail = None if self.conv_tail is None else fn(self.conv_tail)
+        if self.sinks is not None:
+            self.sinks = tuple(fn(t) for t in self.sinks)
+        self.slot_keys, self.slot_values, self.slot_allowed = (
+            None if t is None else fn(t) for t in (self.slot_keys, self.slot_values, self.slot_allowed))
+        super()._apply(fn)
+
 
 SATURATED_LOGIT = 1.0e4  # exp(-1e4) underflows to 0 in every float dtype: p(0|t) = 1 exactly
 
@@ -187,8 +364,8 @@ class MacchiatoAttention(RetrofitAttention):
         if self.conv is not None:
             self.conv.reset_parameters()
 
-    def new_cache_layer(self) -> RetrofitLayerCache:
-        return RetrofitLayerCache(window=self.window, conv_size=self.conv_size if self.conv is not None else 0)
+    def new_cache_layer(self) -> MacchiatoLayerCache:
+        return MacchiatoLayerCache(window=self.window, conv_size=self.conv_size if self.conv is not None else 0)
 
     # ------------------------------------------------------------------ forward
     def _mixing(self, x: torch.Tensor, valid: torch.Tensor | None, tail: torch.Tensor | None):
@@ -267,13 +444,13 @@ class MacchiatoAttention(RetrofitAttention):
             cache.store(k_all, v_all, valid_all, state, T, tail, sinks=sinks)
         return self.patch.project_out(self, out), None
 
-    def _takes_slot_step(self, T: int, cache: RetrofitLayerCache | None) -> bool:
+    def _takes_slot_step(self, T: int, cache: MacchiatoLayerCache | None) -> bool:
         """Decoding one token after a prefill, with the sinks (if any) all known: the slot path."""
         if T != 1 or cache is None or not cache.has_past or not self.slot_decoding:
             return False
         return not self.sinks or cache.sinks_full
 
-    def _slot_step(self, q, k, v, mix, lat, tail, valid, cache: RetrofitLayerCache) -> torch.Tensor:
+    def _slot_step(self, q, k, v, mix, lat, tail, valid, cache: MacchiatoLayerCache) -> torch.Tensor:
         """One token through the cache's in-place window slots (no per-step window copies)."""
         cache.enter_slots()
         cache.write_slot(k, v, valid)
