@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from retrofit.layers.cache import RetrofitLayerCache
+from retrofit.layers.method import registered_method
 from retrofit.ops import sliding_window_attention
 
 __all__ = ["DISTILL_MODES", "RetrofitAttention"]
@@ -128,6 +129,13 @@ class RetrofitAttention(nn.Module):
         """Names (relative to this module) of the parameters the method added."""
         return [f"{m}.{n}" for m in self.new_module_names if getattr(self, m, None) is not None
                 for n, _ in getattr(self, m).named_parameters()]
+
+    def supports(self, capability: str) -> bool:
+        """Whether this layer takes part in the training behaviour ``capability`` (e.g.
+        ``"window_dropout"``): its method declares it in ``MethodConfig.capabilities``; a layer
+        overrides this where its own settings rule it out."""
+        info = registered_method(self.method)
+        return info is not None and capability in info.config.capabilities
 
     def new_cache_layer(self) -> RetrofitLayerCache:
         """A fresh decoding-cache entry for this layer."""

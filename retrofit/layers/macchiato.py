@@ -58,6 +58,7 @@ class MacchiatoConfig(MethodConfig):
     """Hyper-parameters of a Macchiato conversion (``retrofit convert --method macchiato``)."""
 
     method = "macchiato"
+    capabilities = frozenset({"window_dropout"})
     window: int | None = opt(None, f"sliding window w in tokens (default {DEFAULT_WINDOW}, or the family's "
                                    "native window with --layers global)")
     latents: int = opt(128, "latent states L in total over the query heads (L / heads per head)")
@@ -85,6 +86,12 @@ class MacchiatoConfig(MethodConfig):
             raise SpecError(f"chunk_size must be >= 1, got {self.chunk_size}")
         if self.sink_distance is not None and self.sink_distance < 0:
             raise SpecError(f"sink_distance must be >= 0 (0 = no cap), got {self.sink_distance}")
+
+    def check_capability(self, capability: str) -> None:
+        super().check_capability(capability)
+        if capability == "window_dropout" and self.latents == 0:
+            raise SpecError("train.window_dropout needs latent states to carry the output when the window branch "
+                            "is dropped; conversion.latents is 0")
 
     def check_model(self, model_config: Any) -> None:
         """The latents must split evenly over the model's query heads."""
@@ -368,6 +375,11 @@ class MacchiatoAttention(RetrofitAttention):
         return MacchiatoLayerCache(window=self.window, conv_size=self.conv_size if self.conv is not None else 0)
 
     # ------------------------------------------------------------------ forward
+    def supports(self, capability: str) -> bool:
+        if capability == "window_dropout" and not self.latents_per_head:
+            return False  # no latent state to carry the output without the window
+        return super().supports(capability)
+
     def _mixing(self, x: torch.Tensor, valid: torch.Tensor | None, tail: torch.Tensor | None):
         """``mix_logits (B, H, T, L_h+1)``, ``latent_logits (B, H, T, L_h)`` or None, new conv tail."""
         B, T, _ = x.shape

@@ -25,7 +25,7 @@ from retrofit.errors import SpecError
 
 __all__ = [
     "DEFAULT_WINDOW", "MethodConfig", "MethodInfo", "available_methods", "get_method", "method_fields",
-    "register_method", "resolve_window",
+    "register_method", "registered_method", "resolve_window",
 ]
 
 # The sliding window of a converted layer unless the spec names one (the paper's w = 128); with
@@ -47,6 +47,11 @@ class MethodConfig:
     (``SpecError`` naming the field); subclasses add range checks in :meth:`check`."""
 
     method: ClassVar[str] = ""
+    # Method-specific training behaviours the method takes part in, read generically by
+    # retrofit.train (never by testing the method's name). Known ones:
+    # "window_dropout": its layers have a sliding-window branch that ``train.window_dropout`` drops
+    # for whole sequences (the layer sets p(window) = 0 while ``window_dropout`` > 0 in training).
+    capabilities: ClassVar[frozenset[str]] = frozenset()
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -56,6 +61,13 @@ class MethodConfig:
 
     def check(self) -> None:
         """Range checks beyond the types (raise ``SpecError`` with what to use instead)."""
+
+    def check_capability(self, capability: str) -> None:
+        """Raise ``SpecError`` unless this config can take part in ``capability`` (one of
+        :attr:`capabilities`); subclasses add the reasons a declared one cannot apply."""
+        if capability not in self.capabilities:
+            raise SpecError(f"method {self.method!r} has no {capability} (its capabilities: "
+                            f"{', '.join(sorted(self.capabilities)) or 'none'})")
 
     def resolved(self, model_config: Any, layers: Any) -> "MethodConfig":
         """A copy with model-dependent defaults made concrete (what a checkpoint records)."""
@@ -185,6 +197,12 @@ def _load_methods() -> None:
 def available_methods() -> list[str]:
     _load_methods()
     return sorted(_METHODS)
+
+
+def registered_method(name: str) -> MethodInfo | None:
+    """The method registered under ``name``, or None (no error: layers of unregistered toy classes)."""
+    _load_methods()
+    return _METHODS.get(name)
 
 
 def get_method(name: str) -> MethodInfo:

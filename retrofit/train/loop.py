@@ -251,8 +251,9 @@ class _Run:
         self.dropout_layers = dropout_layers(model) if r.train.window_dropout > 0 else []
         if r.train.window_dropout > 0 and not self.dropout_layers:
             raise SpecError(f"train.window_dropout={r.train.window_dropout} drops the sliding-window branch of "
-                            f"Macchiato layers, but {r.model.name} has no Macchiato layer with latent states "
-                            "(set train.window_dropout=0, or convert with method macchiato and latents > 0)")
+                            f"converted layers, but {r.model.name} has no converted layer with a window branch to drop "
+                            "(set train.window_dropout=0, or convert with a method that has one: macchiato with "
+                            "latents > 0)")
         if "attention" in self.objective.weights:
             from retrofit.surgery.distill import converted_modules
 

@@ -229,13 +229,8 @@ class Recipe:
         if not (math.isfinite(t.window_dropout_until) and 0.0 < t.window_dropout_until <= 1.0):
             raise SpecError(f"train.window_dropout_until must be in (0, 1] (the fraction of the steps over which "
                             f"the drop probability decays to 0), got {t.window_dropout_until}")
-        method = self.conversion.get("method") if isinstance(self.conversion, dict) else None
-        if t.window_dropout > 0 and method not in (None, "macchiato"):
-            raise SpecError(f"train.window_dropout drops Macchiato's sliding-window branch; conversion.method is "
-                            f"{method!r}, which has none (set train.window_dropout=0)")
-        if t.window_dropout > 0 and method == "macchiato" and self.conversion.get("latents", 1) == 0:
-            raise SpecError("train.window_dropout needs latent states to carry the output when the window branch "
-                            "is dropped; conversion.latents is 0")
+        if t.window_dropout > 0:
+            self._check_window_dropout()
         if self.stages:
             stage_recipes(self)  # every stage validated now, before any weight is loaded
         if self.deepspeed.zero_stage is not None and self.deepspeed.zero_stage not in (0, 1, 2, 3):
@@ -244,6 +239,21 @@ class Recipe:
             raise SpecError("data.holdout_last needs local data.files (a streamed hub dataset has no file order)")
         self._check_output_outside_data()
         return self
+
+    def _check_window_dropout(self) -> None:
+        """The conversion's method declares the ``window_dropout`` capability and its config allows it
+        (an empty conversion: the model is converted already, checked when it is loaded)."""
+        from retrofit.layers.method import registered_method
+        from retrofit.surgery.spec import ConversionSpec
+        from retrofit.train.window_dropout import WINDOW_DROPOUT
+
+        conversion = self.conversion if isinstance(self.conversion, dict) else {}
+        method = conversion.get("method")
+        info = registered_method(method or ConversionSpec.DEFAULT_METHOD)
+        if info is None or WINDOW_DROPOUT not in info.config.capabilities:
+            raise SpecError(f"train.window_dropout drops a converted layer's sliding-window branch; conversion.method "
+                            f"is {method!r}, which has none (set train.window_dropout=0)")
+        ConversionSpec.from_dict(conversion).config.check_capability(WINDOW_DROPOUT)
 
     def _check_output_outside_data(self) -> None:
         """``checkpoint.output_dir`` is not a data folder nor inside one: the next run would read the

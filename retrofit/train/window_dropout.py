@@ -1,10 +1,11 @@
-"""Scheduled sliding-window dropout (``train.window_dropout``) for Macchiato layers.
+"""Scheduled sliding-window dropout (``train.window_dropout``) for hybrid layers with a window branch.
 
 A hybrid trained with its sliding-window branch always present learns to lean on it and leaves the
 linear (latent) branch nearly unused ("component collapse"; Benfeghoul et al. 2025, "Paying
 Attention to Hybrid Attention"). Their remedy: suppress the softmax branch at random during
-training. Here, at optimizer step ``s`` of ``S``, every converted Macchiato layer drops its window
-branch (p(0|t) = 0 at every token) for each sequence with probability
+training. Here, at optimizer step ``s`` of ``S``, every converted layer whose method declares the
+``window_dropout`` capability (``MethodConfig.capabilities``; Macchiato with latent states) drops
+its window branch (p(0|t) = 0 at every token) for each sequence with probability
 
     p_s = p0 * max(0, 1 - s / (until * S))
 
@@ -20,7 +21,9 @@ from torch import nn
 
 from retrofit.surgery.distill import converted_modules
 
-__all__ = ["dropout_layers", "set_window_dropout", "window_dropout_at"]
+__all__ = ["WINDOW_DROPOUT", "dropout_layers", "set_window_dropout", "window_dropout_at"]
+
+WINDOW_DROPOUT = "window_dropout"  # the capability a method declares to take part
 
 
 def window_dropout_at(step: int, total_steps: int, p0: float, until: float = 1.0) -> float:
@@ -32,8 +35,8 @@ def window_dropout_at(step: int, total_steps: int, p0: float, until: float = 1.0
 
 
 def dropout_layers(model: nn.Module) -> list[nn.Module]:
-    """The converted layers with a window branch to drop: Macchiato with latent states (L_h > 0)."""
-    return [m for m in converted_modules(model) if m.method == "macchiato" and m.latents_per_head > 0]
+    """The converted layers with a window branch to drop (``layer.supports("window_dropout")``)."""
+    return [m for m in converted_modules(model) if m.supports(WINDOW_DROPOUT)]
 
 
 def set_window_dropout(layers: Iterable[nn.Module], p: float, *, seed: int = 0, step: int = 0, rank: int = 0) -> None:

@@ -2,10 +2,15 @@
 schedule, the draws, and the recipe's wiring and errors."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
 from retrofit.errors import SpecError
+from retrofit.layers import MacchiatoAttention, MacchiatoConfig
+from retrofit.layers.method import register_method
+from retrofit.surgery.distill import converted_modules
 from retrofit.surgery import ConversionSpec, convert
 from retrofit.train import train
 from retrofit.train.metrics import read_metrics
@@ -108,7 +113,7 @@ def test_recipe_errors(tmp_path, train_keys, conversion, message):
 def test_a_model_without_latent_states_is_refused_before_training(books, tmp_path):
     model = tiny.save_converted(tmp_path / "no-latents", latents=0)
     recipe = recipe_from_dict(tiny.recipe_dict(model, books, tmp_path / "out", train={"window_dropout": 0.5}))
-    with pytest.raises(SpecError, match="has no Macchiato layer with latent states"):
+    with pytest.raises(SpecError, match="has no converted layer with a window branch to drop"):
         train(recipe)
     assert not (tmp_path / "out" / "final").exists()
 
@@ -123,3 +128,51 @@ def test_training_logs_the_schedule_and_dropping_changes_the_updates(converted_d
     assert "window_dropout" not in read_metrics(tmp_path / "plain" / "metrics.jsonl", "train")[0]
     assert dropped.history[0]["loss"] != pytest.approx(plain.history[0]["loss"], rel=1e-6)  # step 1 had no window
     assert dropped.history[2]["loss"] != pytest.approx(plain.history[2]["loss"], rel=1e-6)  # other weights by then
+
+
+# ---- window dropout is a capability a method declares, not a method name
+@dataclass
+class _AliasConfig(MacchiatoConfig):
+    method = "macchiato-alias-test"  # declares window_dropout (inherited) under another name
+
+
+@dataclass
+class _NoDropConfig(MacchiatoConfig):
+    method = "macchiato-nodrop-test"
+    capabilities = frozenset()
+
+
+class _AliasAttention(MacchiatoAttention):
+    method = "macchiato-alias-test"
+
+
+class _NoDropAttention(MacchiatoAttention):
+    method = "macchiato-nodrop-test"
+
+
+def _builder(cls):
+    def build(original, patch, spec, layer_idx, generator):
+        return cls(original, patch, window=spec.config.window, latents=spec.config.latents, generator=generator)
+    return build
+
+
+register_method("macchiato-alias-test", _builder(_AliasAttention), config=_AliasConfig, overwrite=True)
+register_method("macchiato-nodrop-test", _builder(_NoDropAttention), config=_NoDropConfig, overwrite=True)
+
+
+def test_the_declared_capability_decides_which_layers_drop_their_window(tmp_path):
+    keys = dict(window=8, latents=8)
+    alias = convert(tiny_model("llama"), ConversionSpec(method="macchiato-alias-test", **keys))
+    assert dropout_layers(alias) == converted_modules(alias) and len(dropout_layers(alias)) == 2
+    nodrop = convert(tiny_model("llama"), ConversionSpec(method="macchiato-nodrop-test", **keys))
+    assert dropout_layers(nodrop) == []
+
+    def recipe(conversion):
+        return recipe_from_dict(tiny.recipe_dict(tmp_path / "m", tmp_path / "d", tmp_path / "out",
+                                                 train={"window_dropout": 0.5}, conversion=conversion))
+
+    recipe({"method": "macchiato-alias-test", **keys}).validate()
+    with pytest.raises(SpecError, match="conversion.method is 'macchiato-nodrop-test', which has none"):
+        recipe({"method": "macchiato-nodrop-test", **keys}).validate()
+    with pytest.raises(SpecError, match="conversion.latents is 0"):
+        recipe({"method": "macchiato-alias-test", "window": 8, "latents": 0}).validate()
