@@ -11,6 +11,10 @@ Forward contract (what transformers 5.x decoder layers call)::
     forward(hidden_states (B, T, hidden), position_embeddings=(cos, sin), attention_mask=None,
             past_key_values=None, **kwargs) -> (attn_output (B, T, hidden), None)
 
+:meth:`RetrofitAttention.forward` is written once here: the family's q, k, v, the new tokens'
+padding flags and the layer's cache entry, then the method's :meth:`~RetrofitAttention.attend`
+(the only part a method writes), then the pretrained output projection.
+
 ``attention_mask`` is what the ``"retrofit"`` mask function produces: ``None`` (no padding) or
 the 2D bool key padding mask ``(B, past + T)``; a converted layer never needs a T x T mask.
 
@@ -33,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from retrofit.layers.cache import RetrofitLayerCache
+from retrofit.layers.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.method import registered_method
 from retrofit.ops import sliding_window_attention
 
@@ -67,6 +71,56 @@ class RetrofitAttention(nn.Module):
             self.add_module(name, child)
         self.distill_mode: str | None = None
         self.transfer_loss: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        """Args:
+            hidden_states: ``(B, T, hidden)``.
+            position_embeddings: ``(cos, sin)`` from the decoder's rotary embedding, ``(B, T, rotary_dim)`` each.
+            attention_mask: None or the 2D key padding mask ``(B, past + T)`` (the ``"retrofit"`` mask).
+            past_key_values: a transformers ``Cache`` (decoding) or None.
+
+        Returns:
+            ``(attn_output (B, T, hidden), None)``.
+        """
+        q, k, v = self.patch.project_qkv(self, hidden_states, position_embeddings)
+        valid = self.key_padding(attention_mask, hidden_states.shape[1])
+        cache = layer_cache(past_key_values, self.layer_idx, self.new_cache_layer)
+        out = self.attend(q, k, v, valid, cache, hidden_states=hidden_states, position_embeddings=position_embeddings)
+        return self.patch.project_out(self, out), None
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        valid: torch.Tensor | None,
+        cache: RetrofitLayerCache | None,
+        *,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """The method's attention over the pretrained projections (what each method writes).
+
+        Args:
+            q: ``(B, Hq, T, d)`` queries as the family builds them (q norm, RoPE).
+            k: ``(B, Hkv, T, d)`` keys (k norm, RoPE); v: ``(B, Hkv, T, D)`` values.
+            valid: ``(B, T)`` bool, False at padding; None: no padding.
+            cache: this layer's decoding-cache entry (from :meth:`new_cache_layer`), None without a cache.
+            hidden_states: ``(B, T, hidden)``, for methods with projections of their own.
+            position_embeddings: ``(cos, sin)`` as passed to :meth:`forward`.
+
+        Returns:
+            ``(B, Hq, T, D)`` per-head outputs, before the pretrained output projection.
+        """
+        raise NotImplementedError
 
     # ------------------------------------------------------------------ distillation
     def __call__(self, *args: Any, **kwargs: Any):

@@ -28,7 +28,7 @@ from torch import nn
 
 from retrofit.errors import SpecError
 
-from retrofit.layers.cache import RetrofitLayerCache, layer_cache
+from retrofit.layers.cache import RetrofitLayerCache
 from retrofit.layers.base import RetrofitAttention
 from retrofit.layers.method import MethodConfig, opt, register_method
 from retrofit.ops import exp_linear_attention, exp_linear_attention_step, repeat_kv_heads
@@ -62,24 +62,15 @@ class ExpLinearAttention(RetrofitAttention):
     def new_cache_layer(self) -> RetrofitLayerCache:
         return RetrofitLayerCache(window=0)
 
-    def features(self, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Log-features ``sqrt(c) q``, ``sqrt(c) k`` ``(B, Hq, T, d)`` and values ``(B, Hq, T, D)``."""
-        q, k, v = self.patch.project_qkv(self, hidden_states, position_embeddings)
+    def features(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-features ``sqrt(c) q``, ``sqrt(c) k`` ``(B, Hq, T, d)`` and values ``(B, Hq, T, D)`` (k, v repeated
+        over their query group) from the pretrained ``q`` ``(B, Hq, T, d)``, ``k``, ``v`` ``(B, Hkv, T, d)``."""
         s = self.feature_scale
         return q * s, repeat_kv_heads(k, self.num_heads) * s, repeat_kv_heads(v, self.num_heads)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values: Any = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
-        B, T, _ = hidden_states.shape
-        q, k, v = self.features(hidden_states, position_embeddings)
-        valid = self.key_padding(attention_mask, T)
-        cache = layer_cache(past_key_values, self.layer_idx, self.new_cache_layer)
+    def attend(self, q, k, v, valid, cache, *, hidden_states, position_embeddings):
+        T = q.shape[2]
+        q, k, v = self.features(q, k, v)
         if cache is None:
             out, _ = exp_linear_attention(q, k, v, chunk_size=self.chunk_size, key_padding_mask=valid)
         elif T == 1 and cache.state is not None:
@@ -94,7 +85,7 @@ class ExpLinearAttention(RetrofitAttention):
                 initial_state=cache.state, output_final_state=True,
             )
             cache.store(None, None, None, state, T)
-        return self.patch.project_out(self, out.to(v.dtype)), None
+        return out.to(v.dtype)
 
 
 # ---------------------------------------------------------------------- method registration

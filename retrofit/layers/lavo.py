@@ -54,7 +54,7 @@ from torch import nn
 
 from retrofit.errors import SpecError
 
-from retrofit.layers.cache import RetrofitLayerCache, layer_cache
+from retrofit.layers.cache import RetrofitLayerCache
 from retrofit.layers.base import RetrofitAttention
 from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, register_method, resolve_window
 from retrofit.ops import lavo_attention
@@ -197,19 +197,9 @@ class LavoAttention(RetrofitAttention):
         cos, sin = position_embeddings
         return self.patch.rotary_fn(q, k, cos, -sin)[0]
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values: Any = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
-        B, T, _ = hidden_states.shape
-        q, k, v = self.patch.project_qkv(self, hidden_states, position_embeddings)
+    def attend(self, q, k, v, valid, cache, *, hidden_states, position_embeddings):
+        B, T = q.shape[0], q.shape[2]
         qg = self.global_query(q, k, position_embeddings)
-        valid = self.key_padding(attention_mask, T)
-        cache = layer_cache(past_key_values, self.layer_idx, self.new_cache_layer)
         params = self.lavo
         closed = self.latent_path_closed
         kw = dict(
@@ -219,7 +209,7 @@ class LavoAttention(RetrofitAttention):
         )
         if cache is None:
             out, _ = lavo_attention(q, k, v, params.bases, key_padding_mask=valid, **kw)
-            return self.patch.project_out(self, out), None
+            return out
 
         if valid is None:
             valid = torch.ones(B, T, dtype=torch.bool, device=q.device)
@@ -234,7 +224,7 @@ class LavoAttention(RetrofitAttention):
             initial_state=cache.state, output_final_state=True, **kw,
         )
         cache.store(k_all, v_all, valid_all, state, T)
-        return self.patch.project_out(self, out), None
+        return out
 
     def extra_repr(self) -> str:
         return (

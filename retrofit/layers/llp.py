@@ -30,7 +30,7 @@ from torch import nn
 
 from retrofit.errors import SpecError
 
-from retrofit.layers.cache import RetrofitLayerCache, layer_cache
+from retrofit.layers.cache import RetrofitLayerCache
 from retrofit.layers.base import RetrofitAttention
 from retrofit.layers.method import MethodConfig, opt, register_method
 from retrofit.ops import llp_attention, llp_attention_cached
@@ -83,25 +83,14 @@ class LLPAttention(RetrofitAttention):
     def new_cache_layer(self) -> LLPLayerCache:
         return LLPLayerCache(window=0)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values: Any = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
-        T = hidden_states.shape[1]
-        q, k, v = self.patch.project_qkv(self, hidden_states, position_embeddings)
-        valid = self.key_padding(attention_mask, T)
-        cache = layer_cache(past_key_values, self.layer_idx, self.new_cache_layer)
+    def attend(self, q, k, v, valid, cache, *, hidden_states, position_embeddings):
         kw = dict(scaling=self.scaling, softcap=self.softcap, key_padding_mask=valid)
         if cache is None:
             out = llp_attention(q, k, v, self.segment, **kw)
         else:
             out, state = llp_attention_cached(q, k, v, self.segment, cache.state, **kw)
-            cache.store(None, None, None, state, T)
-        return self.patch.project_out(self, out), None
+            cache.store(None, None, None, state, q.shape[2])
+        return out
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, segment={self.segment}"

@@ -36,7 +36,7 @@ from torch import nn
 
 from retrofit.errors import SpecError
 from retrofit.layers.base import RetrofitAttention
-from retrofit.layers.cache import RetrofitLayerCache, layer_cache
+from retrofit.layers.cache import RetrofitLayerCache
 from retrofit.layers.conv import CausalDepthwiseConv
 from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, register_method, resolve_window
 from retrofit.ops import LatteState, capped_sink_keys, capped_sinks, first_valid, macchiato_attention, macchiato_slot_step
@@ -409,22 +409,12 @@ class MacchiatoAttention(RetrofitAttention):
         state0 = torch.where(drop, torch.full_like(mix[..., 0], -SATURATED_LOGIT), mix[..., 0])
         return torch.cat([state0.unsqueeze(-1), mix[..., 1:]], dim=-1)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        attention_mask: torch.Tensor | None = None,
-        past_key_values: Any = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
-        B, T, _ = hidden_states.shape
-        q, k, v = self.patch.project_qkv(self, hidden_states, position_embeddings)
-        valid = self.key_padding(attention_mask, T)
-        cache = layer_cache(past_key_values, self.layer_idx, self.new_cache_layer)
+    def attend(self, q, k, v, valid, cache, *, hidden_states, position_embeddings):
+        B, T = q.shape[0], q.shape[2]
         mix, lat, tail = self._mixing(hidden_states, valid, cache.conv_tail if cache is not None else None)
 
         if self._takes_slot_step(T, cache):
-            return self._slot_step(q, k, v, mix, lat, tail, valid, cache), None
+            return self._slot_step(q, k, v, mix, lat, tail, valid, cache)
         if valid is None and cache is not None:
             valid = torch.ones(B, T, dtype=torch.bool, device=q.device)
         k_all, v_all, valid_all, num_past = k, v, valid, 0
@@ -454,7 +444,7 @@ class MacchiatoAttention(RetrofitAttention):
         )
         if cache is not None:
             cache.store(k_all, v_all, valid_all, state, T, tail, sinks=sinks)
-        return self.patch.project_out(self, out), None
+        return out
 
     def _takes_slot_step(self, T: int, cache: MacchiatoLayerCache | None) -> bool:
         """Decoding one token after a prefill, with the sinks (if any) all known: the slot path."""
@@ -463,7 +453,7 @@ class MacchiatoAttention(RetrofitAttention):
         return not self.sinks or cache.sinks_full
 
     def _slot_step(self, q, k, v, mix, lat, tail, valid, cache: MacchiatoLayerCache) -> torch.Tensor:
-        """One token through the cache's in-place window slots (no per-step window copies)."""
+        """One token through the cache's in-place window slots (no per-step window copies): ``(B, Hq, 1, D)``."""
         cache.enter_slots()
         cache.write_slot(k, v, valid)
         slot_k, slot_v, allowed = cache.slots()
@@ -475,7 +465,7 @@ class MacchiatoAttention(RetrofitAttention):
             q, slot_k, slot_v, allowed, v, mix, lat, cache.state, valid=valid, scaling=self.scaling, softcap=self.softcap
         )
         cache.advance(state, tail)
-        return self.patch.project_out(self, out)
+        return out
 
     def extra_repr(self) -> str:
         return (
