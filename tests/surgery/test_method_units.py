@@ -2,7 +2,8 @@
 
 Flags and recipe keys derived from the method configs, inapplicable keys as errors, every
 default written once, records of earlier versions still loading, and a method defined in this
-test module converting / saving / loading with no edit anywhere else.
+test module (docs/extending.md's worked example) converting, saving, loading, training one step
+and generating with no edit anywhere else.
 """
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import ast
 import dataclasses
 import inspect
 import json
+import sys
+import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from retrofit.layers import (
     DEFAULT_WINDOW, ExpLinearAttention, ExpLinearConfig, LavoAttention, LavoConfig, LLPAttention, LLPConfig,
     MacchiatoAttention, MacchiatoConfig, RetrofitAttention,
 )
+from retrofit.layers.cache import RetrofitCache, RetrofitLayerCache, cache_keyword
 from retrofit.layers.method import MethodConfig, get_method, opt, register_method
 from retrofit.surgery import ConversionSpec, available_methods, convert, converted_layers, new_parameter_names, save
 from retrofit.surgery.checkpoint import spec_from_record
@@ -194,9 +198,17 @@ def test_an_edited_old_record_still_fails_its_digest(tmp_path):
 
 
 # ---------------------------------------------------------------------- a method from outside
+# The same toy as docs/extending.md's worked example (there named "gain"): one config, one layer with
+# a recurrent state of its own, one builder, one register_method line. Nothing else is edited.
+@dataclass
+class MeanState:
+    total: torch.Tensor  # (B, Hkv, D) sum of the real values so far
+    count: torch.Tensor  # (B,) how many
+
+
 @dataclass
 class GainConfig(MethodConfig):
-    """A toy method's config: output = o_proj(gain * v)."""
+    """A toy method's config: output = o_proj(gain * running mean of v)."""
 
     method = "gain-test"
     gain: float = opt(1.0, "initial output gain")
@@ -216,17 +228,25 @@ class GainAttention(RetrofitAttention):
         self.gain = torch.nn.Linear(1, 1, bias=False)
         torch.nn.init.constant_(self.gain.weight, gain)
 
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None, **kw):
-        q, k, v = self.patch.project_qkv(self, hidden_states, position_embeddings)
-        v = v.repeat_interleave(self.num_heads // self.num_kv_heads, 1) * self.gain.weight[0, 0]
-        return self.patch.project_out(self, v), None
+    def new_cache_layer(self) -> RetrofitLayerCache:
+        return RetrofitLayerCache()  # holds a MeanState; no key window
+
+    def attend(self, q, k, v, valid, cache, *, hidden_states, position_embeddings):
+        w = torch.ones_like(v[:, 0, :, 0]) if valid is None else valid.to(v.dtype)  # (B, T)
+        total, count = (v * w[:, None, :, None]).cumsum(2), w.cumsum(1)
+        if cache is not None and cache.state is not None:
+            total, count = total + cache.state.total[:, :, None], count + cache.state.count[:, None]
+        if cache is not None:
+            cache.store(None, None, None, MeanState(total[:, :, -1], count[:, -1]), num_new=v.shape[2])
+        mean = total / count.clamp_min(1)[:, None, :, None]
+        return (self.gain.weight[0, 0] * mean).repeat_interleave(self.num_heads // self.num_kv_heads, 1)
 
 
 def build_gain(original, patch, spec, layer_idx, generator):
     return GainAttention(original, patch, gain=spec.config.gain)
 
 
-register_method("gain-test", build_gain, config=GainConfig, description="test: o_proj(gain * v)", overwrite=True)
+register_method("gain-test", build_gain, config=GainConfig, description="test: o_proj(gain * mean of v)", overwrite=True)
 
 
 def test_a_method_registered_from_a_test_module_converts_saves_and_loads(tmp_path, capsys):
@@ -247,3 +267,50 @@ def test_a_method_registered_from_a_test_module_converts_saves_and_loads(tmp_pat
     ids = torch.randint(3, 200, (1, 9))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model.eval()(ids).logits)
+
+
+def test_a_method_registered_from_a_test_module_trains_and_generates(tmp_path):
+    """convert -> one training step (the training pipeline, new weights only) -> generate with the
+    constant-memory cache, which holds the toy's own state and equals decoding without a cache."""
+    from retrofit.train import train
+    from retrofit.train.recipe import recipe_from_dict
+    from tests.train import tiny
+
+    base = tiny.save_base(tmp_path / "base")
+    books = tiny.write_books(tmp_path / "books", n=3, chars=4_000)
+    recipe = recipe_from_dict(tiny.recipe_dict(
+        base, books, tmp_path / "run", conversion={"method": "gain-test", "gain": 2.0},
+        train={"max_steps": 1, "lr": 1e-1, "warmup_steps": 0, "gradient_checkpointing": False},
+        checkpoint={"save_every": 1}, eval={"sequences": 0},
+    ))
+    result = train(recipe)
+    assert result.counts.trainable == 2  # one gain per converted layer, nothing else
+    loaded = retrofit.load(result.final_dir).eval()
+    attn = loaded.model.layers[0].self_attn
+    assert isinstance(attn, GainAttention) and attn.gain.weight.item() != 2.0  # the step moved it
+
+    ids = torch.randint(3, 200, (2, 7))
+    with torch.no_grad():
+        cached = loaded.generate(ids, max_new_tokens=6, do_sample=False, use_cache=True)
+        uncached = loaded.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False)
+        cache = RetrofitCache(loaded)
+        loaded(cached[:, :-1], **{cache_keyword(loaded.forward): cache}, use_cache=True)
+    assert cached.shape == (2, 13) and torch.equal(cached, uncached)
+    entry = cache.layers[0]
+    assert isinstance(entry.state, MeanState) and entry.state.count.tolist() == [12.0, 12.0]
+    assert entry.memory_bytes() == sum(t.numel() * t.element_size() for t in (entry.state.total, entry.state.count))
+
+
+def test_the_docs_worked_example_is_this_toy(monkeypatch):
+    """docs/extending.md's example runs as written and computes what GainAttention above computes."""
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "extending.md").read_text()
+    block = doc.split("# my_methods/gain.py\n", 1)[1].split("```", 1)[0]
+    block = block.replace('method = "gain"', 'method = "gain-docs"').replace('register_method("gain"', 'register_method("gain-docs"')
+    module = types.ModuleType("docs_gain")  # dataclasses look their module up in sys.modules
+    monkeypatch.setitem(sys.modules, "docs_gain", module)
+    exec(compile(block, "docs/extending.md", "exec"), module.__dict__)
+    assert get_method("gain-docs").config is module.GainConfig
+    ids = torch.randint(3, 200, (2, 9))
+    models = [convert(tiny_model("llama"), ConversionSpec(method=m, gain=1.5)).eval() for m in ("gain-docs", "gain-test")]
+    with torch.no_grad():
+        torch.testing.assert_close(models[0](ids).logits, models[1](ids).logits, rtol=0, atol=0)
