@@ -47,7 +47,37 @@ DISTILL_MODES = (None, "teacher", "transfer")
 
 
 class RetrofitAttention(nn.Module):
-    """Holds the pretrained projections of one attention layer plus a method's new weights."""
+    """Holds the pretrained projections of one attention layer plus a method's new weights.
+
+    A method subclasses it and writes :meth:`attend` (and, when it keeps more than a recurrent
+    state and a key window, :meth:`new_cache_layer`); :meth:`forward` is shared.
+
+    Args:
+        original: the pretrained attention module; the submodules the patch names (``q_proj``,
+            ``k_proj``, ``v_proj`` or ``qkv_proj``, ``o_proj``, q/k norms) move into this layer.
+        patch: the family patch (:func:`retrofit.patches.get_patch`): q, k, v and the output
+            projection for that family, its scaling, soft-cap and native window.
+
+    Returns:
+        Called as ``layer(hidden_states (B, T, hidden), position_embeddings=(cos, sin),
+        attention_mask=None | (B, past + T), past_key_values=None | Cache)``:
+        ``(attn_output (B, T, hidden), None)``.
+
+    Example::
+
+        >>> import torch, retrofit
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from retrofit.layers import RetrofitAttention
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
+        ...                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+        >>> model = retrofit.convert(model, retrofit.ConversionSpec(method="llp", segment=8))
+        >>> attn = model.model.layers[0].self_attn
+        >>> isinstance(attn, RetrofitAttention), attn.method, attn.new_parameter_names()
+        (True, 'llp', [])
+        >>> x = torch.randn(1, 12, 64)
+        >>> attn.original_attention(x, model.model.rotary_emb(x, torch.arange(12)[None])).shape
+        torch.Size([1, 12, 64])
+    """
 
     is_retrofit_attention = True
     method: str = ""

@@ -232,6 +232,25 @@ class RetrofitCache(DynamicCache):
 
     ``RetrofitCache(model)``: converted attention modules (``is_retrofit_attention``) supply
     their layer cache via ``new_cache_layer()``; other layers get what ``DynamicCache`` would.
+
+    Args:
+        model: a (partly) converted model; its config sizes the softmax layers' entries.
+        offloading: as ``DynamicCache``'s (softmax layers only; converted entries stay on device).
+
+    Example::
+
+        >>> import torch, retrofit
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from retrofit.layers.cache import RetrofitCache, cache_keyword
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
+        ...                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+        >>> model = retrofit.convert(model, retrofit.ConversionSpec(window=8, latents=8, layers=[1]))
+        >>> cache = RetrofitCache(model)
+        >>> [type(layer).__name__ for layer in cache.layers]
+        ['DynamicLayer', 'MacchiatoLayerCache']
+        >>> _ = model(torch.randint(0, 64, (1, 20)), **{cache_keyword(model.forward): cache}, use_cache=True)
+        >>> cache.get_seq_length(), cache.layers[1].buffered  # the converted layer keeps w - 1 keys
+        (20, 7)
     """
 
     def __init__(self, model: nn.Module, offloading: bool = False):

@@ -13,7 +13,25 @@ __all__ = ["CausalDepthwiseConv"]
 
 
 class CausalDepthwiseConv(nn.Module):
-    """``(B, T, C) -> (B, T, C)``; carries the last ``K - 1`` inputs between calls for decoding."""
+    """``(B, T, C) -> (B, T, C)``; carries the last ``K - 1`` inputs between calls for decoding.
+
+    Args:
+        channels: ``C``, the input's last dimension.
+        kernel_size: ``K`` taps (the last one multiplies ``x_t``; identity at initialisation).
+
+    Returns:
+        Called as ``conv(x (B, T, C), tail (B, K - 1, C) | None)``: ``(y (B, T, C), new tail (B, K - 1, C))``.
+
+    Example::
+
+        >>> import torch
+        >>> from retrofit.layers import CausalDepthwiseConv
+        >>> conv = CausalDepthwiseConv(channels=6, kernel_size=3)
+        >>> x = torch.randn(2, 5, 6)
+        >>> y, tail = conv(x)
+        >>> torch.equal(y, x), tail.shape  # the identity at initialisation
+        (True, torch.Size([2, 2, 6]))
+    """
 
     def __init__(self, channels: int, kernel_size: int, *, device=None, dtype=None):
         super().__init__()

@@ -49,7 +49,32 @@ class ExpLinearConfig(MethodConfig):
 
 
 class ExpLinearAttention(RetrofitAttention):
-    """Pretrained attention with the softmax kernel replaced by exp feature maps."""
+    """Pretrained attention with the softmax kernel replaced by exp feature maps (no new weights).
+
+    Args:
+        original: the pretrained attention module (its projections and norms move into this layer).
+        patch: the family patch (:func:`retrofit.patches.get_patch`) that builds q, k, v for it.
+        chunk_size: chunk length of the chunked linear-attention scan.
+
+    Returns:
+        Called as ``layer(hidden_states (B, T, hidden), position_embeddings=(cos, sin),
+        attention_mask=None | (B, past + T), past_key_values=None | Cache)``:
+        ``(attn_output (B, T, hidden), None)`` (see :meth:`RetrofitAttention.forward`).
+
+    Example::
+
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from retrofit.patches import get_patch
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
+        ...                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+        >>> x = torch.randn(1, 12, 64)  # (B, T, hidden)
+        >>> cos_sin = model.model.rotary_emb(x, torch.arange(12)[None])
+        >>> from retrofit.layers import ExpLinearAttention
+        >>> attn = ExpLinearAttention(model.model.layers[0].self_attn, get_patch(model))
+        >>> attn(x, position_embeddings=cos_sin)[0].shape
+        torch.Size([1, 12, 64])
+    """
 
     method = "exp-linear"
     new_module_names = ()

@@ -95,7 +95,27 @@ class LavoConfig(MethodConfig):
 
 
 class LavoParameters(nn.Module):
-    """The new weights of one LAVO layer: bases ``(Hq, r, d)``, rel_bias ``(Hq, w)``, gate ``(Hq,)``."""
+    """The new weights of one LAVO layer: bases ``(Hq, r, d)``, rel_bias ``(Hq, w)``, gate ``(Hq,)``.
+
+    Args:
+        heads: query heads ``Hq``.
+        bases: orthonormal bases ``r`` per head (``r <= head_dim``).
+        head_dim: ``d``.
+        window: local window ``w`` (the relative bias has one value per distance).
+        relative_bias: keep ``rel_bias`` (off: None).
+        learn_gate: the gate is a parameter (off: a buffer).
+
+    Returns:
+        Holds weights only (no forward); :meth:`global_weight` gives ``g = sigmoid(gate)`` ``(Hq,)`` in fp32.
+
+    Example::
+
+        >>> from retrofit.layers.lavo import LavoParameters
+        >>> p = LavoParameters(heads=4, bases=8, head_dim=16, window=32, relative_bias=True, learn_gate=True)
+        >>> p.reset_parameters(global_weight=0.5)
+        >>> p.bases.shape, p.rel_bias.shape, p.global_weight().tolist()
+        (torch.Size([4, 8, 16]), torch.Size([4, 32]), [0.5, 0.5, 0.5, 0.5])
+    """
 
     def __init__(self, heads: int, bases: int, head_dim: int, window: int, *, relative_bias: bool, learn_gate: bool, device=None, dtype=None):
         super().__init__()
@@ -138,11 +158,56 @@ class LavoLayerCache(RetrofitLayerCache):
 
     Args:
         window: the local window ``w`` in tokens.
+
+    Example::
+
+        >>> import torch, retrofit
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
+        ...                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+        >>> model = retrofit.convert(model, retrofit.ConversionSpec(method="lavo", window=4, bases=8))
+        >>> from retrofit.layers.cache import output_cache
+        >>> out = model(torch.randint(0, 64, (1, 10)), use_cache=True)  # its DynamicCache adopts the entry
+        >>> entry = output_cache(out).layers[0]
+        >>> type(entry).__name__, entry.buffered, entry.state.committed.shape  # w - 1 keys; (B, Hq, r)
+        ('LavoLayerCache', 3, torch.Size([1, 4, 8]))
     """
 
 
 class LavoAttention(RetrofitAttention):
-    """Pretrained attention as LAVO's local branch + a new orthogonal-memory global branch."""
+    """Pretrained attention as LAVO's local branch + a new orthogonal-memory global branch.
+
+    Args:
+        original: the pretrained attention module (its projections and norms move into this layer).
+        patch: the family patch (:func:`retrofit.patches.get_patch`) that builds q, k, v for it.
+        window: local window ``w`` in tokens.
+        bases: orthonormal bases ``r`` per query head, ``1 <= r <= head_dim`` (None: min(64, head_dim)).
+        global_weight: initial ``g`` of ``(1 - g) local + g global``, in [0, 1) (0 only with a fixed gate).
+        learn_global_weight: train ``g`` (off: a fixed buffer).
+        relative_bias: the relative position bias ``(Hq, w)`` on the local branch.
+        dissect: memory of the complete windows before the query's own (off: every past token).
+        memory_scaling: read temperature of the memory (None: the pretrained scaling).
+        generator: seeds the orthogonal bases.
+
+    Returns:
+        Called as ``layer(hidden_states (B, T, hidden), position_embeddings=(cos, sin),
+        attention_mask=None | (B, past + T), past_key_values=None | Cache)``:
+        ``(attn_output (B, T, hidden), None)`` (see :meth:`RetrofitAttention.forward`).
+
+    Example::
+
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from retrofit.patches import get_patch
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
+        ...                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+        >>> x = torch.randn(1, 12, 64)  # (B, T, hidden)
+        >>> cos_sin = model.model.rotary_emb(x, torch.arange(12)[None])
+        >>> from retrofit.layers import LavoAttention
+        >>> attn = LavoAttention(model.model.layers[0].self_attn, get_patch(model), window=4, bases=8)
+        >>> attn(x, position_embeddings=cos_sin)[0].shape
+        torch.Size([1, 12, 64])
+    """
 
     method = "lavo"
     new_module_names = ("lavo",)

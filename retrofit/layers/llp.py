@@ -59,6 +59,19 @@ class LLPLayerCache(RetrofitLayerCache):
 
     Args:
         window: unused (0): the state holds the keys/values.
+
+    Example::
+
+        >>> import torch, retrofit
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
+        ...                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+        >>> model = retrofit.convert(model, retrofit.ConversionSpec(method="llp", segment=8))
+        >>> from retrofit.layers.cache import output_cache
+        >>> out = model(torch.randint(0, 64, (1, 10)), use_cache=True)  # its DynamicCache adopts the entry
+        >>> entry = output_cache(out).layers[0]
+        >>> type(entry).__name__, entry.buffered  # the previous half-segment and the current one
+        ('LLPLayerCache', 6)
     """
 
     @property
@@ -68,7 +81,32 @@ class LLPLayerCache(RetrofitLayerCache):
 
 
 class LLPAttention(RetrofitAttention):
-    """Pretrained attention restricted to the LLP overlapping half-segment pattern."""
+    """Pretrained attention restricted to the LLP overlapping half-segment pattern (no new weights).
+
+    Args:
+        original: the pretrained attention module (its projections and norms move into this layer).
+        patch: the family patch (:func:`retrofit.patches.get_patch`) that builds q, k, v for it.
+        segment: even segment length ``s``: a query sees its own half-segment of ``s / 2`` and the previous one.
+
+    Returns:
+        Called as ``layer(hidden_states (B, T, hidden), position_embeddings=(cos, sin),
+        attention_mask=None | (B, past + T), past_key_values=None | Cache)``:
+        ``(attn_output (B, T, hidden), None)`` (see :meth:`RetrofitAttention.forward`).
+
+    Example::
+
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from retrofit.patches import get_patch
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
+        ...                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+        >>> x = torch.randn(1, 12, 64)  # (B, T, hidden)
+        >>> cos_sin = model.model.rotary_emb(x, torch.arange(12)[None])
+        >>> from retrofit.layers import LLPAttention
+        >>> attn = LLPAttention(model.model.layers[0].self_attn, get_patch(model), segment=8)
+        >>> attn(x, position_embeddings=cos_sin)[0].shape
+        torch.Size([1, 12, 64])
+    """
 
     method = "llp"
     new_module_names = ()

@@ -305,7 +305,39 @@ def swa_bias(share: float, latents_per_head: int) -> float:
 
 
 class MacchiatoAttention(RetrofitAttention):
-    """Pretrained attention as a ``window``-token SWA state mixed with ``latents`` latent states."""
+    """Pretrained attention as a ``window``-token SWA state mixed with ``latents`` latent states.
+
+    Args:
+        original: the pretrained attention module (its projections and norms move into this layer).
+        patch: the family patch (:func:`retrofit.patches.get_patch`) that builds q, k, v for it.
+        window: sliding window ``w`` in tokens (keys ``t - w < s <= t``).
+        latents: latent states ``L`` over all query heads, a multiple of the heads (``L_h = L / Hq``).
+        init_swa_share: initial ``p(0|t)`` in (0, 1] (1: the latent path starts closed).
+        conv_size: causal depthwise conv size on the latent branch's input (0 or 1: none).
+        chunk_size: chunk length of the chunkwise-parallel latent scan.
+        sinks: attention sinks: the window branch also sees the first ``sinks`` real tokens.
+        sink_distance: cap on the RoPE distance to a sink (None: the base's context; 0: no cap).
+        generator: seeds the latent key initialisation.
+
+    Returns:
+        Called as ``layer(hidden_states (B, T, hidden), position_embeddings=(cos, sin),
+        attention_mask=None | (B, past + T), past_key_values=None | Cache)``:
+        ``(attn_output (B, T, hidden), None)`` (see :meth:`RetrofitAttention.forward`).
+
+    Example::
+
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from retrofit.patches import get_patch
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
+        ...                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+        >>> x = torch.randn(1, 12, 64)  # (B, T, hidden)
+        >>> cos_sin = model.model.rotary_emb(x, torch.arange(12)[None])
+        >>> from retrofit.layers import MacchiatoAttention
+        >>> attn = MacchiatoAttention(model.model.layers[0].self_attn, get_patch(model), window=8, latents=8)
+        >>> attn(x, position_embeddings=cos_sin)[0].shape
+        torch.Size([1, 12, 64])
+    """
 
     method = "macchiato"
     new_module_names = ("latent_q", "latent_k", "conv")
