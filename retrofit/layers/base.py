@@ -68,15 +68,13 @@ class RetrofitAttention(nn.Module):
         >>> import torch, retrofit
         >>> from transformers import LlamaConfig, LlamaForCausalLM
         >>> from retrofit.layers import RetrofitAttention
-        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
-        ...                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
-        >>> model = retrofit.convert(model, retrofit.ConversionSpec(method="llp", segment=8))
-        >>> attn = model.model.layers[0].self_attn
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4))
+        >>> attn = retrofit.convert(model, retrofit.ConversionSpec(method="llp", segment=8)).model.layers[0].self_attn
         >>> isinstance(attn, RetrofitAttention), attn.method, attn.new_parameter_names()
         (True, 'llp', [])
-        >>> x = torch.randn(1, 12, 64)
+        >>> x = torch.randn(1, 12, 32)  # the attention it replaced, for distillation: (B, T, hidden)
         >>> attn.original_attention(x, model.model.rotary_emb(x, torch.arange(12)[None])).shape
-        torch.Size([1, 12, 64])
+        torch.Size([1, 12, 32])
     """
 
     is_retrofit_attention = True

@@ -242,8 +242,7 @@ class RetrofitCache(DynamicCache):
         >>> import torch, retrofit
         >>> from transformers import LlamaConfig, LlamaForCausalLM
         >>> from retrofit.layers.cache import RetrofitCache, cache_keyword
-        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
-        ...                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4))
         >>> model = retrofit.convert(model, retrofit.ConversionSpec(window=8, latents=8, layers=[1]))
         >>> cache = RetrofitCache(model)
         >>> [type(layer).__name__ for layer in cache.layers]

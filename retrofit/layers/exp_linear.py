@@ -57,23 +57,19 @@ class ExpLinearAttention(RetrofitAttention):
         chunk_size: chunk length of the chunked linear-attention scan.
 
     Returns:
-        Called as ``layer(hidden_states (B, T, hidden), position_embeddings=(cos, sin),
-        attention_mask=None | (B, past + T), past_key_values=None | Cache)``:
-        ``(attn_output (B, T, hidden), None)`` (see :meth:`RetrofitAttention.forward`).
+        ``(attn_output (B, T, hidden), None)`` from a call (:meth:`RetrofitAttention.forward`).
 
     Example::
 
-        >>> import torch
-        >>> from transformers import LlamaConfig, LlamaForCausalLM
-        >>> from retrofit.patches import get_patch
-        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
-        ...                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
-        >>> x = torch.randn(1, 12, 64)  # (B, T, hidden)
-        >>> cos_sin = model.model.rotary_emb(x, torch.arange(12)[None])
         >>> from retrofit.layers import ExpLinearAttention
-        >>> attn = ExpLinearAttention(model.model.layers[0].self_attn, get_patch(model))
-        >>> attn(x, position_embeddings=cos_sin)[0].shape
-        torch.Size([1, 12, 64])
+        >>> import torch, retrofit
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4))
+        >>> model = retrofit.convert(model, retrofit.ConversionSpec(method="exp-linear"))
+        >>> model(torch.randint(0, 64, (2, 10))).logits.shape  # (B, T, vocab)
+        torch.Size([2, 10, 64])
+        >>> isinstance(model.model.layers[0].self_attn, ExpLinearAttention)
+        True
     """
 
     method = "exp-linear"

@@ -163,8 +163,7 @@ class LavoLayerCache(RetrofitLayerCache):
 
         >>> import torch, retrofit
         >>> from transformers import LlamaConfig, LlamaForCausalLM
-        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
-        ...                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4))
         >>> model = retrofit.convert(model, retrofit.ConversionSpec(method="lavo", window=4, bases=8))
         >>> from retrofit.layers.cache import output_cache
         >>> out = model(torch.randint(0, 64, (1, 10)), use_cache=True)  # its DynamicCache adopts the entry
@@ -190,23 +189,20 @@ class LavoAttention(RetrofitAttention):
         generator: seeds the orthogonal bases.
 
     Returns:
-        Called as ``layer(hidden_states (B, T, hidden), position_embeddings=(cos, sin),
-        attention_mask=None | (B, past + T), past_key_values=None | Cache)``:
-        ``(attn_output (B, T, hidden), None)`` (see :meth:`RetrofitAttention.forward`).
+        Called like every converted layer (:meth:`RetrofitAttention.forward`), ``(B, T, hidden)``
+        hidden states in, ``(attn_output (B, T, hidden), None)`` out.
 
     Example::
 
-        >>> import torch
+        >>> import retrofit
         >>> from transformers import LlamaConfig, LlamaForCausalLM
-        >>> from retrofit.patches import get_patch
-        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
-        ...                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
-        >>> x = torch.randn(1, 12, 64)  # (B, T, hidden)
-        >>> cos_sin = model.model.rotary_emb(x, torch.arange(12)[None])
         >>> from retrofit.layers import LavoAttention
-        >>> attn = LavoAttention(model.model.layers[0].self_attn, get_patch(model), window=4, bases=8)
-        >>> attn(x, position_embeddings=cos_sin)[0].shape
-        torch.Size([1, 12, 64])
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4))
+        >>> model = retrofit.convert(model, retrofit.ConversionSpec(method="lavo", window=4, bases=8))
+        >>> attn = model.model.layers[0].self_attn
+        >>> lavo = attn.lavo if isinstance(attn, LavoAttention) else None  # its new weights
+        >>> lavo.bases.shape, lavo.rel_bias.shape, lavo.global_weight().tolist()  # (Hq, r, d), (Hq, w), g
+        (torch.Size([4, 8, 8]), torch.Size([4, 4]), [0.5, 0.5, 0.5, 0.5])
     """
 
     method = "lavo"

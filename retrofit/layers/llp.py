@@ -62,12 +62,11 @@ class LLPLayerCache(RetrofitLayerCache):
 
     Example::
 
+        >>> from retrofit.layers.cache import output_cache
         >>> import torch, retrofit
         >>> from transformers import LlamaConfig, LlamaForCausalLM
-        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
-        ...                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4))
         >>> model = retrofit.convert(model, retrofit.ConversionSpec(method="llp", segment=8))
-        >>> from retrofit.layers.cache import output_cache
         >>> out = model(torch.randint(0, 64, (1, 10)), use_cache=True)  # its DynamicCache adopts the entry
         >>> entry = output_cache(out).layers[0]
         >>> type(entry).__name__, entry.buffered  # the previous half-segment and the current one
@@ -89,23 +88,21 @@ class LLPAttention(RetrofitAttention):
         segment: even segment length ``s``: a query sees its own half-segment of ``s / 2`` and the previous one.
 
     Returns:
-        Called as ``layer(hidden_states (B, T, hidden), position_embeddings=(cos, sin),
-        attention_mask=None | (B, past + T), past_key_values=None | Cache)``:
-        ``(attn_output (B, T, hidden), None)`` (see :meth:`RetrofitAttention.forward`).
+        ``(attn_output (B, T, hidden), None)`` for ``hidden_states`` ``(B, T, hidden)``; the call
+        is :meth:`RetrofitAttention.forward`'s, shared by every method, with a
+        ``position_embeddings`` pair and optionally a 2D padding mask and a cache.
 
     Example::
 
-        >>> import torch
         >>> from transformers import LlamaConfig, LlamaForCausalLM
-        >>> from retrofit.patches import get_patch
-        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
-        ...                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
-        >>> x = torch.randn(1, 12, 64)  # (B, T, hidden)
-        >>> cos_sin = model.model.rotary_emb(x, torch.arange(12)[None])
+        >>> import retrofit
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4))
         >>> from retrofit.layers import LLPAttention
-        >>> attn = LLPAttention(model.model.layers[0].self_attn, get_patch(model), segment=8)
-        >>> attn(x, position_embeddings=cos_sin)[0].shape
-        torch.Size([1, 12, 64])
+        >>> model = retrofit.convert(model, retrofit.ConversionSpec(method="llp", segment=8))
+        >>> attn = model.model.layers[0].self_attn
+        >>> assert isinstance(attn, LLPAttention)
+        >>> print(attn.extra_repr())
+        layer_idx=0, heads=4/4, head_dim=8, segment=8
     """
 
     method = "llp"

@@ -143,8 +143,8 @@ class MacchiatoLayerCache(RetrofitLayerCache):
 
         >>> import torch
         >>> from retrofit.layers.macchiato import MacchiatoLayerCache
-        >>> entry = MacchiatoLayerCache(window=4)
         >>> k = torch.randn(1, 2, 6, 8)  # (B, Hkv, T, d)
+        >>> entry = MacchiatoLayerCache(window=4)
         >>> entry.store(k, k, torch.ones(1, 6, dtype=torch.bool), None, num_new=6)
         >>> entry.enter_slots()  # the first decoding step's layout: [sinks | 4 ring slots]
         >>> entry.slot_keys.shape, entry.buffered
@@ -328,15 +328,13 @@ class MacchiatoAttention(RetrofitAttention):
 
         >>> import torch
         >>> from transformers import LlamaConfig, LlamaForCausalLM
-        >>> from retrofit.patches import get_patch
-        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
-        ...                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
-        >>> x = torch.randn(1, 12, 64)  # (B, T, hidden)
-        >>> cos_sin = model.model.rotary_emb(x, torch.arange(12)[None])
         >>> from retrofit.layers import MacchiatoAttention
+        >>> from retrofit.patches import get_patch
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4))
         >>> attn = MacchiatoAttention(model.model.layers[0].self_attn, get_patch(model), window=8, latents=8)
-        >>> attn(x, position_embeddings=cos_sin)[0].shape
-        torch.Size([1, 12, 64])
+        >>> x = torch.randn(1, 12, 32)  # (B, T, hidden)
+        >>> attn(x, position_embeddings=model.model.rotary_emb(x, torch.arange(12)[None]))[0].shape
+        torch.Size([1, 12, 32])
     """
 
     method = "macchiato"
