@@ -32,8 +32,9 @@ want = '$MIN'.split('.')
 assert transformers.__version__.split('.')[:len(want)] == want, transformers.__version__
 print('[oldest] transformers', transformers.__version__, '/ retrofit from', retrofit.__file__)"
 cd "$ROOT"
-# identity (Auto classes, pipeline, PEFT-free), checkpoints, the SWA anchor, the decoding cache and
-# the RoPE cap on kept full-attention layers (mask interface, cached prefill, decoding)
+# identity (Auto classes, pipeline, PEFT-free), checkpoints, the SWA anchor, the decoding cache (and
+# Macchiato's: decoding slots, sinks) and the RoPE cap on kept full-attention layers (mask interface,
+# cached prefill, decoding)
 exec "$OLD/bin/python" -m pytest -q -p no:cacheprovider \
   tests/surgery/test_hf_identity.py tests/surgery/test_checkpoint.py tests/test_cache.py \
-  tests/surgery/test_rope_cap.py "$@"
+  tests/methods/test_macchiato.py tests/surgery/test_rope_cap.py "$@"

@@ -116,7 +116,8 @@ do_tests() {
 }
 
 do_tests_rest() {  # the CPU suite's op, layer and cache tests, on a machine where CUDA is visible
-  python3 -m pytest tests/ops tests/layers tests/test_cache.py tests/test_generate.py -q -p no:cacheprovider \
+  python3 -m pytest tests/ops tests/layers tests/methods/test_macchiato.py tests/methods/test_exp_linear.py \
+    tests/test_cache.py tests/test_generate.py -q -p no:cacheprovider \
     -x --timeout 300 -n 8
 }
 

@@ -81,3 +81,34 @@ def decode_logits(model, ids, mask, pos, prefill: int) -> torch.Tensor:
             logits.append(out.logits)
             cache = out.past_key_values
     return torch.cat(logits, dim=1), cache
+
+
+def attention_inputs(model, T=37, B=2):
+    """hidden states and (cos, sin) exactly as the first decoder layer passes them."""
+    seen = {}
+    attn = model.model.layers[0].self_attn
+    h = attn.register_forward_pre_hook(lambda m, a, kw: seen.update(kw), with_kwargs=True)
+    with torch.no_grad():
+        model(torch.randint(3, 256, (B, T)))
+    h.remove()
+    return seen["hidden_states"], seen["position_embeddings"]
+
+
+def saved_weights(folder) -> dict[str, torch.Tensor]:
+    """Every tensor of the ``*.safetensors`` files in ``folder``."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def assert_generate_batched_equals_single(model, T: int, pad: int, max_new_tokens: int) -> None:
+    """Greedy ``generate`` on a batch whose row 1 has ``pad`` left-padding tokens equals that row alone."""
+    ids, mask, _ = batch(T=T, left_pad=(0, pad))
+    kw = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        both = model.generate(input_ids=ids, attention_mask=mask, **kw)
+        one = model.generate(input_ids=ids[1:, pad:], attention_mask=mask[1:, pad:], **kw)
+    assert torch.equal(both[1, pad:], one[0])

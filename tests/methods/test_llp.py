@@ -5,10 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+import retrofit
 from retrofit.errors import SpecError
 from retrofit.layers.llp import LLPAttention, LLPLayerCache
 from retrofit.surgery import ConversionSpec, convert, new_parameter_names
-from tests.methods._common import FAMILIES, batch, decode_logits, pattern_reference, tiny_model
+from retrofit.train import train
+from retrofit.train.recipe import recipe_from_dict
+from tests.methods._common import (
+    FAMILIES, assert_generate_batched_equals_single, batch, decode_logits, pattern_reference, saved_weights, tiny_model,
+)
+from tests.train import tiny
 
 
 def _llp_pattern(segment):
@@ -67,12 +73,7 @@ def test_left_padded_batch_equals_rows_alone_and_cache_stays_bounded():
 
 def test_generate_runs_and_batched_equals_single():
     model = convert(tiny_model("qwen2"), method="llp", options={"segment": 6})
-    ids, mask, _ = batch(T=12, left_pad=(0, 4))
-    kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        both = model.generate(input_ids=ids, attention_mask=mask, **kw)
-        one = model.generate(input_ids=ids[1:, 4:], attention_mask=mask[1:, 4:], **kw)
-    assert torch.equal(both[1, 4:], one[0])
+    assert_generate_batched_equals_single(model, T=12, pad=4, max_new_tokens=10)
 
 
 def test_lora_via_peft_trains_the_projections_only():
@@ -105,3 +106,21 @@ def test_bad_segment_is_a_spec_error(segment):
 def test_unknown_option_is_a_spec_error():
     with pytest.raises(SpecError, match="segment"):
         ConversionSpec(method="llp", options={"segement": 512})
+
+
+# ---------------------------------------------------------------------- through retrofit.train (ZeRO-2, one CPU rank)
+def test_llp_trains_lora_adapters_and_exports_a_merged_model(train_inputs, tmp_path):
+    base_dir, books = train_inputs
+    conversion = {"method": "llp", "options": {"segment": 16}}
+    recipe = recipe_from_dict(tiny.recipe_dict(
+        base_dir, books, tmp_path / "run", conversion=conversion,
+        trainable={"mode": "lora", "lora": {"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]}},
+        train={"max_steps": 2, "lr": 1e-2, "gradient_checkpointing": False}, checkpoint={"save_every": 2}, eval={"sequences": 0},
+    ))
+    result = train(recipe)
+    before, after = tiny.base_model().state_dict(), saved_weights(result.final_dir)
+    assert set(after) == set(before)  # no new weights; LoRA merged back into the projections
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")) for k in changed)
+    loaded = retrofit.load(result.final_dir)
+    assert isinstance(loaded.model.layers[1].self_attn, LLPAttention) and loaded.config.retrofit["segment"] == 16

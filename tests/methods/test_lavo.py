@@ -5,10 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+import retrofit
 from retrofit.errors import SpecError
 from retrofit.layers.lavo import LavoAttention, LavoLayerCache
 from retrofit.surgery import ConversionSpec, convert, new_parameter_names
-from tests.methods._common import FAMILIES, batch, decode_logits, pattern_reference, tiny_model
+from retrofit.train import train
+from retrofit.train.recipe import recipe_from_dict
+from tests.methods._common import (
+    FAMILIES, assert_generate_batched_equals_single, batch, decode_logits, pattern_reference, saved_weights, tiny_model,
+)
+from tests.train import tiny
 
 W = 8
 
@@ -71,12 +77,7 @@ def test_left_padded_batch_equals_rows_alone_and_memory_is_constant():
 
 def test_generate_batched_equals_single():
     model = convert(tiny_model("gemma3"), method="lavo", window=W)
-    ids, mask, _ = batch(T=14, left_pad=(0, 3))
-    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        both = model.generate(input_ids=ids, attention_mask=mask, **kw)
-        one = model.generate(input_ids=ids[1:, 3:], attention_mask=mask[1:, 3:], **kw)
-    assert torch.equal(both[1, 3:], one[0])
+    assert_generate_batched_equals_single(model, T=14, pad=3, max_new_tokens=12)
 
 
 def test_only_new_weights_get_gradients_and_loss_drops():
@@ -143,3 +144,24 @@ def test_global_query_is_the_query_before_rope(family):
     want = layer.q_norm(q_raw) if family == "gemma3" else q_raw  # after the q norm, before RoPE
     torch.testing.assert_close(layer.global_query(q, k, (cos, sin)), want, atol=1e-5, rtol=1e-5)
     assert not torch.allclose(q[:, :, 1:], want[:, :, 1:], atol=1e-3)  # RoPE did rotate
+
+
+# ---------------------------------------------------------------------- through retrofit.train (ZeRO-2, one CPU rank)
+def test_lavo_trains_only_its_new_weights(train_inputs, tmp_path):
+    base_dir, books = train_inputs
+    conversion = {"method": "lavo", "window": 8, "options": {"bases": 8}}
+    recipe = recipe_from_dict(tiny.recipe_dict(
+        base_dir, books, tmp_path / "run", conversion=conversion, trainable={"mode": "new"},
+        train={"max_steps": 3, "lr": 1e-2, "gradient_checkpointing": True}, checkpoint={"save_every": 3}, eval={"sequences": 0},
+    ))
+    result = train(recipe)
+    initial = retrofit.convert(tiny.base_model(), retrofit.ConversionSpec(**conversion))
+    new = set(retrofit.surgery.new_parameter_names(initial))
+    assert new and all(".lavo." in n for n in new)
+    assert result.counts.trainable == sum(p.numel() for n, p in initial.named_parameters() if n in new)
+    before, after = initial.state_dict(), saved_weights(result.final_dir)
+    assert set(after) == set(before)
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed == new  # bases, relative bias and gate moved; every pretrained tensor is untouched
+    loaded = retrofit.load(result.final_dir)
+    assert isinstance(loaded.model.layers[0].self_attn, LavoAttention)
