@@ -87,3 +87,33 @@ def test_reorder_and_select_follow_the_batch():
     layer.crop(0)
     with pytest.raises(NotImplementedError, match="rolled back"):
         layer.crop(2)
+
+
+@pytest.mark.parametrize("spec", [
+    dict(method="exp-linear"), dict(method="lavo", window=W, bases=8), dict(method="llp", segment=8),
+], ids=lambda s: s["method"])
+def test_every_methods_state_follows_the_batch(spec):
+    """Beam re-indexing reaches each method's own state (a dataclass of tensors) through the
+    generic cache entry: swapped rows == the swapped batch prefilled; a selected row == that row."""
+    model = convert(tiny_model("qwen2"), ConversionSpec(**spec))
+    ids = torch.randint(3, 256, (2, 21))
+    nxt = torch.randint(3, 256, (2, 1))
+    with torch.no_grad():
+        a = RetrofitCache(model)
+        model(ids, past_key_values=a, use_cache=True)
+        before = a.memory_bytes()
+        a.reorder_cache(torch.tensor([1, 0]))
+        got = model(nxt, past_key_values=a, use_cache=True).logits
+        b = RetrofitCache(model)
+        model(ids.flip(0), past_key_values=b, use_cache=True)
+        want = model(nxt, past_key_values=b, use_cache=True).logits
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        a = RetrofitCache(model)
+        model(ids, past_key_values=a, use_cache=True)
+        a.batch_select_indices(torch.tensor([1]))
+        assert 0 < a.memory_bytes() < before
+        got = model(nxt[1:], past_key_values=a, use_cache=True).logits
+        c = RetrofitCache(model)
+        model(ids[1:], past_key_values=c, use_cache=True)
+        want = model(nxt[1:], past_key_values=c, use_cache=True).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
