@@ -4,8 +4,9 @@ Each method module (``retrofit/layers/<method>.py``) defines
 
 * a :class:`MethodConfig` subclass: the method's own hyper-parameters, each default written
   once as a dataclass default, with ``help`` in the field metadata (the ``retrofit convert``
-  flags and the recipe's ``conversion:`` keys are derived from these fields),
-* its layer (a ``RetrofitAttention``), its decoding-cache entry, and a builder
+  flags and the recipe's ``conversion:`` keys are derived from these fields), and the
+  training behaviours the method takes part in (``capabilities``, e.g. ``"window_dropout"``),
+* its layer (a ``RetrofitAttention`` writing ``attend``), its decoding-cache entry, and a builder
   ``builder(original, patch, spec, layer_idx, generator) -> layer`` that reads ``spec.config``,
 * one ``register_method(name, builder, config=TheConfig, description=...)`` call.
 
