@@ -32,7 +32,8 @@ replaced, :meth:`original_attention` (full causal softmax, or the layer's native
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -41,9 +42,39 @@ from retrofit.layers.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.method import registered_method
 from retrofit.ops import sliding_window_attention
 
-__all__ = ["DISTILL_MODES", "RetrofitAttention"]
+__all__ = ["DISTILL_MODES", "RetrofitAttention", "adapters_off"]
 
 DISTILL_MODES = (None, "teacher", "transfer")
+
+
+@contextlib.contextmanager
+def adapters_off(module: nn.Module) -> Iterator[None]:
+    """Inside, every PEFT adapter under ``module`` (LoRA layers, ``modules_to_save`` copies) is
+    bypassed, so the pretrained weights alone compute: the teacher of a distillation objective is
+    the model as it was before training, whatever adapters train on its projections.
+
+    Duck-typed on PEFT's ``enable_adapters(bool)`` / ``disable_adapters`` (the layers tier never
+    imports peft); every parameter's ``requires_grad`` and each adapter's on/off state are restored
+    on exit. A module without adapters passes through unchanged.
+    """
+    tuners = [m for m in module.modules()
+              if callable(getattr(m, "enable_adapters", None)) and hasattr(m, "disable_adapters")]
+    was_off = [bool(m.disable_adapters) for m in tuners]
+    if all(was_off):
+        yield
+        return
+    grads = [(p, p.requires_grad) for m in tuners for p in m.parameters()]
+    for m, off in zip(tuners, was_off):
+        if not off:
+            m.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for m, off in zip(tuners, was_off):
+            if not off:
+                m.enable_adapters(True)
+        for p, flag in grads:
+            p.requires_grad_(flag)
 
 
 class RetrofitAttention(nn.Module):
@@ -161,7 +192,7 @@ class RetrofitAttention(nn.Module):
         hidden_states = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
         position_embeddings = kwargs.get("position_embeddings")
         attention_mask = kwargs.get("attention_mask")
-        with torch.no_grad():
+        with torch.no_grad(), adapters_off(self):  # the pretrained attention, not the adapted one
             teacher = self.original_attention(hidden_states, position_embeddings, attention_mask)
         if self.distill_mode == "transfer":
             kwargs["past_key_values"] = None

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from retrofit.errors import SpecError
-from retrofit.layers.base import DISTILL_MODES
+from retrofit.layers.base import DISTILL_MODES, adapters_off
 
 __all__ = ["converted_modules", "distill_mode", "transfer_losses"]
 
@@ -32,7 +32,11 @@ def converted_modules(model: nn.Module) -> list[nn.Module]:
 
 @contextlib.contextmanager
 def distill_mode(model: nn.Module, mode: str | None, layers: Iterable[int] | None = None) -> Iterator[list[nn.Module]]:
-    """Put the converted layers (all, or those in ``layers``) in ``mode`` for the ``with`` block."""
+    """Put the converted layers (all, or those in ``layers``) in ``mode`` for the ``with`` block.
+
+    ``"teacher"`` over the whole model also bypasses its PEFT adapters (:func:`adapters_off`): the
+    teacher is the original model even while LoRA trains its projections. (``"transfer"`` layers
+    bypass them for their own teacher output only.)"""
     if mode not in DISTILL_MODES:
         raise SpecError(f"distill mode must be one of {DISTILL_MODES}, got {mode!r}")
     modules = converted_modules(model)
@@ -47,7 +51,8 @@ def distill_mode(model: nn.Module, mode: str | None, layers: Iterable[int] | Non
         m.distill_mode = mode
         m.transfer_loss = None
     try:
-        yield modules
+        with adapters_off(model) if mode == "teacher" and layers is None else contextlib.nullcontext():
+            yield modules
     finally:
         for m, old in before:
             m.distill_mode = old

@@ -221,7 +221,13 @@ class Recipe:
             raise SpecError(f"checkpoint.keep_last must be >= 1, got {self.checkpoint.keep_last}")
         from retrofit.train.objectives import objective_weights
 
-        objective_weights(t.objective, t.objective_weights)  # SpecError naming the bad key
+        terms = objective_weights(t.objective, t.objective_weights)  # SpecError naming the bad key
+        teacher_terms = sorted(set(terms) & {"attention", "kl"})
+        if teacher_terms and self.trainable.mode in ("attention", "all"):
+            raise SpecError(f"train.objective {t.objective!r} distils toward the model's own frozen pretrained weights "
+                            f"({', '.join(teacher_terms)}), which trainable.mode {self.trainable.mode!r} would train, "
+                            "moving the teacher with the student: use trainable.mode new or lora "
+                            "(adapters are bypassed for the teacher), or objective lm")
         if t.head_positions is not None and (not isinstance(t.head_positions, int) or t.head_positions < 1):
             raise SpecError(f"train.head_positions must be a positive integer or null (all positions), got {t.head_positions!r}")
         if not (math.isfinite(t.window_dropout) and 0.0 <= t.window_dropout <= 1.0):

@@ -210,3 +210,65 @@ def test_heldout_nll_applies_a_final_softcap():
     total, n = heldout_nll(model, ids)
     assert abs(float(uncapped) - want) > 1e-2  # the cap matters at this size
     assert total / n == pytest.approx(want, rel=1e-5)
+
+
+def _lora_model(family: str = "llama", **spec):
+    """A converted tiny model under PEFT LoRA on its attention projections, the adapters made non-zero."""
+    from retrofit.surgery import new_parameter_names
+    from retrofit.train.trainable import apply_trainable
+
+    model = convert(tiny_model(family), ConversionSpec(**spec))
+    model = apply_trainable(model, "lora", new_parameter_names(model),
+                            lora={"r": 4, "alpha": 8, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"]})
+    g = torch.Generator().manual_seed(1)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    return model
+
+
+def test_teacher_is_the_base_model_while_lora_trains_its_projections():
+    ids = _ids()
+    with torch.no_grad():
+        ref = tiny_model("llama")(input_ids=ids).logits
+    model = _lora_model(window=8, latents=8)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    with torch.no_grad(), distill_mode(model, "teacher"):
+        teacher = model(input_ids=ids).logits
+    torch.testing.assert_close(teacher, ref, atol=2e-5, rtol=2e-5)
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags  # adapters' training state kept
+    with torch.no_grad(), distill_mode(model, "teacher", layers=[0]):  # one layer: the adapted model around it
+        partial = model(input_ids=ids).logits
+    assert (partial - ref).abs().max() > 1e-2
+
+
+def test_attention_transfer_hands_down_the_pretrained_attention_while_lora_trains():
+    # each transfer layer passes its teacher downstream: with adapters bypassed for the teacher the
+    # model's logits are the base's, and the student (adapted projections) still differs from it
+    ids = _ids()
+    with torch.no_grad():
+        ref = tiny_model("llama")(input_ids=ids).logits
+    model = _lora_model(window=T, latents=8, init_swa_share=1.0)
+    with distill_mode(model, "transfer"):
+        out = model(input_ids=ids).logits
+        losses = transfer_losses(model)
+    torch.testing.assert_close(out.detach(), ref, atol=2e-5, rtol=2e-5)
+    assert min(float(x) for x in losses) > 1e-3  # LoRA moved the student, not the teacher
+    assert any(p.grad is None for p in model.parameters())  # nothing stepped; grads flow only on backward
+    sum(losses).backward()
+    lora_grads = [p.grad for n, p in model.named_parameters() if "lora_" in n and p.requires_grad]
+    assert lora_grads and all(g is not None for g in lora_grads)
+
+
+@pytest.mark.parametrize("mode", ["attention", "all"])
+@pytest.mark.parametrize("objective", ["attention", "kl"])
+def test_teacher_objectives_refuse_training_the_teachers_weights(mode, objective):
+    from retrofit.train.recipe import recipe_from_dict
+
+    data = {"model": {"name": "m"}, "trainable": {"mode": mode}, "train": {"objective": objective, "max_steps": 1}}
+    with pytest.raises(SpecError, match="moving the teacher"):
+        recipe_from_dict(data).validate()
+    data["trainable"] = {"mode": "lora"}
+    recipe_from_dict(data).validate()
+    data["trainable"], data["train"]["objective"] = {"mode": mode}, "lm"
+    recipe_from_dict(data).validate()
