@@ -16,10 +16,8 @@ from retrofit.eval.evaluators import evaluators
 from retrofit.fs.atomic import write_json_atomic, write_text_atomic
 from retrofit.results import markdown_table, pyplot, save_figure as _save_figure, write_results
 
-__all__ = ["role_order", "atomic_write_text", "fmt_length", "fmt_num", "markdown_table", "pyplot", "save_figure", "save_results", "write_json",
+__all__ = ["role_order", "fmt_length", "fmt_num", "markdown_table", "pyplot", "save_figure", "save_results", "write_json",
            "write_report", "write_results"]
-
-atomic_write_text = write_text_atomic  # the old name (retrofit.eval.report.atomic_write_text)
 
 
 def role_order(models: dict) -> list[str]:
@@ -119,5 +117,5 @@ def write_report(
         if res.get("command"):
             parts += ["Command:", "", "```", res["command"], "```", ""]
     markdown = "\n".join(parts).rstrip() + "\n"
-    path = atomic_write_text(out_dir / "report.md", markdown)
+    path = write_text_atomic(out_dir / "report.md", markdown)
     return {"path": str(path), "markdown": markdown, "sections": sorted(sections)}

@@ -92,7 +92,7 @@ def _dtype(name: str) -> torch.dtype:
 
 def _build(op: str, T: int, cfg: dict[str, Any], device: torch.device, dtype: torch.dtype, grad: bool):
     """``(inputs, fn)``: fn(*inputs) -> output tensor of shape (B, H, T, d)."""
-    from retrofit.ops import backends
+    from retrofit import ops
 
     B, H, d, L, w = cfg["batch"], cfg["heads"], cfg["head_dim"], cfg["latents_per_head"], cfg["window"]
     chunk = {} if cfg.get("chunk_size") is None else {"chunk_size": cfg["chunk_size"]}
@@ -103,16 +103,16 @@ def _build(op: str, T: int, cfg: dict[str, Any], device: torch.device, dtype: to
 
     if op == "latte":
         inputs = [torch.softmax(rnd(B, H, T, L).float(), -1).to(dtype), rnd(B, H, T, L), rnd(B, H, T, d)]
-        fn = lambda qw, a, v: backends.causal_latte_chunked(qw, a, v, **chunk)[0]  # noqa: E731
+        fn = lambda qw, a, v: ops.causal_latte_chunked(qw, a, v, **chunk)[0]  # noqa: E731
     elif op == "macchiato":
         inputs = [rnd(B, H, T, d), rnd(B, H, T, d), rnd(B, H, T, d), rnd(B, H, T, L + 1), rnd(B, H, T, L)]
-        fn = lambda q, k, v, mix, lat: backends.macchiato_attention(q, k, v, mix, lat, window=w, **chunk)[0]  # noqa: E731
+        fn = lambda q, k, v, mix, lat: ops.macchiato_attention(q, k, v, mix, lat, window=w, **chunk)[0]  # noqa: E731
     elif op == "swa":
         inputs = [rnd(B, H, T, d), rnd(B, H, T, d), rnd(B, H, T, d)]
-        fn = lambda q, k, v: backends.sliding_window_attention(q, k, v, w)  # noqa: E731
+        fn = lambda q, k, v: ops.sliding_window_attention(q, k, v, w)  # noqa: E731
     elif op == "exp_linear":
         inputs = [rnd(B, H, T, d, scale=0.5), rnd(B, H, T, d, scale=0.5), rnd(B, H, T, d)]
-        fn = lambda q, k, v: backends.exp_linear_attention(q, k, v, **chunk)[0]  # noqa: E731
+        fn = lambda q, k, v: ops.exp_linear_attention(q, k, v, **chunk)[0]  # noqa: E731
     elif op == "sdpa":
         inputs = [rnd(B, H, T, d), rnd(B, H, T, d), rnd(B, H, T, d)]
         fn = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
@@ -130,11 +130,11 @@ def _backend_ran(op: str, device: torch.device, dtype: torch.dtype, cfg: dict[st
     if op == "sdpa":
         return "torch sdpa"
     swa = lambda: resolve_backend(  # noqa: E731
-        "sliding_window", device, dtype, op="sliding_window_attention", head_dim=cfg["head_dim"], value_dim=cfg["head_dim"]
+        "sliding_window_attention", device, dtype, head_dim=cfg["head_dim"], value_dim=cfg["head_dim"]
     )
     if op == "swa":
         return swa()
-    latte = resolve_backend("latte", device, dtype, op=op)
+    latte = resolve_backend("exp_linear_attention" if op == "exp_linear" else "causal_latte_chunked", device, dtype)
     return f"{swa()}+{latte}" if op == "macchiato" else latte
 
 

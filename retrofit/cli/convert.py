@@ -422,7 +422,7 @@ def _ranked_spec(args: argparse.Namespace, spec, model, tokenizer, out):
         raise SpecError(f"--keep-full {args.keep_full} keeps every one of the {len(candidates)} candidate layers")
     last = None
     if args.rank_probe == "copy":
-        window = spec.resolved(model.config).options.get("window") or 0
+        window = getattr(spec.resolved(model.config).config, "window", None) or 0
         span = max(args.probe_tokens, window + 64)  # the first copy lies beyond the window
         ids, last = P.copy_probe_ids(tokenizer, span, model.config.vocab_size, seed=spec.seed or 0)
         what = f"the second copy of {span} random tokens ({span - 1} positions back; window {window or 'none'})"

@@ -22,7 +22,6 @@ from pathlib import Path
 from retrofit.errors import RetrofitError
 from retrofit.eval.evaluators import Evaluator, evaluators, get_evaluator
 from retrofit.eval.variants import takes_zero_shot
-from retrofit.eval.evaluators import depth_arg as _depth, length_arg as _length  # noqa: F401  (old names)
 
 
 def _common(p: argparse.ArgumentParser) -> None:

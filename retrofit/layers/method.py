@@ -141,11 +141,6 @@ class MethodInfo:
         """The method's own spec keys (its config's fields)."""
         return self.config.field_names()
 
-    @property
-    def options(self) -> dict[str, Any]:
-        """Field -> default (an older name for :attr:`config`'s defaults)."""
-        return {f.name: f.default for f in dataclasses.fields(self.config)}
-
 
 _METHODS: dict[str, MethodInfo] = {}
 

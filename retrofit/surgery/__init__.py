@@ -1,4 +1,4 @@
-"""Model surgery: conversion specs, the method registry, ``convert``, checkpoints and loading.
+"""Model surgery: conversion specs, ``convert``, checkpoints and loading.
 
     import retrofit
     model, tok = retrofit.surgery.load_any("gemma3-270m")
@@ -12,7 +12,6 @@ from retrofit.surgery.checkpoint import load, load_delta, save, save_delta
 from retrofit.surgery.convert import (
     convert, converted_layers, is_converted, new_module_names, new_parameter_names, retrofit_record,
 )
-from retrofit.surgery.methods import MethodInfo, available_methods, get_method, register_method
 from retrofit.surgery.loading import load_any
 from retrofit.surgery.rope_cap import cap_rope, capped_layers
 from retrofit.surgery.spec import DEFAULT_INIT_SWA_SHARE, ConversionSpec
@@ -20,20 +19,16 @@ from retrofit.surgery.spec import DEFAULT_INIT_SWA_SHARE, ConversionSpec
 __all__ = [
     "ConversionSpec",
     "DEFAULT_INIT_SWA_SHARE",
-    "MethodInfo",
-    "available_methods",
     "cap_rope",
     "capped_layers",
     "convert",
     "converted_layers",
-    "get_method",
     "is_converted",
     "load",
     "load_any",
     "load_delta",
     "new_module_names",
     "new_parameter_names",
-    "register_method",
     "retrofit_record",
     "save",
     "save_delta",

@@ -27,7 +27,7 @@ from retrofit.precision import cast_parameters
 from retrofit.surgery.converted import (  # re-exported: retrofit.surgery.convert.X keeps working
     converted_layers, is_converted, mark_new_trainable, new_module_names, new_parameter_names, retrofit_record,
 )
-from retrofit.surgery.methods import get_method
+from retrofit.layers.method import get_method
 from retrofit.surgery.records import spec_from_record
 from retrofit.surgery.rope_cap import cap_rope
 from retrofit.surgery.spec import ConversionSpec

@@ -221,11 +221,6 @@ class ConversionSpec:
         else:
             object.__setattr__(self, name, value)
 
-    @property
-    def options(self) -> dict[str, Any]:
-        """The method's keys as a dict (the older spelling; ``spec.config`` is the dataclass)."""
-        return self.config.to_dict()
-
     # ------------------------------------------------------------------ validation
     def validate(self) -> "ConversionSpec":
         info = _method(self.method)

@@ -34,11 +34,11 @@ def test_write_report_reads_sections_from_subfolders(tmp_path):
 def test_cli_length_parsing():
     import argparse
 
-    from retrofit.cli.eval import _length
+    from retrofit.eval.evaluators import length_arg
 
-    assert _length("4K") == 4096 and _length("1.5k") == 1536 and _length("300") == 300
+    assert length_arg("4K") == 4096 and length_arg("1.5k") == 1536 and length_arg("300") == 300
     with pytest.raises(argparse.ArgumentTypeError):
-        _length("lots")
+        length_arg("lots")
 
 
 def test_cli_ppl(converted_dir, base_dir, tmp_path, capsys):

@@ -57,11 +57,11 @@ def _block_import(monkeypatch, *modules: str) -> None:
 # choosing
 
 
-@pytest.mark.parametrize("family", ["latte", "sliding_window"])
+@pytest.mark.parametrize("op", ["causal_latte_chunked", "sliding_window_attention"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_auto_picks_torch_on_cpu(family, dtype):
-    assert backends.resolve_backend(family, "cpu", dtype) == "torch"
-    assert backends.resolve_backend(family, "cpu", dtype, "auto") == "torch"
+def test_auto_picks_torch_on_cpu(op, dtype):
+    assert backends.resolve_backend(op, "cpu", dtype) == "torch"
+    assert backends.resolve_backend(op, "cpu", dtype, "auto") == "torch"
 
 
 def test_ops_on_cpu_equal_the_torch_kernels():
@@ -74,15 +74,6 @@ def test_ops_on_cpu_equal_the_torch_kernels():
     assert torch.equal(ops.sliding_window_attention(qq, kk, vv, 8), sliding_window_attention(qq, kk, vv, 8))
     out, _ = ops.exp_linear_attention(qq, kk, vv)
     assert torch.equal(out, exp_linear_attention(qq, kk, vv)[0])
-
-
-def test_old_wrapper_names_are_the_ops():
-    # retrofit.ops.backends.<op> were wrappers that behaved differently from retrofit.ops.<op>;
-    # they are now deprecated aliases of the one public op
-    for name in ("causal_latte_chunked", "causal_latte_step", "exp_linear_attention", "exp_linear_attention_step",
-                 "sliding_window_attention", "macchiato_attention"):
-        assert getattr(backends, name) is getattr(ops, name)
-    assert backends.BACKENDS[0] == "auto" and {"torch", "fla", "flash", "flex"} <= set(backends.BACKENDS)
 
 
 def test_override_precedence(monkeypatch):
@@ -121,24 +112,24 @@ def test_env_var_request_reaches_the_wrappers(monkeypatch, caplog):
 def test_missing_package_falls_back_to_torch(monkeypatch, caplog, backend, module):
     _block_import(monkeypatch, module)
     assert backends.is_installed(backend) is False
-    family = "latte" if backend == "fla" else "sliding_window"
+    op = "causal_latte_chunked" if backend == "fla" else "sliding_window_attention"
     caplog.set_level(logging.DEBUG, logger=LOGGER)
     # a CUDA device with a half dtype passes every other check: only the package is missing
-    assert backends.resolve_backend(family, "cuda", torch.bfloat16, backend) == "torch"
+    assert backends.resolve_backend(op, "cuda", torch.bfloat16, backend) == "torch"
     warn = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warn) == 1 and "not installed" in warn[0]
     caplog.clear()
-    assert backends.resolve_backend(family, "cuda", torch.bfloat16) == "torch"  # auto: quiet fallback
+    assert backends.resolve_backend(op, "cuda", torch.bfloat16) == "torch"  # auto: quiet fallback
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert any("not installed" in r.getMessage() and r.levelno == logging.DEBUG for r in caplog.records)
 
 
-def test_comma_list_applies_per_family(monkeypatch):
+def test_comma_list_applies_per_op(monkeypatch):
     _block_import(monkeypatch, "fla", "flash_attn")
     backends.set_default_backend("fla,torch")
     # fla is the latte request (impossible here -> torch); torch is the window request
-    assert backends.resolve_backend("latte", "cuda", torch.bfloat16) == "torch"
-    assert backends.resolve_backend("sliding_window", "cuda", torch.bfloat16) == "torch"
+    assert backends.resolve_backend("causal_latte_chunked", "cuda", torch.bfloat16) == "torch"
+    assert backends.resolve_backend("sliding_window_attention", "cuda", torch.bfloat16) == "torch"
 
 
 def test_auto_rules_for_cuda_tensors(monkeypatch):
@@ -146,23 +137,23 @@ def test_auto_rules_for_cuda_tensors(monkeypatch):
     monkeypatch.setattr(registry, "is_installed", lambda b: True)
     dev = torch.device("cuda")
     swa = dict(head_dim=128, value_dim=128)
-    assert backends.resolve_backend("latte", dev, torch.bfloat16) == "fla"
-    assert backends.resolve_backend("latte", dev, torch.float32) == "torch"  # TF32 only on request
-    assert backends.resolve_backend("latte", dev, torch.float32, "fla") == "fla"
-    assert backends.resolve_backend("latte_step", dev, torch.bfloat16) == "torch"  # launch-bound: torch step
-    assert backends.resolve_backend("latte_step", dev, torch.bfloat16, "fla") == "fla"
-    assert backends.resolve_backend("latte", dev, torch.float64, "fla") == "torch"
-    assert backends.resolve_backend("sliding_window", dev, torch.bfloat16, **swa) == "flash"
-    assert backends.resolve_backend("sliding_window", dev, torch.float32, **swa) == "torch"
-    assert backends.resolve_backend("sliding_window", dev, torch.bfloat16, key_padding_mask=True, **swa) == "torch"
-    assert backends.resolve_backend("sliding_window", dev, torch.bfloat16, head_dim=512, value_dim=512) == "torch"
-    assert backends.resolve_backend("sliding_window", dev, torch.float32, "flex", **swa) == "flex"
-    assert backends.resolve_backend("latte", dev, torch.bfloat16, "flash") == "fla"  # flash says nothing about latte
+    assert backends.resolve_backend("causal_latte_chunked", dev, torch.bfloat16) == "fla"
+    assert backends.resolve_backend("causal_latte_chunked", dev, torch.float32) == "torch"  # TF32 only on request
+    assert backends.resolve_backend("causal_latte_chunked", dev, torch.float32, "fla") == "fla"
+    assert backends.resolve_backend("causal_latte_step", dev, torch.bfloat16) == "torch"  # launch-bound: torch step
+    assert backends.resolve_backend("causal_latte_step", dev, torch.bfloat16, "fla") == "fla"
+    assert backends.resolve_backend("causal_latte_chunked", dev, torch.float64, "fla") == "torch"
+    assert backends.resolve_backend("sliding_window_attention", dev, torch.bfloat16, **swa) == "flash"
+    assert backends.resolve_backend("sliding_window_attention", dev, torch.float32, **swa) == "torch"
+    assert backends.resolve_backend("sliding_window_attention", dev, torch.bfloat16, key_padding_mask=True, **swa) == "torch"
+    assert backends.resolve_backend("sliding_window_attention", dev, torch.bfloat16, head_dim=512, value_dim=512) == "torch"
+    assert backends.resolve_backend("sliding_window_attention", dev, torch.float32, "flex", **swa) == "flex"
+    assert backends.resolve_backend("causal_latte_chunked", dev, torch.bfloat16, "flash") == "fla"  # flash says nothing about latte
 
 
 def test_unknown_backend_is_a_clear_error():
     with pytest.raises(SpecError, match="unknown attention backend 'triton'"):
-        backends.resolve_backend("latte", "cpu", torch.float32, "triton")
+        backends.resolve_backend("causal_latte_chunked", "cpu", torch.float32, "triton")
     with pytest.raises(SpecError):
         backends.set_default_backend("cuda")
 

@@ -29,7 +29,8 @@ from retrofit.layers import (
 )
 from retrofit.layers.cache import RetrofitCache, RetrofitLayerCache, cache_keyword
 from retrofit.layers.method import MethodConfig, get_method, opt, register_method
-from retrofit.surgery import ConversionSpec, available_methods, convert, converted_layers, new_parameter_names, save
+from retrofit.layers import available_methods
+from retrofit.surgery import ConversionSpec, convert, converted_layers, new_parameter_names, save
 from retrofit.surgery.checkpoint import spec_from_record
 from tests.surgery.tiny import tiny_model
 

@@ -8,10 +8,8 @@ import pytest
 import torch
 
 from retrofit.errors import SpecError, UnsupportedModelError
-from retrofit.layers import RetrofitAttention
-from retrofit.surgery import (
-    ConversionSpec, available_methods, convert, converted_layers, new_parameter_names, register_method,
-)
+from retrofit.layers import RetrofitAttention, available_methods, register_method
+from retrofit.surgery import ConversionSpec, convert, converted_layers, new_parameter_names
 from retrofit.surgery.spec import DEFAULT_WINDOW, parse_layers
 from tests.surgery.tiny import tiny_model
 
@@ -116,7 +114,7 @@ class _ScaledIdentity(RetrofitAttention):
 
 
 def test_register_a_method_without_editing_surgery():
-    register_method("toy-test", lambda orig, patch, spec, idx, gen: _ScaledIdentity(orig, patch, spec.options["gain"]),
+    register_method("toy-test", lambda orig, patch, spec, idx, gen: _ScaledIdentity(orig, patch, spec.config.gain),
                     options={"gain": 1.0}, overwrite=True)
     assert "toy-test" in available_methods()
     model = tiny_model("llama")

@@ -12,14 +12,12 @@ imported below, so adding a backend is adding its module. Today:
 
 How a backend is chosen (``backend=``, :func:`set_default_backend` / :func:`use_backend`,
 ``RETROFIT_BACKEND``, ``auto``) is described in :mod:`.registry`. The ops themselves are
-``retrofit.ops.<op>`` (one public name each); the old ``retrofit.ops.backends.<op>`` names are
-deprecated aliases of the same functions.
+``retrofit.ops.<op>`` (one public name each).
 """
 from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Any
 
 from retrofit.ops.backends import registry as _registry
 from retrofit.ops.backends.registry import *  # noqa: F401,F403 - the registry's public names
@@ -30,23 +28,3 @@ __all__ = list(_registry.__all__)
 for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
     if _module != "registry" and not _module.startswith("_"):
         importlib.import_module(f"{__name__}.{_module}")
-
-# deprecated: these were dispatching wrappers here; they are now the ops in retrofit.ops
-_OP_ALIASES = (
-    "causal_latte_chunked",
-    "causal_latte_step",
-    "exp_linear_attention",
-    "exp_linear_attention_step",
-    "macchiato_attention",
-    "sliding_window_attention",
-)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _OP_ALIASES:
-        import retrofit.ops
-
-        return getattr(retrofit.ops, name)
-    if name == "BACKENDS":  # deprecated constant: the names a request may use
-        return (AUTO,) + backend_names()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -334,33 +334,24 @@ def _resolve(op: str, call: Call, requested: str | None) -> Backend:
     return chosen
 
 
-# old op-family names (before every op had its own entry) -> the op they stood for
-_FAMILY_OPS = {"latte": "causal_latte_chunked", "latte_step": "causal_latte_step", "sliding_window": "sliding_window_attention"}
-
-
 def _has_kernel(op: str) -> bool:
     return any(op in b.kernels for b in _backends.values())
 
 
 def resolve_backend(
-    name: str,
+    op: str,
     device: torch.device | str,
     dtype: torch.dtype,
     requested: str | None = None,
-    *,
-    op: str | None = None,
     **features: Any,
 ) -> str:
-    """Name of the backend that would run a call of op ``name`` on ``device``/``dtype``.
+    """Name of the backend that would run a call of ``op`` (an op name) on ``device``/``dtype``.
 
     ``features``: the :class:`Call` fields (key_padding_mask, head_dim, value_dim, mixed_dtypes).
-    The old family names "latte", "latte_step" and "sliding_window" stand for the chunked Latte
-    op, its decoding step and the sliding window; the old ``op=`` label is used when it names an op.
     """
-    target = op if op is not None and _has_kernel(op) else _FAMILY_OPS.get(name, name)
-    if not _has_kernel(target):
-        raise ValueError(f"unknown op {name!r}")
-    return resolve(target, Call(torch.device(device), dtype, **features), requested).name
+    if not _has_kernel(op):
+        raise ValueError(f"unknown op {op!r}")
+    return resolve(op, Call(torch.device(device), dtype, **features), requested).name
 
 
 # --------------------------------------------------------------------------------------
