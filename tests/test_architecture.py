@@ -2,7 +2,7 @@
 
 Tiers, low to high (a module may import its own tier's lower rungs and any lower tier, never up):
 
-    base    errors, extras, fs, results, data, catalog, precision, _hooks, _version   (no model code)
+    base    errors, extras, fs, results, data, catalog, precision, plugins, _hooks, _version   (no model code)
     ops     pure tensor math
     layers  nn.Modules with the new weights, and their decoding cache
     family  patches/ (how to reach q/k/v/o inside one model family)
@@ -36,6 +36,7 @@ TIERS: list[tuple[str, str, int]] = [
     ("retrofit._hooks", "base", 0),
     ("retrofit._version", "base", 0),
     ("retrofit.precision", "base", 0),
+    ("retrofit.plugins", "base", 0),
     ("retrofit.ops", "ops", 1),
     ("retrofit.layers", "layers", 2),
     ("retrofit.patches", "family", 3),

@@ -12,7 +12,7 @@ layers kept as full attention past their context; SDPA blocks), :func:`linear_cr
 (its training losses, cross-entropy and KL to a teacher, with gradients) are a few device-generic torch
 calls with nothing to dispatch.
 """
-# the kernels' modules first: the backends register their kernels from them
+# the kernels' modules first: the dispatched ops are declared by their torch kernels
 from retrofit.ops.exp_linear import exp_linear_attention_reference
 from retrofit.ops.latte import LatteState, bidirectional_latte_reference, causal_latte_reference
 from retrofit.ops.lavo import (
@@ -23,24 +23,8 @@ from retrofit.ops.lavo import (
 )
 from retrofit.ops.llp import LLPState, llp_attention_reference
 from retrofit.ops.sliding_window import sliding_window_attention_reference
-from retrofit.ops.dispatched import (
-    bidirectional_latte,
-    causal_latte,
-    causal_latte_chunked,
-    causal_latte_recurrent,
-    causal_latte_step,
-    exp_linear_attention,
-    exp_linear_attention_step,
-    lavo_attention,
-    llp_attention,
-    llp_attention_cached,
-    local_attention,
-    orthogonal_memory_attention,
-    orthogonal_memory_recurrent,
-    orthogonal_memory_step,
-    sliding_window_attention,
-    sliding_window_lse,
-)
+from retrofit.ops import dispatched as _dispatched
+from retrofit.ops.dispatched import *  # noqa: F401,F403 - every dispatched op (declared in dispatched.py)
 from retrofit.ops.linear_ce import linear_cross_entropy, linear_cross_entropy_reference
 from retrofit.ops.head_loss import linear_head_losses, linear_head_losses_reference
 from retrofit.ops.rope import rope_rotate
@@ -62,32 +46,19 @@ from retrofit.ops.macchiato import (
 )
 
 __all__ = [
+    *(op.name for op in _dispatched.OPS),
     "LLPState",
     "LatteState",
     "LavoState",
-    "lavo_attention",
     "lavo_attention_reference",
-    "llp_attention",
-    "llp_attention_cached",
     "llp_attention_reference",
-    "local_attention",
     "local_attention_reference",
-    "orthogonal_memory_attention",
     "orthogonal_memory_attention_reference",
-    "orthogonal_memory_recurrent",
-    "orthogonal_memory_step",
-    "bidirectional_latte",
     "capped_rope_attention",
     "capped_rope_attention_reference",
     "bidirectional_latte_reference",
-    "causal_latte",
-    "causal_latte_chunked",
-    "causal_latte_recurrent",
     "causal_latte_reference",
-    "causal_latte_step",
-    "exp_linear_attention",
     "exp_linear_attention_reference",
-    "exp_linear_attention_step",
     "macchiato_attention",
     "macchiato_attention_reference",
     "macchiato_slot_step",
@@ -104,7 +75,5 @@ __all__ = [
     "rope_rotate",
     "sink_window_attention",
     "sink_window_attention_reference",
-    "sliding_window_attention",
     "sliding_window_attention_reference",
-    "sliding_window_lse",
 ]

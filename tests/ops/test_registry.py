@@ -32,7 +32,7 @@ def _clean_dispatch_state(monkeypatch):
     added: list[str] = []
     yield added
     for name in added:
-        backends.unregister(name)
+        backends.unregister_backend(name)
     backends.set_default_backend(None)
     backends._reset_log_memory()
 
@@ -50,7 +50,7 @@ def _fake(added: list[str], name: str, priority: int, ops_: tuple[str, ...], **d
 
         return run
 
-    backends.register(Backend(name=name, priority=priority, kernels={op: counted(op) for op in ops_}, **decl))
+    backends.register_backend(Backend(name=name, priority=priority, kernels={op: counted(op) for op in ops_}, **decl))
     added.append(name)
     return calls
 
@@ -81,8 +81,8 @@ def test_auto_takes_the_highest_priority_backend_that_can_run_the_call(_clean_di
     assert len(skip) == 1 and "hi kernels take float32, not torch.float64" in skip[0]
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
-    backends.unregister("hi")
-    backends.unregister("lo")
+    backends.unregister_backend("hi")
+    backends.unregister_backend("lo")
     assert backends.resolve_backend("causal_latte_chunked", "cpu", torch.float32) == "torch"
 
 
@@ -113,7 +113,7 @@ def test_choices_are_remembered_until_a_request_or_the_registry_changes(_clean_d
 def test_request_only_kernels_and_dtypes_need_a_request(_clean_dispatch_state):
     step = backends.get_backend("torch").kernel("causal_latte_step").fn
     chunked = backends.get_backend("torch").kernel("causal_latte_chunked").fn
-    backends.register(Backend(
+    backends.register_backend(Backend(
         name="shy", priority=50,
         kernels={"causal_latte_step": Kernel(step, auto=False), "causal_latte_chunked": chunked},
         auto_dtypes=frozenset({torch.bfloat16}), auto_dtype_note="test",
@@ -210,7 +210,7 @@ def test_info_line_once_per_op_backend_device_dtype(caplog):
 def test_bad_backend_names_are_refused():
     for name in ("auto", "A", "x,y", ""):
         with pytest.raises(ValueError, match="bad backend name"):
-            backends.register(Backend(name=name, priority=1, kernels={}))
+            backends.register_backend(Backend(name=name, priority=1, kernels={}))
 
 
 # --------------------------------------------------------------------------------------
@@ -263,13 +263,30 @@ def test_macchiato_dispatches_both_branches(_clean_dispatch_state, backend):
     torch.testing.assert_close(out, ops.macchiato_attention_reference(q, k, v, mix, lat, window=8))
 
 
-def test_every_op_is_dispatched_and_every_backend_module_registers():
-    names = [n for n in ops.__all__ if isinstance(getattr(ops, n), registry.Op)]
-    torch_ops = set(backends.get_backend("torch").kernels)
-    assert set(names) == torch_ops  # the torch backend runs every dispatched op
-    for n in names:
-        sig = inspect.signature(getattr(ops, n))
-        assert sig.parameters["backend"].default == "auto" and getattr(ops, n).__doc__
+def test_every_declared_op_is_dispatched_run_by_torch_and_exported_and_nothing_else():
+    """The declarations in retrofit/ops/dispatched.py drive the dispatch table, the torch backend and the exports."""
+    from retrofit.ops import dispatched
+
+    declared = {op.name: op for op in dispatched.OPS}
+    assert len(declared) == len(dispatched.OPS) >= 16  # one declaration per name
+    # the declaration names the op: the module attribute, the registry key and the export agree
+    assert {n: v for n, v in vars(dispatched).items() if isinstance(v, registry.Op)} == declared
+    assert set(dispatched.__all__) == {"OPS", *declared}
+    exported = {n for n in ops.__all__ if isinstance(getattr(ops, n), registry.Op)}
+    assert exported == set(declared) and all(getattr(ops, n) is declared[n] for n in exported)
+    torch_backend = backends.get_backend("torch")
+    assert set(torch_backend.kernels) == set(declared)  # the torch backend runs every op, and nothing else
+    for name, op in declared.items():
+        assert torch_backend.kernel(name).fn is op.torch_kernel and op.torch_kernel.__name__ == name
+        assert op.kernel("torch") is op.torch_kernel
+        sig = inspect.signature(op)
+        assert sig.parameters["backend"].default == "auto" and op.__doc__
+    # no other backend has a kernel for an op that is not declared
+    for b in backends.backend_names():
+        assert set(backends.get_backend(b).kernels) <= set(declared), b
+
+
+def test_every_backend_module_registers():
     modules = [m.name for m in pkgutil.iter_modules(backends.__path__) if m.name != "registry"]
     registered = {importlib.import_module(f"retrofit.ops.backends.{m}").BACKEND.name for m in modules}
     assert registered == set(backends.backend_names()) == {"torch", "fla", "flash", "flex"}

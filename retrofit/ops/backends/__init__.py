@@ -1,8 +1,9 @@
 """Kernel backends for the ops in :mod:`retrofit.ops`, through one registry.
 
 Each backend is one module of this package that declares what it runs and registers itself
-(:func:`~retrofit.ops.backends.registry.register`); every module here except the registry is
-imported below, so adding a backend is adding its module. Today:
+(:func:`~retrofit.ops.backends.registry.register_backend`); the registry imports every module
+here on first use, so adding a backend is adding its module (a backend outside this package:
+:mod:`retrofit.plugins`). Today:
 
 * ``torch`` (:mod:`.pytorch`) - the pure-PyTorch kernels; every op, any device and dtype.
 * ``fla``   (:mod:`.fla`)     - causal Latte / exp-linear on flash-linear-attention's GLA
@@ -16,15 +17,8 @@ How a backend is chosen (``backend=``, :func:`set_default_backend` / :func:`use_
 """
 from __future__ import annotations
 
-import importlib
-import pkgutil
-
 from retrofit.ops.backends import registry as _registry
 from retrofit.ops.backends.registry import *  # noqa: F401,F403 - the registry's public names
 from retrofit.ops.backends.registry import _reset_log_memory  # noqa: F401 - tests
 
 __all__ = list(_registry.__all__)
-
-for _module in sorted(m.name for m in pkgutil.iter_modules(__path__)):
-    if _module != "registry" and not _module.startswith("_"):
-        importlib.import_module(f"{__name__}.{_module}")

@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from retrofit.ops.backends.registry import Backend, Kernel, register
+from retrofit.ops.backends.registry import Backend, Kernel, register_backend
 from retrofit.ops.latte import NEG_INF, LatteState
 
 __all__ = [
@@ -309,7 +309,7 @@ def exp_linear_attention_step_fla(
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 
-BACKEND = register(
+BACKEND = register_backend(
     Backend(
         name="fla",
         priority=20,

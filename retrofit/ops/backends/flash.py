@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from retrofit.ops.backends.registry import Backend, Call, register
+from retrofit.ops.backends.registry import Backend, Call, register_backend
 from retrofit.ops.sliding_window import drop_unseen_past
 
 __all__ = ["BACKEND", "sliding_window_attention_flash"]
@@ -71,7 +71,7 @@ def _check(op: str, call: Call) -> str | None:
     return None
 
 
-BACKEND = register(
+BACKEND = register_backend(
     Backend(
         name="flash",
         priority=20,

@@ -10,7 +10,7 @@ import functools
 import torch
 
 from retrofit.ops.sliding_window import drop_unseen_past
-from retrofit.ops.backends.registry import Backend, Kernel, register
+from retrofit.ops.backends.registry import Backend, Kernel, register_backend
 
 __all__ = ["BACKEND", "sliding_window_attention_flex"]
 
@@ -92,7 +92,7 @@ def sliding_window_attention_flex(
     return out
 
 
-BACKEND = register(
+BACKEND = register_backend(
     Backend(
         name="flex",
         priority=10,

@@ -1,8 +1,11 @@
 """The backend registry: what each backend runs, and which one runs a call.
 
-A backend is one module in :mod:`retrofit.ops.backends` that builds a :class:`Backend` (its
-name, priority, the ops it has kernels for, the devices / dtypes / call features it supports,
-the package it needs) and passes it to :func:`register`. The ops in :mod:`retrofit.ops` are
+A backend is one module that builds a :class:`Backend` (its name, priority, the ops it has
+kernels for, the devices / dtypes / call features it supports, the package it needs) and passes
+it to :func:`register_backend` at import. The built-ins are the modules of
+:mod:`retrofit.ops.backends`, imported on first use; other packages' backends are found the way
+every registry of retrofit finds its entries (:mod:`retrofit.plugins`: the same call, or the
+``retrofit.backends`` entry-point group). The ops in :mod:`retrofit.ops` are
 :class:`Op` objects: each call is described (:class:`Call`: device, dtype, features), a backend
 is chosen by :func:`resolve`, and that backend's kernel runs with the call's arguments.
 
@@ -37,6 +40,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from retrofit.errors import SpecError
+from retrofit.plugins import Discovery, import_submodules
 
 __all__ = [
     "AUTO",
@@ -52,12 +56,12 @@ __all__ = [
     "get_backend",
     "get_default_backend",
     "is_installed",
-    "register",
+    "register_backend",
     "resolve",
     "resolve_backend",
     "set_default_backend",
     "strict_backends",
-    "unregister",
+    "unregister_backend",
     "use_backend",
 ]
 
@@ -149,10 +153,13 @@ def _dtypes(dtypes: frozenset[torch.dtype]) -> str:
 # registering
 
 _backends: dict[str, Backend] = {}
+# the built-ins: every module of this package, each registering itself at import
+_FOUND = Discovery("retrofit.backends", lambda: import_submodules(__name__.rpartition(".")[0]))
 
 
-def register(backend: Backend) -> Backend:
+def register_backend(backend: Backend) -> Backend:
     """Add (or replace) a backend; its module calls this at import. Returns the backend."""
+    _FOUND.builtins()
     if not backend.name or backend.name == AUTO or "," in backend.name or backend.name != backend.name.lower():
         raise ValueError(f"bad backend name {backend.name!r}: lower case, not 'auto', no commas")
     _backends[backend.name] = backend
@@ -161,7 +168,7 @@ def register(backend: Backend) -> Backend:
     return backend
 
 
-def unregister(name: str) -> None:
+def unregister_backend(name: str) -> None:
     """Remove a backend (tests)."""
     _backends.pop(name, None)
     is_installed.cache_clear()
@@ -170,17 +177,20 @@ def unregister(name: str) -> None:
 
 def get_backend(name: str) -> Backend:
     """The registered backend called ``name`` (KeyError if none)."""
+    _FOUND.everything()
     return _backends[name]
 
 
 def backend_names() -> tuple[str, ...]:
     """Registered backends, highest priority first."""
+    _FOUND.everything()
     return tuple(b.name for b in sorted(_backends.values(), key=lambda b: -b.priority))
 
 
 @functools.lru_cache(maxsize=None)
 def is_installed(backend: str) -> bool:
     """Whether the backend's package imports (cached; a broken CUDA build counts as missing)."""
+    _FOUND.everything()
     b = _backends.get(backend)
     if b is None:
         return False
@@ -206,6 +216,7 @@ _default_backend: str | None = None
 
 
 def _parse(request: str | None) -> tuple[str, ...]:
+    _FOUND.everything()
     if request is None:
         return ()
     names = tuple(n.strip().lower() for n in str(request).split(",") if n.strip())
@@ -285,6 +296,7 @@ def _reset_log_memory() -> None:
 
 def _auto(op: str, call: Call, *, quiet: bool = False) -> Backend:
     """The highest-priority backend that runs ``call`` under auto's rules (``quiet``: log no skips)."""
+    _FOUND.everything()
     candidates = sorted((b for b in _backends.values() if op in b.kernels), key=lambda b: -b.priority)
     for b in candidates:
         reason = b.why_not(op, call, auto=True)
@@ -335,6 +347,7 @@ def _resolve(op: str, call: Call, requested: str | None) -> Backend:
 
 
 def _has_kernel(op: str) -> bool:
+    _FOUND.everything()
     return any(op in b.kernels for b in _backends.values())
 
 
@@ -361,16 +374,18 @@ def resolve_backend(
 class Op:
     """A dispatched op: ``op(*args, backend="auto", **kwargs)`` runs the chosen backend's kernel.
 
-    ``like``: the reference signature and docstring (the torch kernel's). ``describe(*args,
-    **kwargs)`` -> :class:`Call` for the same arguments.
+    ``torch_kernel``: the pure-PyTorch kernel, which gives the op its name, signature and
+    docstring and is the ``torch`` backend's implementation. ``describe(*args, **kwargs)`` ->
+    :class:`Call` for the same arguments.
     """
 
-    def __init__(self, name: str, like: Callable[..., Any], describe: Callable[..., Call]):
-        self.name = name
+    def __init__(self, torch_kernel: Callable[..., Any], describe: Callable[..., Call]):
+        self.name = torch_kernel.__name__
+        self.torch_kernel = torch_kernel
         self.describe = describe
-        functools.update_wrapper(self, like)
+        functools.update_wrapper(self, torch_kernel)
         del self.__wrapped__  # the signature below is the op's, not the torch kernel's
-        sig = inspect.signature(like)
+        sig = inspect.signature(torch_kernel)
         backend = inspect.Parameter("backend", inspect.Parameter.KEYWORD_ONLY, default=AUTO, annotation="str | None")
         params = list(sig.parameters.values())
         if params and params[-1].kind is inspect.Parameter.VAR_KEYWORD:
@@ -378,7 +393,7 @@ class Op:
         else:
             params.append(backend)
         self.__signature__ = sig.replace(parameters=params)
-        self.__doc__ = f"Dispatched op (see retrofit.ops.backends; ``backend=`` picks one).\n\n{like.__doc__ or ''}"
+        self.__doc__ = f"Dispatched op (see retrofit.ops.backends; ``backend=`` picks one).\n\n{torch_kernel.__doc__ or ''}"
 
     def __call__(self, *args: Any, backend: str | None = AUTO, **kwargs: Any) -> Any:
         chosen = resolve(self.name, self.describe(*args, **kwargs), backend)
