@@ -7,7 +7,9 @@ that family's attention module (transformers 5.x), whether it needs BOS and its 
     for site in patch.attention_sites(model): ...
 
 Another family is one :class:`Family` row: add it to ``FAMILIES`` in ``patches/families.py``, or
-at run time ``register_patch(Family(...))`` (an :class:`AttentionPatch` instance works too).
+register it from your own module with ``register_family(Family(...))`` (an
+:class:`AttentionPatch` instance works too), imported before use or named in the
+``retrofit.families`` entry-point group (the rule every registry follows: :mod:`retrofit.plugins`).
 """
 from __future__ import annotations
 
@@ -15,30 +17,29 @@ from typing import Any
 
 from retrofit.errors import UnsupportedModelError
 from retrofit.patches.base import AttentionPatch, AttentionSite, Family
+from retrofit.plugins import Discovery
 
 __all__ = [
-    "AttentionPatch", "AttentionSite", "Family", "find_family", "get_patch", "register_patch",
+    "AttentionPatch", "AttentionSite", "Family", "find_family", "get_patch", "register_family",
     "supported_model_types",
 ]
 
 _REGISTRY: dict[str, AttentionPatch] = {}
-_LOADED = False
 
 
-def _load_builtin() -> None:
-    global _LOADED
-    if _LOADED:
-        return
+def _register_table() -> None:
     from retrofit.patches.families import FAMILIES
 
-    _LOADED = True
     for row in FAMILIES:
-        register_patch(row)
+        register_family(row)
 
 
-def register_patch(patch: AttentionPatch | Family) -> AttentionPatch:
+_FOUND = Discovery("retrofit.families", _register_table)
+
+
+def register_family(patch: AttentionPatch | Family) -> AttentionPatch:
     """Make ``patch`` (or the patch of a :class:`Family` row) the handler of each of its ``model_types``."""
-    _load_builtin()
+    _FOUND.builtins()
     if isinstance(patch, Family):
         patch = patch.patch()
     for model_type in patch.model_types:
@@ -48,7 +49,7 @@ def register_patch(patch: AttentionPatch | Family) -> AttentionPatch:
 
 def supported_model_types() -> dict[str, str]:
     """``{model_type: family}`` for every registered patch."""
-    _load_builtin()
+    _FOUND.everything()
     return {mt: p.family for mt, p in sorted(_REGISTRY.items())}
 
 
@@ -59,7 +60,7 @@ def _model_type(config: Any) -> str | None:
 
 def get_patch(model_or_config: Any) -> AttentionPatch:
     """The patch for a model (or its config), chosen by ``config.model_type``."""
-    _load_builtin()
+    _FOUND.everything()
     config = getattr(model_or_config, "config", model_or_config)
     model_type = _model_type(config)
     if model_type in _REGISTRY:
@@ -81,7 +82,7 @@ def find_family(model_or_config: Any) -> Family | None:
     Lenient where :func:`get_patch` refuses: a multimodal wrapper (e.g. Gemma 3 ``gemma3``) is
     looked up by its text config's ``model_type``.
     """
-    _load_builtin()
+    _FOUND.everything()
     config = getattr(model_or_config, "config", model_or_config)
     for cfg in (config, getattr(config, "text_config", None)):
         patch = _REGISTRY.get(_model_type(cfg)) if cfg is not None else None

@@ -4,18 +4,21 @@ Each evaluator kind (perplexity, harness, passkey, ...) is one module in this pa
 :func:`register_evaluator` with an :class:`Evaluator`: its name, CLI sub-command, arguments,
 how parsed arguments become keyword arguments of its run function, the run function itself
 (``"module:function"``, imported only when it runs, so ``retrofit --help`` stays light) and its
-report section. The modules here are discovered, so adding a kind is adding one module.
+report section. The modules here are imported on first use of the registry, so adding a kind is
+adding one module; a kind defined elsewhere registers by the same call, imported before use or
+named in the ``retrofit.evaluators`` entry-point group (the rule every registry follows:
+:mod:`retrofit.plugins`).
 """
 from __future__ import annotations
 
 import argparse
 import importlib
-import pkgutil
 import re
 from dataclasses import dataclass
 from typing import Callable
 
 from retrofit.errors import RetrofitError
+from retrofit.plugins import Discovery, import_submodules
 
 __all__ = ["Evaluator", "evaluators", "get_evaluator", "length_arg", "depth_arg", "register_evaluator"]
 
@@ -59,11 +62,12 @@ class Evaluator:
 
 
 _REGISTRY: dict[str, Evaluator] = {}
-_DISCOVERED = False
+_FOUND = Discovery("retrofit.evaluators", lambda: import_submodules(__name__))  # built-ins: this package's modules
 
 
 def register_evaluator(ev: Evaluator) -> Evaluator:
     """Add an evaluator kind (a name or command already taken by another kind is an error)."""
+    _FOUND.builtins()
     for other in _REGISTRY.values():
         if other.name != ev.name and ev.command in (other.command, other.name):
             raise RetrofitError(f"evaluator {ev.name!r}: command {ev.command!r} is taken by {other.name!r}")
@@ -71,24 +75,14 @@ def register_evaluator(ev: Evaluator) -> Evaluator:
     return ev
 
 
-def _discover() -> None:
-    global _DISCOVERED
-    if _DISCOVERED:
-        return
-    _DISCOVERED = True
-    for info in pkgutil.iter_modules(__path__):
-        if not info.name.startswith("_"):
-            importlib.import_module(f"{__name__}.{info.name}")
-
-
 def evaluators() -> list[Evaluator]:
     """Every registered evaluator kind, in ``order``."""
-    _discover()
+    _FOUND.everything()
     return sorted(_REGISTRY.values(), key=lambda e: (e.order, e.name))
 
 
 def get_evaluator(name: str) -> Evaluator:
-    _discover()
+    _FOUND.everything()
     if name not in _REGISTRY:
         raise RetrofitError(f"unknown evaluator {name!r}: known are {', '.join(e.name for e in evaluators())}")
     return _REGISTRY[name]

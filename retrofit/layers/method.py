@@ -10,9 +10,11 @@ Each method module (``retrofit/layers/<method>.py``) defines
   ``builder(original, patch, spec, layer_idx, generator) -> layer`` that reads ``spec.config``,
 * one ``register_method(name, builder, config=TheConfig, description=...)`` call.
 
-``retrofit/layers/__init__.py`` imports the method modules once, which registers them; a method
-defined anywhere else registers itself the same way when its module is imported (see
-``docs/extending.md``). This module needs no torch: it only holds data and the registry.
+``retrofit/layers/__init__.py`` imports the built-in method modules, which registers them, on
+first use of the registry; a method defined anywhere else registers itself the same way when its
+module is imported, or through the ``retrofit.methods`` entry-point group (the rule every
+registry follows: :mod:`retrofit.plugins`, ``docs/extending.md``). This module needs no torch:
+it only holds data and the registry.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping
 
 from retrofit.errors import SpecError
+from retrofit.plugins import Discovery
 
 __all__ = [
     "DEFAULT_WINDOW", "MethodConfig", "MethodInfo", "available_methods", "get_method", "method_fields",
@@ -145,6 +148,13 @@ class MethodInfo:
 _METHODS: dict[str, MethodInfo] = {}
 
 
+def _import_builtins() -> None:
+    import retrofit.layers  # noqa: F401  (importing the package imports, i.e. registers, each method module)
+
+
+_FOUND = Discovery("retrofit.methods", _import_builtins)
+
+
 def register_method(
     name: str,
     builder: Builder,
@@ -159,6 +169,7 @@ def register_method(
     ``config``: the method's :class:`MethodConfig` subclass. ``options`` (``{key: default}``) is
     the short form for a method without its own class: a config class with those fields is made.
     """
+    _FOUND.builtins()
     if name in _METHODS and not overwrite:
         raise ValueError(f"method {name!r} is already registered (pass overwrite=True to replace it)")
     if config is None:
@@ -186,12 +197,8 @@ def _config_from_options(name: str, options: dict[str, Any]) -> type[MethodConfi
     return cls
 
 
-def _load_methods() -> None:
-    import retrofit.layers  # noqa: F401  (importing the package imports, i.e. registers, each method module)
-
-
 def available_methods() -> list[str]:
-    _load_methods()
+    _FOUND.everything()
     return sorted(_METHODS)
 
 
@@ -202,7 +209,7 @@ def registered_method(name: str) -> MethodInfo | None:
 
 
 def get_method(name: str) -> MethodInfo:
-    _load_methods()
+    _FOUND.everything()
     if name not in _METHODS:
         raise SpecError(f"unknown method {name!r}; available: {', '.join(available_methods())}")
     return _METHODS[name]

@@ -102,7 +102,7 @@ def test_family_facts_live_in_the_table():
 
 def test_adding_a_family_is_one_row():
     """A new model_type on an existing modeling class: one Family row, and conversion is exact."""
-    from retrofit.patches import Family, register_patch
+    from retrofit.patches import Family, register_family
     from retrofit.surgery import ConversionSpec, convert
     from tests.surgery.tiny import band_reference
 
@@ -110,8 +110,8 @@ def test_adding_a_family_is_one_row():
     model.config.model_type = "test_llama_like"  # one config object, shared by every submodule
     with pytest.raises(UnsupportedModelError):
         get_patch(model)
-    register_patch(Family("llama-like", ("test_llama_like",), "transformers.models.llama.modeling_llama",
-                          "LlamaAttention", needs_bos=True, lora_targets=("q_proj",)))
+    register_family(Family("llama-like", ("test_llama_like",), "transformers.models.llama.modeling_llama",
+                           "LlamaAttention", needs_bos=True, lora_targets=("q_proj",)))
     try:
         assert get_patch(model).family == "llama-like" and supported_model_types()["test_llama_like"] == "llama-like"
         ids = torch.randint(3, 256, (1, 30), generator=torch.Generator().manual_seed(0))

@@ -1,0 +1,1 @@
+"""Toy registry entries, one module each, registered the documented way: one call at import."""
