@@ -180,7 +180,7 @@ def scoring_attention(model: Any) -> Iterator[str | None]:
     exit. Yields the implementation in use (for results files).
     """
     from retrofit.patches import find_family
-    from retrofit.patches.attention import register
+    from retrofit.patches.attention import install_attention_function
 
     config = getattr(model, "config", None)
     current = getattr(config, "_attn_implementation", None)
@@ -190,7 +190,7 @@ def scoring_attention(model: Any) -> Iterator[str | None]:
     ):
         yield current
         return
-    model.set_attn_implementation(register())
+    model.set_attn_implementation(install_attention_function())
     try:
         yield "retrofit"
     finally:

@@ -4,7 +4,7 @@ Converted layers need only the 2D key padding mask, never a T x T mask (a 262k-v
 at 32K tokens must fit). transformers 5.x builds masks through ``AttentionMaskInterface``
 keyed by ``config._attn_implementation`` (``masking_utils.create_causal_mask`` /
 ``create_sliding_window_causal_mask``) and runs attention through ``AttentionInterface``.
-We register both under the name ``"retrofit"``:
+:func:`install_attention_function` installs both under the name ``"retrofit"``:
 
 * mask: flash-attention style. ``(B, past + T)`` bool (True = real token), or ``None`` when
   nothing is padded; it is handed on unsliced (a replaced layer takes its last ``T`` columns,
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 IMPLEMENTATION = "retrofit"
 
-__all__ = ["IMPLEMENTATION", "ROPE_CAP_ATTR", "RopeCap", "register", "retrofit_mask", "retrofit_attention_forward",
+__all__ = ["IMPLEMENTATION", "ROPE_CAP_ATTR", "RopeCap", "install_attention_function", "retrofit_mask", "retrofit_attention_forward",
            "dense_mask"]
 
 ROPE_CAP_ATTR = "retrofit_rope_cap"  # the attribute of an attention module that holds its RopeCap
@@ -157,8 +157,9 @@ def retrofit_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-def register() -> str:
-    """Register the ``"retrofit"`` attention and mask functions with transformers (idempotent)."""
+def install_attention_function() -> str:
+    """Install the ``"retrofit"`` attention and mask functions in transformers' interfaces (idempotent);
+    returns the name to pass to ``set_attn_implementation``."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 

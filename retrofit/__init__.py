@@ -32,20 +32,20 @@ def _build_converted(model, record: dict) -> None:  # imported on first use: kee
 
 
 def _register_transformers() -> None:
-    from retrofit.hf import register, set_builder
+    from retrofit.surgery.auto_classes import register_auto_classes, set_builder
 
     set_builder(_build_converted)
-    register()
+    register_auto_classes()
 
 
 def _register_peft() -> None:
     import transformers  # noqa: F401  (runs the transformers registration first)
 
-    from retrofit.hf import register, register_peft, set_builder
+    from retrofit.surgery.auto_classes import add_peft_target_modules, register_auto_classes, set_builder
 
     set_builder(_build_converted)
-    register()
-    register_peft()
+    register_auto_classes()
+    add_peft_target_modules()
 
 
 from retrofit._hooks import when_imported  # noqa: E402

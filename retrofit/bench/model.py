@@ -46,7 +46,7 @@ from retrofit.bench.common import (
 )
 from retrofit.bench.models import build_pair, forward_kwargs
 from retrofit.errors import SpecError
-from retrofit.patches.attention import register
+from retrofit.patches.attention import install_attention_function
 from retrofit.surgery.lm_head import sliced_lm_loss
 
 __all__ = ["run_model_benchmark"]
@@ -142,7 +142,7 @@ def run_model_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     repeats = min(args.repeats, 2) if args.quick else args.repeats
     base, converted, info = build_pair(args, max(lengths))
     if getattr(args, "base_attention", "loaded") == "retrofit":
-        base.set_attn_implementation(register())
+        base.set_attn_implementation(install_attention_function())
     base_attention = base.config._attn_implementation
     info["base"] = f"{info['base']} (attention: {base_attention})"
     hw = hardware_info(device)

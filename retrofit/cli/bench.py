@@ -41,7 +41,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="built-in config when no --model: tiny (hidden 64, 2 layers) or small (hidden 256, 4 layers)")
 
 
-def register(sub: argparse._SubParsersAction, help_text: str) -> None:
+def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("bench", help=help_text, description=help_text)
     suites = p.add_subparsers(dest="suite", metavar="SUITE")
 

@@ -29,7 +29,7 @@ COMMON_FLAGS = {"method": "--method", "layers": "--layers", "dtype": "--dtype", 
                 "rope_cap": "--rope-cap"}
 
 
-def register(sub: argparse._SubParsersAction, help_text: str) -> None:
+def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("convert", help=help_text, description=help_text, epilog=EPILOG)
     p.add_argument("model", metavar="MODEL", help="model folder, hub id, .gguf file or alias (gemma3-270m, smollm2-135m)")
     p.add_argument("--out", required=True, help="output folder (must not exist unless --overwrite)")

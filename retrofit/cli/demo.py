@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 
-def register(sub: argparse._SubParsersAction, help_text: str) -> None:
+def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser(
         "demo", help=help_text, description=help_text + ". Writes everything under --out and prints the report path.",
     )

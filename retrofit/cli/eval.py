@@ -61,7 +61,7 @@ def _shared(p: argparse.ArgumentParser, bos: bool = True, seed: bool = True) -> 
                        help="start sequences with BOS (auto: as the tokenizer does; always for Gemma)")
 
 
-def register(sub: argparse._SubParsersAction, help_text: str) -> None:
+def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     """``retrofit eval COMMAND``: one sub-command per registered evaluator, plus ``all``."""
     p = sub.add_parser("eval", help=help_text, description=help_text)
     evsub = p.add_subparsers(dest="eval_command", metavar="COMMAND")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 
-def register(sub: argparse._SubParsersAction, help_text: str) -> None:
+def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("generate", help=help_text, description=help_text)
     p.add_argument("model", metavar="DIR", help="converted checkpoint folder (or model folder / hub id / .gguf / alias)")
     p.add_argument("--prompt", required=True, help="text to continue ('-' reads stdin)")

@@ -14,7 +14,7 @@ _ALIASES = {"recipes": "recipes", "convert": "convert specs", "specs": "convert 
             "deepspeed": "deepspeed", "models": "models", "aliases": "models"}
 
 
-def register(sub: argparse._SubParsersAction, help_text: str) -> None:
+def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("ls", help=help_text, description=help_text)
     p.add_argument("kind", nargs="?", choices=sorted(_ALIASES), help="list only this kind")
     p.add_argument("--json", action="store_true", help="print a JSON object {kind: [{name, description}]}")

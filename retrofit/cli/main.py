@@ -1,7 +1,7 @@
 """`retrofit` command line: verbs over YAML recipes, like litgpt / torchtune.
 
 Each verb lives in its own module (``retrofit/cli/<verb>.py``) exposing
-``register(subparsers)``; heavy imports happen inside the verb's handler so that
+``add_parser(subparsers, help_text)`` (its sub-command and flags); heavy imports happen inside the verb's handler so that
 ``retrofit --help`` stays instant.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     for name, help_text in VERBS:
         module = importlib.import_module(f"retrofit.cli.{name}")
-        module.register(sub, help_text)
+        module.add_parser(sub, help_text)
     finish_parser(parser)  # defaults in every --help, -q / -v on every verb
     return parser
 

@@ -20,7 +20,7 @@ Launch under torchrun or deepspeed (with --no_local_rank) for several GPUs; a pl
 """
 
 
-def register(sub: argparse._SubParsersAction, help_text: str) -> None:
+def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("train", help=help_text, description=help_text, epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("recipe", help="YAML recipe (a path, or the name of a bundled recipe)")

@@ -139,7 +139,7 @@ def save(
     also written to ``retrofit_training.json`` (what reports read to name the model).
     """
     from retrofit.surgery.card import model_card
-    from retrofit.hf import adopt
+    from retrofit.surgery.auto_classes import adopt
 
     if not is_converted(model):
         raise CheckpointError("model is not converted (no config.retrofit); run retrofit.convert first")
@@ -204,12 +204,12 @@ def load(
 
     from transformers import AutoModelForCausalLM
 
-    from retrofit import hf
+    from retrofit.surgery import auto_classes
 
-    hf.register()
+    auto_classes.register_auto_classes()
     # folders written before model_type "retrofit_<family>" carry their base's model_type: transformers
     # builds the base, which is converted here (and warned about: plain transformers loads it as the base)
-    legacy = not str(raw.get("model_type", "")).startswith(hf.PREFIX)
+    legacy = not str(raw.get("model_type", "")).startswith(auto_classes.PREFIX)
     with quiet_transformers():
         try:
             model, info = AutoModelForCausalLM.from_pretrained(

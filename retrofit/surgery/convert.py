@@ -11,7 +11,7 @@
   full attention at ``spec.rope_cap`` (``retrofit/surgery/rope_cap.py``),
 * records ``model.config.retrofit = {method, hyper-parameters, converted_layers,
   toolkit_version, base_model}`` (saved into config.json by ``save_pretrained``),
-* gives the model its own identity (``retrofit/hf.py``): config ``model_type``
+* gives the model its own identity (``retrofit/surgery/auto_classes.py``): config ``model_type``
   ``retrofit_<family>`` and class ``Retrofit<Base>ForCausalLM``, subclasses of the originals.
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ def convert(model: nn.Module, spec: ConversionSpec | None = None, *, base_model:
     """
     from retrofit._version import __version__
     from retrofit.patches import get_patch
-    from retrofit.patches.attention import register as register_attention
+    from retrofit.patches.attention import install_attention_function
 
     spec = spec or ConversionSpec()
     if overrides:  # common keys or the method's own (unknown / inapplicable keys: SpecError)
@@ -91,7 +91,7 @@ def convert(model: nn.Module, spec: ConversionSpec | None = None, *, base_model:
         setattr(site.parent, site.attr, new)
     mark_new_trainable(model)
 
-    model.set_attn_implementation(register_attention())
+    model.set_attn_implementation(install_attention_function())
     cap_rope(model, spec.rope_cap)  # the layers left as full attention: no RoPE distance past the base's context
     record = spec.to_dict()
     record.update(
@@ -100,7 +100,7 @@ def convert(model: nn.Module, spec: ConversionSpec | None = None, *, base_model:
         base_model=base_model if base_model is not None else _base_model_id(model),
     )
     model.config.retrofit = record
-    from retrofit.hf import adopt
+    from retrofit.surgery.auto_classes import adopt
 
     return adopt(model)  # model_type "retrofit_<family>": never saved or loaded as its base
 
@@ -108,7 +108,8 @@ def convert(model: nn.Module, spec: ConversionSpec | None = None, *, base_model:
 def build_from_record(model: nn.Module, record: dict[str, Any]) -> None:
     """Convert a freshly built base model to the architecture ``record`` (a checkpoint's
     ``config.retrofit``) describes; the record stays verbatim. What a ``Retrofit*ForCausalLM``
-    runs in ``__init__`` (``retrofit/hf.py``; the package wires it, so hf does not import this module)."""
+    runs in ``__init__`` (:mod:`retrofit.surgery.auto_classes`; the package wires it, so that module
+    does not import this one)."""
     config = model.config
     del config.retrofit  # convert refuses an already converted model; it writes the record again
     try:

@@ -1,6 +1,6 @@
 """A converted model's ``retrofit`` record (config.json section, delta manifest) -> its spec, checked.
 
-Below both ``checkpoint`` (which reads records from folders) and ``retrofit.hf`` (whose model
+Below both ``checkpoint`` (which reads records from folders) and ``auto_classes`` (whose model
 classes rebuild themselves from ``config.retrofit``), so neither imports the other for it.
 """
 from __future__ import annotations

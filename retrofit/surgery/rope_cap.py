@@ -38,7 +38,7 @@ def cap_rope(model: nn.Module, distance: int | None) -> list[int]:
     sequence (``dynamic``) is skipped with a warning. Capping switches the model to the
     ``"retrofit"`` attention implementation."""
     from retrofit.patches import get_patch
-    from retrofit.patches.attention import ROPE_CAP_ATTR, RopeCap, register
+    from retrofit.patches.attention import ROPE_CAP_ATTR, RopeCap, install_attention_function
 
     if distance is not None and (isinstance(distance, bool) or not isinstance(distance, int) or distance < 0):
         raise SpecError(f"rope_cap must be a non-negative integer number of tokens (0 = no cap), got {distance!r}")
@@ -62,7 +62,7 @@ def cap_rope(model: nn.Module, distance: int | None) -> list[int]:
         warnings.warn(f"layers {skipped}: this model's RoPE type has no fixed frequencies; their distance is not "
                       "capped", stacklevel=2)
     if capped and getattr(model.config, "_attn_implementation", None) != "retrofit":
-        model.set_attn_implementation(register())
+        model.set_attn_implementation(install_attention_function())
     return capped
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from retrofit.patches.attention import IMPLEMENTATION, register
+from retrofit.patches.attention import IMPLEMENTATION, install_attention_function
 from tests.surgery.tiny import tiny_model
 
 
@@ -17,7 +17,7 @@ def _padded_batch(T=40, pad=9):
 
 
 def test_masks_stay_2d_or_none():
-    register()
+    install_attention_function()
     model = tiny_model("gemma2")
     model.set_attn_implementation(IMPLEMENTATION)
     emb = torch.zeros(2, 40, 64)
@@ -31,7 +31,7 @@ def test_masks_stay_2d_or_none():
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3"])
 def test_unconverted_model_matches_eager(family):
     """Full attention, native sliding windows (Gemma 2/3: 24 < T) and soft-capping, with left padding."""
-    register()
+    install_attention_function()
     model = tiny_model(family)
     ids, mask = _padded_batch()
     model.set_attn_implementation("eager")
@@ -45,7 +45,7 @@ def test_unconverted_model_matches_eager(family):
 
 
 def test_unconverted_model_decodes_with_cache():
-    register()
+    install_attention_function()
     model = tiny_model("gemma2")
     model.set_attn_implementation(IMPLEMENTATION)
     ids, mask = _padded_batch(T=50)

@@ -145,19 +145,19 @@ def test_from_config_builds_the_converted_architecture():
 
 
 def test_converted_classes_build_through_the_builder_the_package_set(monkeypatch):
-    """hf does not import convert (no import cycle): the package hands it the builder, and a class
+    """auto_classes does not import convert (no import cycle): the package hands it the builder, and a class
     built without one says so instead of loading a base model under a converted name."""
     from transformers import AutoModelForCausalLM
 
-    from retrofit import hf
+    from retrofit.surgery import auto_classes
     from retrofit.surgery.convert import build_from_record
 
     model = convert(tiny_model("llama"), DEFAULT_SPEC)
     calls = []
-    monkeypatch.setattr(hf, "_BUILDER", lambda m, record: (calls.append(record), build_from_record(m, record)))
+    monkeypatch.setattr(auto_classes, "_BUILDER", lambda m, record: (calls.append(record), build_from_record(m, record)))
     fresh = AutoModelForCausalLM.from_config(model.config)
     assert calls == [model.config.retrofit] and fresh.config.retrofit == model.config.retrofit
-    monkeypatch.setattr(hf, "_BUILDER", None)
+    monkeypatch.setattr(auto_classes, "_BUILDER", None)
     with pytest.raises(RuntimeError, match="import retrofit before transformers"):
         AutoModelForCausalLM.from_config(model.config)
 

@@ -10,7 +10,7 @@ from transformers import DynamicCache
 import retrofit.ops
 from retrofit.errors import SpecError
 from retrofit.ops import capped_rope_attention_reference
-from retrofit.patches.attention import ROPE_CAP_ATTR, register
+from retrofit.patches.attention import ROPE_CAP_ATTR, install_attention_function
 from retrofit.surgery import ConversionSpec, convert, load, save
 from retrofit.surgery.rope_cap import cap_rope, capped_layers
 from tests.surgery.tiny import VOCAB, tiny_model
@@ -35,7 +35,7 @@ def test_capped_model_runs_the_reference_math(family, monkeypatch):
     """Whole forward with the cap = the same model whose capped layers call the op's dense reference;
     the cap changes the logits (it acts), and a cap beyond the sequence changes nothing."""
     model = tiny_model(family)
-    model.set_attn_implementation(register())  # the cap alone differs between the two runs
+    model.set_attn_implementation(install_attention_function())  # the cap alone differs between the two runs
     ids = _ids()
     plain = _logits(model, ids)
     capped = cap_rope(model, CAP)

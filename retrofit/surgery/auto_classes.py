@@ -10,7 +10,7 @@ For every ``model_type`` of the family table (``patches/families.py``: ``llama``
   ``from_pretrained`` builds the converted architecture and loads the new weights with the
   pretrained ones (no ``trust_remote_code``; the classes are ordinary subclasses).
 
-:func:`register` adds them to ``AutoConfig`` / ``AutoModelForCausalLM`` (and PEFT's default
+:func:`register_auto_classes` adds them to ``AutoConfig`` / ``AutoModelForCausalLM`` (and PEFT's default
 LoRA targets when PEFT is imported). ``import retrofit`` arranges that: immediately when
 transformers is already imported, else right after transformers' own import (see
 ``retrofit/_hooks.py``), so ``import retrofit`` alone stays instant. Without retrofit,
@@ -30,11 +30,12 @@ from torch import nn
 
 __all__ = [
     "PREFIX",
+    "add_peft_target_modules",
     "adopt",
     "base_model_type",
     "causal_lm_class",
     "config_class",
-    "register",
+    "register_auto_classes",
     "retrofit_model_type",
     "set_builder",
 ]
@@ -45,8 +46,8 @@ _MODELS: dict[str, type] = {}  # base model_type -> Retrofit causal-LM class
 _REGISTERED: set[str] = set()
 # (model, config.retrofit) -> None: converts a freshly built base model to the recorded architecture.
 # retrofit.surgery.convert.build_from_record, set by the package (retrofit/__init__.py) when transformers
-# is imported: conversion sits beside this module, and this module must not import it (convert adopts
-# its result into the classes below).
+# is imported: convert imports this module (it adopts its result into the classes below), so this
+# module must not import convert back.
 _BUILDER: Callable[[nn.Module, dict], None] | None = None
 # generate() options that need to roll the decoding state back (impossible for a recurrent state)
 _ASSISTED = ("assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit", "assistant_tokenizer")
@@ -163,7 +164,7 @@ def _make_classes(mt: str, base_cfg: type, base_model: type) -> tuple[type, type
     return cfg_cls, model_cls
 
 
-def register() -> list[str]:
+def register_auto_classes() -> list[str]:
     """Register ``retrofit_<family>`` with transformers' Auto classes (idempotent); returns the model types."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -179,11 +180,11 @@ def register() -> list[str]:
         _CONFIGS[mt], _MODELS[mt] = cfg_cls, model_cls
         _REGISTERED.add(mt)
     if "peft" in sys.modules:
-        register_peft()
+        add_peft_target_modules()
     return [retrofit_model_type(mt) for mt in sorted(_REGISTERED)]
 
 
-def register_peft() -> None:
+def add_peft_target_modules() -> None:
     """Give ``retrofit_<family>`` the default LoRA target modules of its base family."""
     try:
         from peft.utils import constants
@@ -204,12 +205,12 @@ def _families_cache() -> set[str]:
 
 
 def config_class(model_type: str) -> type | None:
-    register()
+    register_auto_classes()
     return _CONFIGS.get(base_model_type(model_type))
 
 
 def causal_lm_class(model_type: str) -> type | None:
-    register()
+    register_auto_classes()
     return _MODELS.get(base_model_type(model_type))
 
 
