@@ -14,7 +14,7 @@ from retrofit.surgery.convert import (
 )
 from retrofit.surgery.loading import load_any
 from retrofit.surgery.rope_cap import cap_rope, capped_layers
-from retrofit.surgery.spec import DEFAULT_INIT_SWA_SHARE, ConversionSpec
+from retrofit.surgery.spec import ConversionSpec
 
 __all__ = [
     "ConversionSpec",
@@ -33,3 +33,14 @@ __all__ = [
     "save",
     "save_delta",
 ]
+
+
+def __getattr__(name: str):
+    # Macchiato's constant, read on demand: importing surgery (which the transformers registration
+    # does, right after transformers' import, possibly while retrofit.layers is being imported)
+    # must import no layer
+    if name == "DEFAULT_INIT_SWA_SHARE":
+        from retrofit.surgery import spec
+
+        return spec.DEFAULT_INIT_SWA_SHARE
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -124,6 +124,21 @@ def test_plain_transformers_refuses_and_import_retrofit_fixes_it(tmp_path):
     assert hooked.stdout.strip().endswith("RetrofitGemma3ForCausalLM")
 
 
+def test_registration_works_when_transformers_is_imported_by_retrofit_layers(tmp_path):
+    """The registration runs right after transformers' import; when a retrofit layer module is what
+    imports transformers, it runs while retrofit.layers is half imported and must not need it."""
+    run = _python("""
+        import sys, warnings
+        warnings.simplefilter("error", RuntimeWarning)  # a failed registration only warns
+        import retrofit.layers.method
+        assert "transformers" in sys.modules
+        from transformers import AutoConfig
+        print(type(AutoConfig.for_model("retrofit_llama")).__module__)
+    """, tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "retrofit.surgery.auto_classes"
+
+
 def test_plain_save_pretrained_keeps_the_identity(tmp_path):
     from transformers import AutoModelForCausalLM
 
