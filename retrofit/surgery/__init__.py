@@ -9,8 +9,9 @@
     retrofit.surgery.cap_rope(base, 32767)   # its full-attention layers: no RoPE distance past 32767 (zero-shot)
 """
 from retrofit.surgery.checkpoint import load, load_delta, save, save_delta
-from retrofit.surgery.convert import (
-    convert, converted_layers, is_converted, new_module_names, new_parameter_names, retrofit_record,
+from retrofit.surgery.convert import convert
+from retrofit.surgery.converted import (
+    converted_layers, is_converted, new_module_names, new_parameter_names, retrofit_record,
 )
 from retrofit.surgery.loading import load_any
 from retrofit.surgery.rope_cap import cap_rope, capped_layers

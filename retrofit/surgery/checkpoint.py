@@ -27,11 +27,12 @@ from torch import nn
 
 from retrofit.errors import CheckpointError
 from retrofit.fs.atomic import atomic_directory  # re-exported: the old import path
-from retrofit.surgery.convert import convert, converted_layers, is_converted, new_parameter_names, retrofit_record
+from retrofit.surgery.convert import convert
+from retrofit.surgery.converted import converted_layers, is_converted, new_parameter_names, retrofit_record
 from retrofit.surgery.fingerprint import (
     SECTION_DIGEST_KEY, compare_fingerprints, section_digest, weights_fingerprint,
 )
-from retrofit.surgery.records import check_section_digest, spec_from_record  # re-exported
+from retrofit.surgery.records import check_section_digest, spec_from_record
 from retrofit.surgery.sources import (
     ALIASES, first_line, load_plain, locate, quiet_transformers, read_config, read_json, resolve_dtype,
 )
@@ -46,7 +47,6 @@ __all__ = [
     "load_delta",
     "save",
     "save_delta",
-    "spec_from_record",
 ]
 
 DELTA_MANIFEST = "retrofit_delta.json"

@@ -24,18 +24,13 @@ from torch import nn
 
 from retrofit.errors import SpecError
 from retrofit.precision import cast_parameters
-from retrofit.surgery.converted import (  # re-exported: retrofit.surgery.convert.X keeps working
-    converted_layers, is_converted, mark_new_trainable, new_module_names, new_parameter_names, retrofit_record,
-)
 from retrofit.layers.method import get_method
+from retrofit.surgery.converted import is_converted, mark_new_trainable, retrofit_record
 from retrofit.surgery.records import spec_from_record
 from retrofit.surgery.rope_cap import cap_rope
 from retrofit.surgery.spec import ConversionSpec
 
-__all__ = [
-    "build_from_record", "convert", "converted_layers", "is_converted", "mark_new_trainable", "new_module_names",
-    "new_parameter_names", "retrofit_record",
-]
+__all__ = ["build_from_record", "convert"]
 
 
 def _base_model_id(model: nn.Module) -> str | None:

@@ -1,8 +1,7 @@
 """Questions about a converted model that need no conversion code: is it converted, what did the
 conversion record, which layers and weights are new, and marking exactly those trainable.
 
-Below both :mod:`retrofit.surgery.convert` (which re-exports these) and
-:mod:`retrofit.surgery.auto_classes`.
+Below both :mod:`retrofit.surgery.convert` and :mod:`retrofit.surgery.auto_classes`.
 """
 from __future__ import annotations
 

@@ -114,7 +114,8 @@ def rank_layers(model: nn.Module, spec: Any, ids: torch.Tensor, last: int | None
     selection of the hybrid-distillation literature (which ranks after training). ``last``: score
     only the final ``last`` positions (the second copy of :func:`copy_probe_ids`).
     """
-    from retrofit.surgery.convert import convert, is_converted
+    from retrofit.surgery.convert import convert
+    from retrofit.surgery.converted import is_converted
     from retrofit.surgery.distill import converted_modules, distill_mode
 
     if is_converted(model):

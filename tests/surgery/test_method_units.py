@@ -31,7 +31,7 @@ from retrofit.layers.cache import RetrofitCache, RetrofitLayerCache, cache_keywo
 from retrofit.layers.method import MethodConfig, get_method, opt, register_method
 from retrofit.layers import available_methods
 from retrofit.surgery import ConversionSpec, convert, converted_layers, new_parameter_names, save
-from retrofit.surgery.checkpoint import spec_from_record
+from retrofit.surgery.records import spec_from_record
 from tests.surgery.tiny import tiny_model
 
 RECORDS = json.loads((Path(__file__).parent / "fixtures" / "records_v0.json").read_text())
