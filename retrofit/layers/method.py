@@ -204,7 +204,7 @@ def available_methods() -> list[str]:
 
 def registered_method(name: str) -> MethodInfo | None:
     """The method registered under ``name``, or None (no error: layers of unregistered toy classes)."""
-    _load_methods()
+    _FOUND.everything()
     return _METHODS.get(name)
 
 
