@@ -30,17 +30,6 @@ REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    """A tiny Llama + tokenizer saved as a plain transformers folder (read-only for the tests)."""
-    return tiny.save_base(tmp_path_factory.mktemp("base") / "llama")
-
-
-@pytest.fixture(scope="module")
-def books(tmp_path_factory) -> Path:
-    return tiny.write_books(tmp_path_factory.mktemp("books"), n=4, chars=3_000)
-
-
 def snapshot(*roots: Path) -> dict[str, str]:
     """sha256 of every file under ``roots`` (what 'no input file changed' compares)."""
     out = {}

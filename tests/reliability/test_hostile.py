@@ -24,12 +24,6 @@ from tests.train import tiny
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    """A tiny Llama + tokenizer saved as a plain transformers folder (read-only for the tests)."""
-    return tiny.save_base(tmp_path_factory.mktemp("base") / "llama")
-
-
 def _window(folder: Path) -> int:
     return json.loads((folder / "config.json").read_text())["retrofit"]["window"]
 
@@ -127,11 +121,6 @@ def test_overwrite_never_deletes_a_file_retrofit_did_not_write(base, tmp_path, c
 
 
 # ---------------------------------------------------------------------- resume: the same model, tokenizer, state
-@pytest.fixture(scope="module")
-def books(tmp_path_factory) -> Path:
-    return tiny.write_books(tmp_path_factory.mktemp("books"), n=4, chars=3_000)
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, base, books):
     """A 1-step run with its checkpoint-1, on a private copy of the base."""

@@ -22,17 +22,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    """A tiny Llama + tokenizer saved as a plain transformers folder (read-only for the tests)."""
-    return tiny.save_base(tmp_path_factory.mktemp("base") / "llama")
-
-
-@pytest.fixture(scope="module")
-def books(tmp_path_factory) -> Path:
-    return tiny.write_books(tmp_path_factory.mktemp("books"), n=4, chars=3_000)
-
-
 @pytest.fixture
 def no_model_loads(monkeypatch):
     """Any model load fails the test's expectations (the refusal must come first)."""
