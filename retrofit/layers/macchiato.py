@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from retrofit.errors import SpecError
@@ -384,6 +385,7 @@ class MacchiatoAttention(RetrofitAttention):
         self.window_dropout_generator: torch.Generator | None = None  # CPU generator for those draws
         self.latent_q = nn.Linear(self.hidden_size, H * (Lh + 1), bias=True, **kw)
         self.latent_k = nn.Linear(self.hidden_size, H * Lh, bias=False, **kw) if Lh else None
+        self._fused: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # see _fused_latent_projection
         self.reset_new_parameters(generator)
 
     @torch.no_grad()
@@ -418,14 +420,34 @@ class MacchiatoAttention(RetrofitAttention):
         if self.conv is not None:
             xin = x if valid is None else x * valid[..., None].to(x.dtype)  # padding never leaks in
             u, new_tail = self.conv(xin, tail)
-        mix = self.latent_q(u).view(B, T, H, Lh + 1).transpose(1, 2)
+        fused = self._fused_latent_projection() if T == 1 and not torch.is_grad_enabled() else None
+        if fused is not None:  # decoding: both projections in one matrix-vector product
+            mix, lat = F.linear(u, *fused).split((H * (Lh + 1), H * Lh), dim=-1)
+            mix = mix.view(B, T, H, Lh + 1).transpose(1, 2)
+            lat = lat.reshape(B, T, H, Lh).transpose(1, 2)
+        else:
+            mix = self.latent_q(u).view(B, T, H, Lh + 1).transpose(1, 2)
+            lat = self.latent_k(u).view(B, T, H, Lh).transpose(1, 2) if self.latent_k is not None else None
         if self.latent_path_closed:
             mix = torch.zeros_like(mix)
             mix[..., 0] = SATURATED_LOGIT
         elif self.training and self.window_dropout > 0.0 and Lh:
             mix = self._drop_window(mix)
-        lat = self.latent_k(u).view(B, T, H, Lh).transpose(1, 2) if self.latent_k is not None else None
         return mix, lat, new_tail
+
+    def _fused_latent_projection(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(weight, bias)`` of latent_q and latent_k stacked, rebuilt whenever either changes
+        (their storage or version counter); None when either is wrapped (PEFT) or absent."""
+        if type(self.latent_q) is not nn.Linear or type(self.latent_k) is not nn.Linear:
+            return None
+        wq, bq, wk = self.latent_q.weight, self.latent_q.bias, self.latent_k.weight
+        key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in (wq, bq, wk))
+        if self._fused is None or self._fused[0] != key:
+            with torch.no_grad():
+                weight = torch.cat([wq, wk], dim=0)
+                bias = torch.cat([bq, bq.new_zeros(wk.shape[0])])
+            self._fused = (key, weight, bias)
+        return self._fused[1], self._fused[2]
 
     def _drop_window(self, mix: torch.Tensor) -> torch.Tensor:
         """``mix (B, H, T, L_h+1)`` with state 0 at ``-SATURATED_LOGIT`` (p(0|t) = 0 exactly) for each

@@ -418,8 +418,9 @@ def causal_latte_step(
     z_old = state.z.to(dtype)
     z_new = torch.logaddexp(z_old, a)
     z_new_safe = _finite_or_zero(z_new)
-    m = torch.exp(z_old - z_new_safe)[..., None] * state.m.to(dtype) + torch.exp(a - z_new_safe)[..., None] * v.to(dtype)[:, :, None, :]
-    out = torch.einsum("bhl,bhld->bhd", q_weights.to(dtype), m)
+    decay, weight = torch.exp(z_old - z_new_safe).unsqueeze(-1), torch.exp(a - z_new_safe).unsqueeze(-1)
+    m = torch.addcmul(decay * state.m.to(dtype), weight, v.to(dtype).unsqueeze(2))
+    out = torch.matmul(q_weights.to(dtype).unsqueeze(2), m).squeeze(2)  # (B, H, 1, L) @ (B, H, L, D)
     if valid is not None:
         out = out * valid.bool()[:, None, None]
     return out.to(v.dtype), LatteState(m=m, z=z_new)

@@ -171,6 +171,8 @@ class _GatedAdd(torch.autograd.Function):
 def _mix(p: torch.Tensor, swa: torch.Tensor, latent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``p(0|t) swa + latent`` (the latent output is already weighted by ``p(l|t)``)."""
     if latent.dtype == p.dtype == swa.dtype:  # add the window branch into the latent output in place
+        if not torch.is_grad_enabled():  # decoding: skip the autograd Function's call overhead
+            return latent.addcmul_(p[..., :1], swa).to(dtype)
         return _GatedAdd.apply(latent, p[..., :1], swa).to(dtype)
     return (p[..., :1] * swa + latent).to(dtype)
 

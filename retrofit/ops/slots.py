@@ -15,6 +15,7 @@ Shapes: q ``(B, Hq, Tq, d)``, k ``(B, Hkv, S, d)``, v ``(B, Hkv, S, D)``; GQA gr
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 __all__ = ["masked_dense_attention", "slot_attention_step"]
 
@@ -76,4 +77,10 @@ def slot_attention_step(
     if q.shape[2] != 1:
         raise ValueError(f"slot_attention_step takes one query per row, got {q.shape[2]}")
     scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
-    return masked_dense_attention(q, k, v, allowed[:, None, :], scaling=scaling, softcap=softcap)
+    if softcap:
+        return masked_dense_attention(q, k, v, allowed[:, None, :], scaling=scaling, softcap=softcap)
+    # one fused kernel (scores, mask, softmax, values) instead of six ops: most of a decoding step's
+    # per-layer cost on a CPU is the number of small kernels, not their arithmetic
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=allowed[:, None, None, :], scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+    )

@@ -53,6 +53,27 @@ def test_initial_swa_share_is_exact_for_every_token(share):
     torch.testing.assert_close(p0, torch.full_like(p0, share), rtol=0, atol=1e-6)
     assert swa_bias(share, 3) == (pytest.approx(torch.log(torch.tensor(share / (1 - share) * 3)).item()) if share < 1 else 1e4)
 
+def test_decoding_projection_is_the_two_projections_and_follows_their_updates():
+    """One token without grad takes both latent projections in one stacked product; it equals the two
+    separate ones, and an in-place weight update (an optimizer step, load_state_dict) is seen at once."""
+    model = tiny_model("llama")
+    convert(model, ConversionSpec(window=8, latents=12, init_swa_share=0.7))
+    attn = model.model.layers[0].self_attn
+    torch.nn.init.normal_(attn.latent_q.weight, std=0.3)
+    x = torch.randn(2, 1, model.config.hidden_size)
+    for step in range(3):
+        with torch.no_grad():
+            fused = attn._mixing(x, None, None)
+            assert attn._fused is not None  # the stacked path ran
+        separate = attn._mixing(x, None, None)  # grad enabled: the two modules
+        for a, b in zip(fused[:2], separate[:2]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        with torch.no_grad():  # in place, as an optimizer step
+            attn.latent_q.weight.add_(0.5)
+            attn.latent_k.weight.mul_(-2.0)
+            attn.latent_q.bias.sub_(0.25)
+
+
 @pytest.mark.parametrize("family,conv", [("llama", 0), ("gemma2", 0), ("gemma3", 3)])
 def test_macchiato_layer_equals_dense_reference(family, conv):
     """Layer output == o_proj(macchiato_attention_reference(q, k, v, latent_q(u), latent_k(u))) with trained-looking weights."""
