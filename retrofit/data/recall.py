@@ -1,0 +1,199 @@
+"""Long-range recall content written into packed training sequences.
+
+On books the full attention's mass beyond a 1024-token window is small, so attention transfer
+never asks a converted layer's latent states to carry a specific fact far. :class:`RecallInserter`
+rewrites a seeded share of the sequences: ``facts`` short fact snippets overwrite book tokens in
+the first part of the sequence and, at least ``min_distance`` tokens after the last fact, one
+question+answer snippet per fact (in shuffled order) overwrites tokens in the last part::
+
+    [BOS] book .. \\nNote: the locker of Mr. Hale is number 48213.\\n .. book .. (>= min_distance) ..
+          \\nWhich number is Mr. Hale's locker? It is 48213.\\n .. book
+
+The sequence keeps its length and its first token; snippets never overlap. A value's tokens are
+the same ids in its fact and in its answer (the value is tokenised once, as ``" " + value``).
+Everything about a sequence (whether it is rewritten, the facts, their places) is a pure function
+of ``(seed, index, length)``, so a resumed run and every data-parallel rank see exactly the data
+an uninterrupted run sees. A sequence too short for the snippets plus ``min_distance`` is left
+unchanged. The wording never uses the passkey evaluator's phrases (``FORBIDDEN``): passkey
+accuracy must measure transfer, not a memorised template.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from retrofit.errors import SpecError
+
+__all__ = ["RecallConfig", "RecallFact", "RecallInserter", "plain_encoder", "FORBIDDEN", "TEMPLATES"]
+
+FORBIDDEN = ("pass key", "passkey", "pass-key", "remember it")  # the passkey evaluator's wording
+
+# (fact before the value, fact after it, question, answer before the value, answer after it, value kind)
+TEMPLATES: tuple[tuple[str, str, str, str, str, str], ...] = (
+    ("Note: the {thing} of {name} is number", ".", "Which number is {name}'s {thing}?", "It is", ".", "number"),
+    ("{name} wrote down that the {thing} in {place} has the code", ".",
+     "What code did {name} write down for the {thing} in {place}?", "The code is", ".", "number"),
+    ("The ledger says {name} paid", "shillings for the {thing}.", "How many shillings did {name} pay for the {thing}?",
+     "{name} paid", "shillings.", "number"),
+    ("In {place}, the {thing} of {name} is kept in drawer", ".", "In which drawer is {name}'s {thing} kept?",
+     "In drawer", ".", "number"),
+    ("A letter from {place} said that the watchword of {name} is", ".", "What is the watchword of {name}?",
+     "The watchword is", ".", "word"),
+    ("{name}'s {thing} bears the mark of the", ".", "Which mark does {name}'s {thing} bear?", "The mark of the", ".",
+     "word"),
+    ("Mind this: {name} lodges in {place} at house number", ".", "At which house number does {name} lodge?",
+     "At number", ".", "number"),
+    ("The {thing} that {name} left in {place} was painted", ".", "What colour was the {thing} that {name} left?",
+     "It was painted", ".", "word"),
+)
+
+NAMES = ("Mr. Hale", "Mrs. Dunmore", "Captain Reyes", "Miss Ashby", "Dr. Pruett", "Lady Fenwick", "Old Tobias",
+         "Mr. Carraway", "Sister Agnes", "Colonel Brandt", "Mrs. Whitlow", "Mr. Okafor", "Widow Hargreave",
+         "Professor Lindqvist", "Mr. Quill", "Miss Delacroix", "Uncle Ezra", "Mrs. Penhallow", "Sergeant Moss",
+         "Mr. Abernathy", "Madame Roux", "Father Callahan", "Miss Tremaine", "Mr. Yarrow", "Judge Whitcombe",
+         "Mrs. Oduya", "Mr. Finch", "Lord Ashcombe", "Nurse Bellamy", "Mr. Stroud", "Miss Ingleby", "Bosun Garrick")
+THINGS = ("locker", "trunk", "strongbox", "ledger", "carriage", "cabin", "parcel", "lantern", "saddle", "rowboat",
+          "umbrella", "writing desk", "clock", "violin case", "hatbox", "chest", "barrel", "sketchbook")
+PLACES = ("Bristol", "the old mill", "Lisbon", "the harbour", "Canterbury", "the vicarage", "Dover", "the market",
+          "Aberdeen", "the inn by the bridge", "Calcutta", "the north tower", "Bath", "the boarding house",
+          "Valparaiso", "the customs office")
+WORDS = ("amber", "heron", "juniper", "cobalt", "thistle", "walnut", "crimson", "falcon", "saffron",
+         "marble", "willow", "copper", "raven", "indigo", "orchid", "granite", "sparrow", "ivory", "cedar",
+         "scarlet", "badger", "olive", "silver", "magpie", "ochre", "hazel", "violet", "otter", "emerald")
+COLOURS = ("crimson", "cobalt", "ochre", "ivory", "scarlet", "emerald", "amber", "violet", "olive", "silver")
+
+
+@dataclass(frozen=True)
+class RecallConfig:
+    """``share``: probability a sequence is rewritten (0 = off); ``facts`` per rewritten sequence;
+    ``min_distance``: tokens from the end of a fact to the start of its answer's value; ``seed``."""
+    share: float = 0.0
+    facts: int = 4
+    min_distance: int = 1024
+    seed: int = 0
+
+    def check(self, where: str = "recall") -> "RecallConfig":
+        """SpecError naming ``where.<field>`` for a value out of range."""
+        if not (isinstance(self.share, (int, float)) and math.isfinite(self.share) and 0.0 <= self.share <= 1.0):
+            raise SpecError(f"{where}.share must be in [0, 1] (the share of training sequences rewritten; 0 = off), "
+                            f"got {self.share}")
+        if not 1 <= self.facts <= 64:
+            raise SpecError(f"{where}.facts must be an integer in [1, 64] (facts per rewritten sequence), got {self.facts}")
+        if self.min_distance < 1:
+            raise SpecError(f"{where}.min_distance must be >= 1 (tokens between a fact and its answer), "
+                            f"got {self.min_distance}")
+        if self.seed < 0:
+            raise SpecError(f"{where}.seed must be >= 0, got {self.seed}")
+        return self
+
+
+@dataclass(frozen=True)
+class RecallFact:
+    """One placed fact. Positions index the sequence; ``*_stop`` is exclusive."""
+    fact_start: int
+    fact_stop: int
+    qa_start: int
+    qa_stop: int
+    fact_value: int  # where the value's tokens start inside the fact snippet
+    answer_value: int  # where they start inside the answer (answer_value - fact_stop >= min_distance)
+    value_ids: tuple[int, ...]
+
+
+def plain_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
+    """``text -> ids`` without special tokens (a snippet spliced into running text)."""
+    return lambda text: list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+
+
+class RecallInserter:
+    """Rewrites ``(seq_len,)`` int token sequences; see the module docstring.
+
+    Args:
+        config: a checked :class:`RecallConfig`.
+        encode: ``text -> ids`` of the training tokenizer without special tokens (:func:`plain_encoder`).
+    """
+
+    def __init__(self, config: RecallConfig, encode: Callable[[str], list[int]]):
+        self.config = config.check()
+        self.encode = encode
+
+    def _rng(self, index: int) -> np.random.Generator:
+        return np.random.default_rng([self.config.seed, int(index)])
+
+    def _snippets(self, rng: np.random.Generator) -> list[tuple[list[int], int, list[int], int, list[int]]]:
+        """``[(fact ids, value offset, question+answer ids, value offset, value ids)]``, one per fact."""
+        k = self.config.facts
+        out = []
+        for name in rng.choice(len(NAMES), size=k, replace=k > len(NAMES)).tolist():
+            pre, post, question, a_pre, a_post, kind = TEMPLATES[int(rng.integers(len(TEMPLATES)))]
+            slots = {"name": NAMES[name], "thing": THINGS[int(rng.integers(len(THINGS)))],
+                     "place": PLACES[int(rng.integers(len(PLACES)))]}
+            if kind == "word":
+                pool = COLOURS if "colour" in question else WORDS
+                value = pool[int(rng.integers(len(pool)))]
+            else:
+                digits = int(rng.integers(3, 8))
+                value = str(int(rng.integers(10 ** (digits - 1), 10 ** digits)))
+            value_ids = self.encode(" " + value)
+            head = self.encode("\n" + pre.format(**slots))
+            fact = head + value_ids + self.encode(_spaced(post.format(**slots)) + "\n")
+            ask = self.encode("\n" + question.format(**slots) + " " + a_pre.format(**slots))
+            qa = ask + value_ids + self.encode(_spaced(a_post.format(**slots)) + "\n")
+            out.append((fact, len(head), qa, len(ask), value_ids))
+        return out
+
+    def _layout(self, length: int, index: int) -> list[tuple[RecallFact, list[int], list[int]]] | None:
+        """``[(placement, fact ids, question+answer ids)]`` of sequence ``index``, or None (not rewritten)."""
+        c = self.config
+        rng = self._rng(index)
+        if not rng.random() < c.share:
+            return None
+        snippets = self._snippets(rng)
+        order = rng.permutation(len(snippets)).tolist()
+        slack = length - 1 - c.min_distance - sum(len(s[0]) + len(s[2]) for s in snippets)
+        if slack < 0:
+            return None
+        # slack split at random over the gaps before each fact, between the facts and the
+        # questions (on top of min_distance), before each question and after the last one
+        cuts = np.sort(rng.integers(0, slack + 1, size=2 * len(snippets) + 1))
+        gaps = np.diff(np.concatenate([[0], cuts, [slack]])).tolist()
+        pos, fact_at = 1, []
+        for fact, *_ in snippets:
+            pos += gaps.pop(0)
+            fact_at.append(pos)
+            pos += len(fact)
+        pos += c.min_distance
+        placed: dict[int, tuple[RecallFact, list[int], list[int]]] = {}
+        for i in order:
+            fact, f_off, qa, q_off, value_ids = snippets[i]
+            pos += gaps.pop(0)
+            where = RecallFact(fact_at[i], fact_at[i] + len(fact), pos, pos + len(qa), fact_at[i] + f_off, pos + q_off,
+                               tuple(value_ids))
+            placed[i] = (where, fact, qa)
+            pos += len(qa)
+        return [placed[i] for i in range(len(snippets))]
+
+    def plan(self, length: int, index: int) -> list[RecallFact] | None:
+        """Where sequence ``index``'s (``length`` tokens) snippets go, in fact order, or None: not
+        rewritten (not drawn, or too short for the snippets with ``min_distance`` between)."""
+        layout = self._layout(length, index)
+        return None if layout is None else [p for p, _, _ in layout]
+
+    def __call__(self, ids: np.ndarray, index: int) -> np.ndarray:
+        """``ids`` (``(seq_len,)`` ints) with sequence ``index``'s snippets written in: a new array of
+        the same shape and dtype, or ``ids`` itself when the sequence is not rewritten."""
+        layout = self._layout(len(ids), index)
+        if layout is None:
+            return ids
+        out = ids.copy()
+        for p, fact, qa in layout:
+            out[p.fact_start:p.fact_stop] = fact
+            out[p.qa_start:p.qa_stop] = qa
+        return out
+
+
+def _spaced(text: str) -> str:
+    """A word after the value starts with a space; punctuation follows it directly."""
+    return text if not text or not text[0].isalnum() else " " + text
