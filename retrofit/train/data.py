@@ -7,17 +7,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from retrofit.data.bos import sequence_bos
 from retrofit.data.documents import strip_gutenberg
 from retrofit.data.packing import PackedSequences, eval_blocks, make_tokenize
+from retrofit.data.recall import RecallInserter, plain_encoder
 from retrofit.data.sources import load_documents, resolve_files, shard_documents, split_holdout
-from retrofit.train.recipe import Recipe
+from retrofit.train.recipe import Recipe, recall_config
 
-__all__ = ["DataFiles", "data_files", "recipe_tokenize", "recipe_bos", "train_stream", "heldout_sequences"]
+__all__ = ["DataFiles", "data_files", "recipe_tokenize", "recipe_bos", "train_stream", "heldout_sequences",
+           "RecallSequences"]
 
 
 @dataclass
@@ -50,7 +52,31 @@ def recipe_bos(recipe: Recipe, tokenizer: Any) -> int | None:
     return sequence_bos(tokenizer) if recipe.data.bos_every_sequence else None
 
 
-def train_stream(recipe: Recipe, tokenizer: Any, files: DataFiles, rank: int, world: int) -> tuple[PackedSequences, str]:
+class RecallSequences:
+    """A rank's :class:`PackedSequences` with ``data.recall`` snippets written into its ``(seq_len,)`` blocks.
+
+    Block ``i`` of rank ``rank`` (of ``world``) is global sequence ``i * world + rank``; ``i`` is the
+    packer's own count of yielded blocks, part of its resumable state, so a resumed run rewrites
+    exactly the sequences an uninterrupted one does. State is the packer's, unchanged.
+    """
+
+    def __init__(self, packed: PackedSequences, inserter: RecallInserter, rank: int, world: int):
+        self.packed, self.inserter, self.rank, self.world = packed, inserter, rank, world
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for block in self.packed:
+            index = (self.packed.blocks_yielded - 1) * self.world + self.rank
+            yield torch.from_numpy(self.inserter(block.numpy(), index))
+
+    def state_dict(self) -> dict:
+        return self.packed.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.packed.load_state_dict(state)
+
+
+def train_stream(recipe: Recipe, tokenizer: Any, files: DataFiles, rank: int,
+                 world: int) -> tuple[PackedSequences | RecallSequences, str]:
     """This rank's resumable stream of packed training sequences, and a one-line description."""
     d = recipe.data
     if files.train is not None:
@@ -64,6 +90,11 @@ def train_stream(recipe: Recipe, tokenizer: Any, files: DataFiles, rank: int, wo
                              eos_id=tokenizer.eos_token_id, bos_id=recipe_bos(recipe, tokenizer),
                              shuffle_buffer=d.shuffle_buffer, seed=d.seed + rank,
                              text_field=d.text_field)
+    recall = recall_config(recipe)
+    if recall.share > 0:
+        desc += (f"; recall facts in {recall.share:.0%} of the sequences ({recall.facts} facts, answers "
+                 f">= {recall.min_distance} tokens later)")
+        return RecallSequences(stream, RecallInserter(recall, plain_encoder(tokenizer)), rank, world), desc
     return stream, desc
 
 

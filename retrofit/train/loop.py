@@ -99,6 +99,8 @@ def _fingerprint(recipe: Recipe) -> dict:
                                            "strip_gutenberg", "bos_every_sequence", "seq_len", "shuffle_buffer", "seed")}
     same = {"model": d["model"]["name"], "conversion": d["conversion"], "trainable": d["trainable"], "data": data_keys,
             "batch_size": d["train"]["batch_size"], "micro_batch_size": d["train"]["micro_batch_size"]}
+    if d["data"]["recall"]["share"]:  # recall off: older checkpoints keep their hash
+        data_keys["recall"] = d["data"]["recall"]
     if d["train"]["objective"] != "lm":  # older checkpoints (lm only) keep their hash
         same["objective"] = {"objective": d["train"]["objective"], "weights": d["train"]["objective_weights"]}
         if d["train"].get("head_positions"):

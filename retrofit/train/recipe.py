@@ -33,14 +33,15 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from retrofit.data.paths import expand_path
+from retrofit.data.recall import RecallConfig
 from retrofit.data.text import TEXT_ERRORS
 from retrofit.errors import SpecError
 
 __all__ = [
-    "Recipe", "ModelSection", "TrainableSection", "LoraSection", "DataSection", "EvalSection",
+    "Recipe", "ModelSection", "TrainableSection", "LoraSection", "DataSection", "RecallSection", "EvalSection",
     "TrainSection", "DeepSpeedSection", "CheckpointSection", "LoggingSection",
     "load_recipe", "recipe_from_dict", "apply_overrides", "expand_path", "bundled_recipe_dir",
-    "stage_recipes", "stage_name",
+    "stage_recipes", "stage_name", "recall_config",
 ]
 
 TRAINABLE_MODES = ("new", "lora", "attention", "all")
@@ -72,6 +73,14 @@ class TrainableSection:
 
 
 @dataclass
+class RecallSection:
+    share: float = 0.0  # share of training sequences given long-range recall facts (retrofit/data/recall.py; 0 = off)
+    facts: int = 4  # facts per rewritten sequence, each asked about later
+    min_distance: int = 1024  # tokens from a fact to its answer (at least)
+    seed: int = 0  # the rewrite of sequence i is a function of (seed, i) only
+
+
+@dataclass
 class DataSection:
     dataset: str = "cerebras/SlimPajama-627B"  # hub dataset, streamed; used when `files` is empty
     dataset_config: str | None = None
@@ -86,6 +95,7 @@ class DataSection:
     seed: int = 0
     allow_long_positions: bool = False  # allow seq_len > the model's max_position_embeddings
     text_errors: str = "strict"  # strict: non-UTF-8 text is an error (file + byte offset) | replace: U+FFFD
+    recall: RecallSection = field(default_factory=RecallSection)  # training sequences only, never eval
 
 
 @dataclass
@@ -206,6 +216,7 @@ class Recipe:
                 raise SpecError(f"{name} must be a finite number {bound}, got {value}")
         if d.text_errors not in TEXT_ERRORS:
             raise SpecError(f"data.text_errors must be one of {', '.join(TEXT_ERRORS)}, got {d.text_errors!r}")
+        recall_config(self)  # SpecError naming data.recall.<key>
         if not 0.0 <= t.min_lr_ratio <= 1.0:
             raise SpecError(f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
         try:
@@ -282,6 +293,11 @@ class Recipe:
                     raise SpecError(f"checkpoint.output_dir {self.checkpoint.output_dir} {where} the {key} folder "
                                     f"{folder}: the next run would train on this run's own files (metrics.jsonl); "
                                     "set checkpoint.output_dir to a folder outside the data")
+
+
+def recall_config(recipe: Recipe) -> RecallConfig:
+    """``data.recall`` as a checked :class:`~retrofit.data.recall.RecallConfig`."""
+    return RecallConfig(**dataclasses.asdict(recipe.data.recall)).check("data.recall")
 
 
 # ----------------------------------------------------------------------------- stages

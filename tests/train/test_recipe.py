@@ -96,6 +96,19 @@ def test_data_path_env_override(tmp_path, monkeypatch):
     assert resolve_files(r.data.files, r.base_dir) == [tmp_path / n for n in names]
 
 
+def test_data_recall_is_off_by_default_and_checked_by_override():
+    assert load_recipe(CONFIGS / "smollm2-135m-macchiato-cpu.yaml").data.recall.share == 0.0
+    r = load_recipe(CONFIGS / "smollm2-135m-macchiato-cpu.yaml", ["data.recall.share=0.25", "data.recall.facts=2",
+                                                                  "data.recall.min_distance=1500"])
+    assert (r.data.recall.share, r.data.recall.facts, r.data.recall.min_distance, r.data.recall.seed) == (0.25, 2, 1500, 0)
+    for bad, message in (("data.recall.share=2", r"data\.recall\.share must be in \[0, 1\]"),
+                         ("data.recall.facts=0", r"data\.recall\.facts must be an integer in \[1, 64\]"),
+                         ("data.recall.min_distance=-5", r"data\.recall\.min_distance must be >= 1"),
+                         ("data.recall.sharee=0.5", r"unknown recipe key 'data\.recall\.sharee'")):
+        with pytest.raises(SpecError, match=message):
+            load_recipe(CONFIGS / "smollm2-135m-macchiato-cpu.yaml", [bad])
+
+
 def test_overrides_are_typed_and_unknown_keys_name_the_valid_ones(tmp_path):
     r = load_recipe(CONFIGS / "gemma2-2b-macchiato.yaml", [
         "train.lr=1e-4", "train.max_steps=10", "trainable.mode=lora", "trainable.lora.target_modules=[q_proj]",
