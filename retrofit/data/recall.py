@@ -80,12 +80,12 @@ class RecallConfig:
         if not (isinstance(self.share, (int, float)) and math.isfinite(self.share) and 0.0 <= self.share <= 1.0):
             raise SpecError(f"{where}.share must be in [0, 1] (the share of training sequences rewritten; 0 = off), "
                             f"got {self.share}")
-        if not 1 <= self.facts <= 64:
+        if not (isinstance(self.facts, int) and 1 <= self.facts <= 64):
             raise SpecError(f"{where}.facts must be an integer in [1, 64] (facts per rewritten sequence), got {self.facts}")
-        if self.min_distance < 1:
+        if not (isinstance(self.min_distance, int) and self.min_distance >= 1):
             raise SpecError(f"{where}.min_distance must be >= 1 (tokens between a fact and its answer), "
                             f"got {self.min_distance}")
-        if self.seed < 0:
+        if not (isinstance(self.seed, int) and self.seed >= 0):
             raise SpecError(f"{where}.seed must be >= 0, got {self.seed}")
         return self
 
