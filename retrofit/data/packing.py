@@ -29,11 +29,12 @@ from retrofit.errors import DataError
 __all__ = ["PackedSequences", "pack_tokens", "take_block", "make_tokenize", "eval_blocks", "sequence_bos"]
 
 
-def make_tokenize(tokenizer: Any) -> Callable[[str], list[int]]:
-    """``text -> token ids`` with the tokenizer's special tokens (BOS where it adds one), no length warning."""
+def make_tokenize(tokenizer: Any, special_tokens: bool = True) -> Callable[[str], list[int]]:
+    """``text -> token ids``, no length warning; with the tokenizer's special tokens (BOS where it
+    adds one) unless ``special_tokens`` is False (a snippet spliced into running text)."""
 
     def tokenize(text: str) -> list[int]:
-        return tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"]
+        return list(tokenizer(text, add_special_tokens=special_tokens, verbose=False)["input_ids"])
 
     return tokenize
 

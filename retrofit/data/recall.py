@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 
 from retrofit.errors import SpecError
 
-__all__ = ["RecallConfig", "RecallFact", "RecallInserter", "plain_encoder", "FORBIDDEN", "TEMPLATES"]
+__all__ = ["RecallConfig", "RecallFact", "RecallInserter", "FORBIDDEN", "TEMPLATES"]
 
 FORBIDDEN = ("pass key", "passkey", "pass-key", "remember it")  # the passkey evaluator's wording
 
@@ -102,17 +102,13 @@ class RecallFact:
     value_ids: tuple[int, ...]
 
 
-def plain_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
-    """``text -> ids`` without special tokens (a snippet spliced into running text)."""
-    return lambda text: list(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
-
-
 class RecallInserter:
     """Rewrites ``(seq_len,)`` int token sequences; see the module docstring.
 
     Args:
         config: a checked :class:`RecallConfig`.
-        encode: ``text -> ids`` of the training tokenizer without special tokens (:func:`plain_encoder`).
+        encode: ``text -> ids`` of the training tokenizer without special tokens
+            (``retrofit.data.packing.make_tokenize(tokenizer, special_tokens=False)``).
     """
 
     def __init__(self, config: RecallConfig, encode: Callable[[str], list[int]]):

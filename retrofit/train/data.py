@@ -14,7 +14,7 @@ import torch
 from retrofit.data.bos import sequence_bos
 from retrofit.data.documents import strip_gutenberg
 from retrofit.data.packing import PackedSequences, eval_blocks, make_tokenize
-from retrofit.data.recall import RecallInserter, plain_encoder
+from retrofit.data.recall import RecallInserter
 from retrofit.data.sources import load_documents, resolve_files, shard_documents, split_holdout
 from retrofit.train.recipe import Recipe, recall_config
 
@@ -94,7 +94,7 @@ def train_stream(recipe: Recipe, tokenizer: Any, files: DataFiles, rank: int,
     if recall.share > 0:
         desc += (f"; recall facts in {recall.share:.0%} of the sequences ({recall.facts} facts, answers "
                  f">= {recall.min_distance} tokens later)")
-        return RecallSequences(stream, RecallInserter(recall, plain_encoder(tokenizer)), rank, world), desc
+        return RecallSequences(stream, RecallInserter(recall, make_tokenize(tokenizer, special_tokens=False)), rank, world), desc
     return stream, desc
 
 

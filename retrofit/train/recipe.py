@@ -74,10 +74,10 @@ class TrainableSection:
 
 @dataclass
 class RecallSection:
-    share: float = 0.0  # share of training sequences given long-range recall facts (retrofit/data/recall.py; 0 = off)
-    facts: int = 4  # facts per rewritten sequence, each asked about later
-    min_distance: int = 1024  # tokens from a fact to its answer (at least)
-    seed: int = 0  # the rewrite of sequence i is a function of (seed, i) only
+    share: float = RecallConfig.share  # share of training sequences given long-range recall facts (0 = off)
+    facts: int = RecallConfig.facts  # facts per rewritten sequence, each asked about later
+    min_distance: int = RecallConfig.min_distance  # tokens from a fact to its answer (at least)
+    seed: int = RecallConfig.seed  # the rewrite of sequence i is a function of (seed, i) only
 
 
 @dataclass

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from retrofit.data.packing import make_tokenize
 from retrofit.data.recall import (COLOURS, FORBIDDEN, NAMES, PLACES, TEMPLATES, THINGS, WORDS, RecallConfig,
-                                  RecallInserter, plain_encoder)
+                                  RecallInserter)
 from retrofit.errors import SpecError
 from tests.train import tiny
 
@@ -31,7 +32,7 @@ def book(tok):
 
 
 def _inserter(tok, **kw) -> RecallInserter:
-    return RecallInserter(RecallConfig(**{"share": 1.0, "facts": 4, "min_distance": 300, **kw}), plain_encoder(tok))
+    return RecallInserter(RecallConfig(**{"share": 1.0, "facts": 4, "min_distance": 300, **kw}), make_tokenize(tok, special_tokens=False))
 
 
 def test_length_dtype_and_first_token_are_kept_and_only_snippets_change(tok, book):
@@ -133,7 +134,7 @@ def test_training_stream_rewrites_by_global_index_and_resumes_exactly(tmp_path, 
     recall = {"share": 0.5, "facts": 3, "min_distance": 200, "seed": 3}
     recipe, plain_recipe = _recipe(tmp_path, **recall), _recipe(tmp_path)
     files = data_files(recipe)
-    ins = RecallInserter(RecallConfig(**recall), plain_encoder(tok))
+    ins = RecallInserter(RecallConfig(**recall), make_tokenize(tok, special_tokens=False))
     for rank, world in ((0, 1), (0, 2), (1, 2)):
         stream, desc = train_stream(recipe, tok, files, rank, world)
         assert isinstance(stream, RecallSequences) and "recall" in desc
