@@ -97,6 +97,39 @@ tables:
     assert "*Why?*" in text and "- [S](#s)" in text
 
 
+def test_ruler_and_niah_grids_merge_lengths_run_apart(tmp_path):
+    def ruler(lengths, scores):
+        return {"kind": "ruler", "command": "retrofit eval ruler m",
+                "models": {"baseline": {"label": "b"}, "model": {"label": "m"}},
+                "settings": {"tasks": ["niah_single_2", "ruler_vt"], "lengths": lengths},
+                "results": {r: {"scores": {t: {str(L): v for L in lengths} for t, v in per_task.items()}}
+                            for r, per_task in scores.items()}}
+    short = ruler([4096], {"baseline": {"niah_single_2": 1.0, "ruler_vt": 0.5},
+                           "model": {"niah_single_2": 2 / 3, "ruler_vt": None}})
+    long = ruler([32768], {"baseline": {"niah_single_2": 0.0, "ruler_vt": 0.25},
+                           "model": {"niah_single_2": 1 / 3, "ruler_vt": 0.0}})
+    niah = {"kind": "niah", "command": "retrofit eval niah m",
+            "models": {"baseline": {"label": "b"}, "model": {"label": "m"}},
+            "settings": {"lengths": [1024, 2048], "depths": [0, 0.5, 1.0]},
+            "results": {r: {"score": {"1024": {"0": 1.0, "0.5": 1.0, "1": a},
+                                      "2048": {"0": a, "0.5": 0.0, "1": 1.0}}}
+                        for r, a in (("baseline", 1.0), ("model", 0.0))}}
+    section = """title: S
+tables:
+  - {kind: ruler, data: [r4.json, r32.json], machine: m, commit: 1234567, labels: {m: conv}}
+  - {kind: niah, data: n.json, machine: m, commit: 1234567}
+"""
+    text = rb.render(_page(tmp_path, section, {"r4.json": short, "r32.json": long, "n.json": niah}), tmp_path)
+    assert "| model | task | 4K | 32K |" in text
+    assert "| b | niah_single_2 | 100 | 0 |" in text and "|  | ruler_vt | 50 | 25 |" in text
+    assert "| conv | niah_single_2 | 67 | 33 |" in text and "|  | ruler_vt | - | 0 |" in text
+    assert "|  | mean | 75 | 12 |" in text and "|  | mean | 67 | 17 |" in text  # a missing cell is left out
+    assert "| model | depth | 1K | 2K |" in text
+    assert "| b | 0 | 100 | 100 |" in text and "| m | 0 | 100 | 0 |" in text and "|  | mean | 67 | 33 |" in text
+    with pytest.raises(rb.SpecError, match="kind niah reads"):
+        rb.render_niah([short], {})
+
+
 def test_bench_attention_cells(tmp_path):
     res = {"suite": "attention", "command": "retrofit bench attention",
            "rows": [{"op": "latte", "mode": "fwd", "T": 16384, "time_s": 0.084, "speedup_vs_sdpa": 70.34},
