@@ -147,6 +147,7 @@ class _Run:
         self.accum = grad_accum_steps(recipe, self.world)
         self.step = 0
         self.tokens = 0
+        self.train_seconds = 0.0  # time spent in training steps, all resumes together (train.max_time)
         self.history: list[dict] = []
         self.evals: list[dict] = []
         self.last_saved: Path | None = None
@@ -307,7 +308,8 @@ class _Run:
             f"gradient checkpointing {'on' if t.gradient_checkpointing else 'off'}",
             f"[retrofit] batch {t.batch_size} x {r.data.seq_len} tokens = {tok_step:,} tokens/step "
             f"(micro {t.micro_batch_size} x {self.world} ranks x {self.accum} accumulation); "
-            f"{self.total_steps:,} steps = {self.total_steps * tok_step:,} tokens",
+            f"{self.total_steps:,} steps = {self.total_steps * tok_step:,} tokens"
+            + (f", or fewer if train.max_time ({t.max_time:g} s) is spent first" if t.max_time else ""),
             f"[retrofit] objective {self.objective.name}; lr {t.lr:g}, warmup {t.warmup_steps}, {t.schedule} to "
             f"{t.min_lr_ratio:g} x lr, clip {t.grad_clip:g}"
             + (f"; window dropout {t.window_dropout:g} -> 0 over {t.window_dropout_until:.0%} of the steps "
@@ -342,6 +344,7 @@ class _Run:
         self.train_data.load_state_dict(_load_data_state(folder, self.rank))
         self.step = int(state["step"])
         self.tokens = int(state["tokens"])
+        self.train_seconds = float(state.get("train_seconds", 0.0))
         self.last_saved = folder
 
     def _check_identity(self, folder: Path, state: dict) -> None:
@@ -374,7 +377,7 @@ class _Run:
     def _set_lr(self) -> float:
         t = self.recipe.train
         lr = lr_at(self.step, lr=t.lr, warmup_steps=t.warmup_steps, total_steps=self.total_steps,
-                   schedule=t.schedule, min_lr_ratio=t.min_lr_ratio)
+                   schedule=t.schedule, min_lr_ratio=t.min_lr_ratio, time_fraction=self._time_fraction())
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         return lr
@@ -403,9 +406,24 @@ class _Run:
         t = self.recipe.train
         if not self.dropout_layers:
             return None
-        p = window_dropout_at(self.step, self.total_steps, t.window_dropout, t.window_dropout_until)
+        p = window_dropout_at(self.step, self.total_steps, t.window_dropout, t.window_dropout_until,
+                              time_fraction=self._time_fraction())
         set_window_dropout(self.dropout_layers, p, seed=t.seed, step=self.step, rank=self.rank)
         return p
+
+    def _time_fraction(self) -> float:
+        """The share of ``train.max_time`` spent so far (0 without a time limit)."""
+        limit = self.recipe.train.max_time
+        return min(1.0, self.train_seconds / limit) if limit else 0.0
+
+    def _out_of_time(self) -> bool:
+        """Whether ``train.max_time`` is spent; every rank gets rank 0's answer, so all stop at one step."""
+        if not self.recipe.train.max_time:
+            return False
+        done = torch.tensor([float(self._time_fraction() >= 1.0)], device=self.device)
+        if self.world > 1:
+            torch.distributed.broadcast(done, src=0)
+        return bool(done.item())
 
     def train_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -439,6 +457,7 @@ class _Run:
         step_tokens = self.recipe.train.batch_size * self.recipe.data.seq_len
         self.tokens += step_tokens
         dt = time.perf_counter() - t0
+        self.train_seconds += dt
         out = {"loss": sum(losses) / len(losses), "lr": lr, "grad_norm": gnorm if gnorm is not None else float("nan"),
                "tokens": self.tokens, "tokens_per_s": step_tokens / dt, "step_time_s": dt}
         if len(parts) > 1 or (parts and "lm" not in parts):
@@ -499,7 +518,8 @@ class _Run:
                         if self.logger is not None:
                             self.logger.sync()  # every record up to this step is on disk before the checkpoint
                         ckpt.write_state(tmp, {
-                            "step": self.step, "tokens": self.tokens, "world_size": self.world,
+                            "step": self.step, "tokens": self.tokens, "train_seconds": self.train_seconds,
+                            "world_size": self.world,
                             "total_steps": self.total_steps, "fingerprint": _fingerprint(self.recipe),
                             "base_fingerprint": self.base_fingerprint, "section_digest": self.section_digest,
                             "tokenizer_digest": self.tokenizer_digest, "time": time.time()})
@@ -587,7 +607,7 @@ class _Run:
         bar = tqdm(total=self.total_steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
                    disable=not (self.main and r.logging.progress))
         try:
-            while self.step < self.total_steps:
+            while self.step < self.total_steps and not self._out_of_time():
                 metrics = self.train_step()
                 self.history.append({"step": self.step, **metrics})
                 for cb in self.callbacks:
@@ -606,6 +626,11 @@ class _Run:
                 if r.eval.every and self.step % r.eval.every == 0 and self.step < self.total_steps:
                     self._eval_and_log()
                 if self.step % r.checkpoint.save_every == 0 or self.step == self.total_steps:
+                    self.save()
+            if self.step < self.total_steps and self.history:  # stopped by train.max_time
+                self.log(f"[retrofit] train.max_time ({r.train.max_time:g} s) spent after step {self.step} "
+                         f"({self.tokens:,} tokens)")
+                if self.step % r.checkpoint.save_every:
                     self.save()
             bar.close()
             # eval never drops; this leaves the layers as converted for callbacks that keep the model

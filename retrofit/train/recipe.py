@@ -110,6 +110,7 @@ class EvalSection:
 class TrainSection:
     max_steps: int | None = 1000
     max_tokens: int | None = None  # token budget: stop at whichever of max_steps / max_tokens comes first
+    max_time: float | None = None  # seconds of training (all resumes together); also stops the run, LR follows the clock
     batch_size: int = 4  # global sequences per optimizer step (all ranks, all accumulation steps)
     micro_batch_size: int = 1  # sequences per forward pass per rank
     lr: float = 6e-4
@@ -193,6 +194,10 @@ class Recipe:
         for name, value in (("train.max_steps", t.max_steps), ("train.max_tokens", t.max_tokens)):
             if value is not None and value < 1:
                 raise SpecError(f"{name} must be >= 1, got {value}")
+        if t.max_time is not None and not (isinstance(t.max_time, (int, float)) and not isinstance(t.max_time, bool)
+                                           and math.isfinite(t.max_time)
+                                           and t.max_time > 0):
+            raise SpecError(f"train.max_time must be a number of seconds > 0 (or null for no time limit), got {t.max_time!r}")
         for name, value in (("data.seq_len", d.seq_len), ("train.batch_size", t.batch_size),
                             ("train.micro_batch_size", t.micro_batch_size), ("checkpoint.save_every", self.checkpoint.save_every),
                             ("logging.every", self.logging.every)):

@@ -26,12 +26,15 @@ __all__ = ["WINDOW_DROPOUT", "dropout_layers", "set_window_dropout", "window_dro
 WINDOW_DROPOUT = "window_dropout"  # the capability a method declares to take part
 
 
-def window_dropout_at(step: int, total_steps: int, p0: float, until: float = 1.0) -> float:
-    """Drop probability for the optimizer update number ``step`` (0-based): linear decay, then 0."""
+def window_dropout_at(step: int, total_steps: int, p0: float, until: float = 1.0, time_fraction: float = 0.0) -> float:
+    """Drop probability for the optimizer update number ``step`` (0-based): linear decay, then 0.
+
+    ``time_fraction``: the share of ``train.max_time`` spent; the decay follows whichever of the
+    steps and the clock is further along (as the LR schedule does)."""
     if p0 <= 0.0:
         return 0.0
-    span = until * max(1, total_steps)
-    return float(p0 * max(0.0, 1.0 - step / span))
+    progress = max(step / max(1, total_steps), time_fraction)
+    return float(p0 * max(0.0, 1.0 - progress / until))
 
 
 def dropout_layers(model: nn.Module) -> list[nn.Module]:

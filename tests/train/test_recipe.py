@@ -165,3 +165,17 @@ def test_warmup_then_cosine_to_the_floor():
     assert lrs[4] == 1.0 and math.isclose(lrs[9], 0.55) and math.isclose(lrs[14], 0.1) and lrs[15] == lrs[14]
     assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
     assert lr_at(100, lr=2.0, warmup_steps=0, total_steps=10, schedule="constant") == 2.0
+
+
+def test_a_time_budget_advances_the_cosine_when_the_clock_is_further_along_than_the_steps():
+    kw = dict(lr=1.0, warmup_steps=4, total_steps=14, min_lr_ratio=0.1)
+    assert lr_at(2, **kw, time_fraction=0.9) == 0.75  # warmup stays by step
+    assert math.isclose(lr_at(4, **kw, time_fraction=0.5), 0.55)  # half the time spent: half-way down
+    assert math.isclose(lr_at(4, **kw, time_fraction=1.0), 0.1)
+    assert lr_at(12, **kw, time_fraction=0.1) == lr_at(12, **kw)  # the steps are further along: they decide
+
+
+@pytest.mark.parametrize("value", [0, -5, "1h", True, float("inf")])
+def test_max_time_must_be_positive_seconds(value):
+    with pytest.raises(SpecError, match="train.max_time"):
+        recipe_from_dict({"model": {"name": "m"}, "train": {"max_time": value}})

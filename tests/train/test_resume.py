@@ -81,3 +81,41 @@ def test_killed_run_resumes_to_the_same_losses_and_weights(converted_dir, books,
     assert [s for s, _ in list_checkpoints(out)] == [3, 6, 8]
     assert not any(folder.exists() for folder in killed)
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary folder, trash or lock
+
+
+class _Clock:
+    """``perf_counter`` for the training loop alone: each call advances ``tick`` seconds."""
+
+    def __init__(self, tick: float):
+        self.now, self.tick = 0.0, tick
+
+    def perf_counter(self) -> float:
+        self.now += self.tick
+        return self.now
+
+    @staticmethod
+    def time() -> float:
+        import time
+
+        return time.time()
+
+
+def test_max_time_stops_saves_and_a_resume_keeps_the_time_already_spent(converted_dir, books, tmp_path, monkeypatch):
+    from retrofit.train import loop
+
+    monkeypatch.setattr(loop, "time", _Clock(5.0))  # a step = two readings = 5 s of training
+    out = tmp_path / "run"
+    timed = _recipe(converted_dir, books, out)
+    timed["train"].update(max_steps=100, max_time=12.0, warmup_steps=1)
+    timed["checkpoint"]["save_every"] = 100
+    first = train(recipe_from_dict(timed))
+    assert first.steps == 3 and (out / "final").is_dir()  # 5, 10, 15 s: the third step spends the budget
+    assert [s for s, _ in list_checkpoints(out)] == [3]  # saved at the stop (save_every is 100)
+    lrs = [h["lr"] for h in first.history]
+    assert lrs[0] == 3e-3 and lrs[1] < lrs[0] and lrs[2] < lrs[1]  # the cosine follows the clock, not step/100
+    assert lrs[2] < 0.5 * 3e-3  # 10 of 12 s spent before step 3: near the floor
+
+    timed["train"]["max_time"] = 22.0  # two more steps' worth
+    more = train(recipe_from_dict(timed))
+    assert more.resumed_from is not None and [h["step"] for h in more.history] == [4, 5]
+    assert [s for s, _ in list_checkpoints(out)][-1] == 5

@@ -96,6 +96,7 @@ def test_schedule_decays_linearly_to_zero_at_until():
     assert [window_dropout_at(s, 10, 0.8) for s in (0, 5, 10)] == pytest.approx([0.8, 0.4, 0.0])
     assert [window_dropout_at(s, 10, 0.5, until=0.4) for s in (0, 2, 4, 9)] == pytest.approx([0.5, 0.25, 0.0, 0.0])
     assert window_dropout_at(3, 10, 0.0) == 0.0
+    assert window_dropout_at(1, 10, 0.8, time_fraction=0.5) == pytest.approx(0.4)  # train.max_time half spent
 
 
 @pytest.mark.parametrize("train_keys,conversion,message", [
