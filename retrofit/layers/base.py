@@ -40,7 +40,7 @@ from torch import nn
 
 from retrofit.layers.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.method import registered_method
-from retrofit.ops import sliding_window_attention
+from retrofit.ops import gqa_sdpa, sliding_window_attention
 
 __all__ = ["DISTILL_MODES", "RetrofitAttention", "adapters_off"]
 
@@ -225,9 +225,7 @@ class RetrofitAttention(nn.Module):
         valid = self.key_padding(attention_mask, T)
         window = self.native_window if self.native_window else T  # a window >= T is full causal attention
         if valid is None and not self.softcap and window >= T:
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads,
-            )
+            out = gqa_sdpa(q, k, v, is_causal=True, scale=self.scaling)
         else:
             out = sliding_window_attention(q, k, v, window, scaling=self.scaling, softcap=self.softcap,
                                            key_padding_mask=valid)

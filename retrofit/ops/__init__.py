@@ -6,7 +6,7 @@ picks for the call (``backend=`` argument, ``--backend``, ``RETROFIT_BACKEND``, 
 kernels themselves live in the math modules (:mod:`.latte`, :mod:`.sliding_window`, ...) and
 are the ``torch`` backend's implementations. The compositions (:mod:`.macchiato`, :mod:`.sinks`)
 call dispatched ops; :func:`slot_attention_step` (one decoding query over preallocated key
-slots), :func:`capped_rope_attention` (full causal attention with RoPE distances capped, for
+slots), :func:`gqa_sdpa` (SDPA over grouped key/value heads that stays on a fused CUDA kernel), :func:`capped_rope_attention` (full causal attention with RoPE distances capped, for
 layers kept as full attention past their context; SDPA blocks), :func:`linear_cross_entropy`
 (an LM head's per-token NLL without whole logits, for evaluation) and :func:`linear_head_losses`
 (its training losses, cross-entropy and KL to a teacher, with gradients) are a few device-generic torch
@@ -38,6 +38,7 @@ from retrofit.ops.sinks import (
     sink_window_attention_reference,
 )
 from retrofit.ops.slots import slot_attention_step
+from retrofit.ops.sdpa import gqa_sdpa
 from retrofit.ops.macchiato import (
     macchiato_attention,
     macchiato_attention_reference,
@@ -64,6 +65,7 @@ __all__ = [
     "macchiato_slot_step",
     "repeat_kv_heads",
     "slot_attention_step",
+    "gqa_sdpa",
     "FarSinks",
     "capped_sink_keys",
     "capped_sinks",

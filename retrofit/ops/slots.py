@@ -15,7 +15,8 @@ Shapes: q ``(B, Hq, Tq, d)``, k ``(B, Hkv, S, d)``, v ``(B, Hkv, S, D)``; GQA gr
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from retrofit.ops.sdpa import gqa_sdpa
 
 __all__ = ["masked_dense_attention", "slot_attention_step"]
 
@@ -81,6 +82,4 @@ def slot_attention_step(
         return masked_dense_attention(q, k, v, allowed[:, None, :], scaling=scaling, softcap=softcap)
     # one fused kernel (scores, mask, softmax, values) instead of six ops: most of a decoding step's
     # per-layer cost on a CPU is the number of small kernels, not their arithmetic
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=allowed[:, None, None, :], scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
-    )
+    return gqa_sdpa(q, k, v, attn_mask=allowed[:, None, None, :], scale=scaling)
