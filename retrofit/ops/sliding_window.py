@@ -429,8 +429,10 @@ def _masked_blocked(
     w, group = window, Hq // Hkv
     qb, (kb, vb), allowed, q_valid, n = _block_layout(q, (k, v), window, num_past, key_padding_mask)
 
-    if softcap is None:
-        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, scale=scaling)
+    if softcap is None:  # 4-D, as SDPA's fused CUDA kernels require: a 5-D call runs the math kernel
+        mask = allowed if allowed.shape[0] == 1 else allowed.expand(B, Hkv, *allowed.shape[2:])
+        out = F.scaled_dot_product_attention(qb.flatten(0, 1), kb.flatten(0, 1), vb.flatten(0, 1),
+                                             attn_mask=mask.flatten(0, 1), scale=scaling).unflatten(0, (B, Hkv))
     else:
         scores = _softcap(_upcast(torch.matmul(qb, kb.transpose(-1, -2))) * scaling, softcap)
         scores = scores.masked_fill(~allowed, float("-inf"))

@@ -314,3 +314,22 @@ def test_no_grad_segments_equal_one_pass(monkeypatch, T, window, num_past, pads,
                                               num_past=num_past)
     valid = torch.ones(B, 1, T, 1, dtype=torch.bool) if mask is None else mask[:, None, num_past:, None]
     torch.testing.assert_close(out * valid, want * valid, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pads", [None, [0, 37]])
+def test_cuda_masked_form_runs_on_a_fused_sdpa_kernel(dtype, pads):
+    """With SDPA's math kernel switched off the masked form still runs (4-D inputs), and agrees."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    T, w = 300, 64
+    q = torch.randn(2, 9, T, 64, dtype=dtype)
+    k, v = torch.randn(2, 3, T, 64, dtype=dtype), torch.randn(2, 3, T, 64, dtype=dtype)
+    mask = None if pads is None else padding_mask(2, T, pads)
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
+        out = _on_cuda(q, k, v, w, 0.125, None, mask, 0)
+    ref = _loop_reference(q.double(), k.double(), v.double(), w, 0.125, None, mask, 0)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < (5e-3 if dtype == torch.float32 else 2e-2)
