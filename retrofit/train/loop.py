@@ -416,6 +416,14 @@ class _Run:
         limit = self.recipe.train.max_time
         return min(1.0, self.train_seconds / limit) if limit else 0.0
 
+    def _slowest(self, seconds: float) -> float:
+        """The largest of the ranks' ``seconds``: every rank then keeps the same clock (LR, stop)."""
+        if self.world == 1:
+            return seconds
+        t = torch.tensor([seconds], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return float(t.item())
+
     def _out_of_time(self) -> bool:
         """Whether ``train.max_time`` is spent; every rank gets rank 0's answer, so all stop at one step."""
         if not self.recipe.train.max_time:
@@ -457,7 +465,7 @@ class _Run:
         step_tokens = self.recipe.train.batch_size * self.recipe.data.seq_len
         self.tokens += step_tokens
         dt = time.perf_counter() - t0
-        self.train_seconds += dt
+        self.train_seconds += self._slowest(dt) if self.recipe.train.max_time else dt
         out = {"loss": sum(losses) / len(losses), "lr": lr, "grad_norm": gnorm if gnorm is not None else float("nan"),
                "tokens": self.tokens, "tokens_per_s": step_tokens / dt, "step_time_s": dt}
         if len(parts) > 1 or (parts and "lm" not in parts):

@@ -30,7 +30,8 @@ keep = Keep()
 result = train(recipe_from_dict(json.loads(open(sys.argv[1]).read())), callbacks=[keep])
 rank = int(os.environ["RANK"])
 trained = {n: p.detach().clone() for n, p in keep.model.named_parameters() if p.requires_grad}
-torch.save({"trained": trained, "losses": [h["loss"] for h in result.history]}, f"{sys.argv[2]}/rank{rank}.pt")
+torch.save({"trained": trained, "losses": [h["loss"] for h in result.history], "lrs": [h["lr"] for h in result.history]},
+           f"{sys.argv[2]}/rank{rank}.pt")
 """
 
 
@@ -40,11 +41,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_ranks_hold_identical_trainable_weights(converted_dir, books, tmp_path):
-    out = tmp_path / "run"
-    # batch 4 = micro 2 x 2 ranks x 1 accumulation step
-    recipe = tiny.recipe_dict(converted_dir, books, out, train={"max_steps": 3, "gradient_checkpointing": False},
-                              checkpoint={"save_every": 3}, eval={"sequences": 0})
+def _run_two_ranks(recipe: dict, tmp_path: Path) -> tuple[dict, dict]:
     spec = tmp_path / "recipe.json"
     spec.write_text(json.dumps(recipe))
     script = tmp_path / "rank_script.py"
@@ -56,8 +53,15 @@ def test_two_ranks_hold_identical_trainable_weights(converted_dir, books, tmp_pa
            str(script), str(spec), str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    return tuple(torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
 
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+
+def test_two_ranks_hold_identical_trainable_weights(converted_dir, books, tmp_path):
+    out = tmp_path / "run"
+    # batch 4 = micro 2 x 2 ranks x 1 accumulation step
+    recipe = tiny.recipe_dict(converted_dir, books, out, train={"max_steps": 3, "gradient_checkpointing": False},
+                              checkpoint={"save_every": 3}, eval={"sequences": 0})
+    r0, r1 = _run_two_ranks(recipe, tmp_path)
     assert set(r0["trained"]) == set(r1["trained"]) and r0["trained"]
     assert all(torch.equal(r0["trained"][k], r1["trained"][k]) for k in r0["trained"])
     start = dict(load(converted_dir).named_parameters())
@@ -68,3 +72,14 @@ def test_two_ranks_hold_identical_trainable_weights(converted_dir, books, tmp_pa
     assert step == 3 and read_state(ckpt)["world_size"] == 2
     assert all((ckpt / f"data_state_rank{r}.json").is_file() for r in (0, 1))  # each rank's own data position
     # (that the ranks' sequences are disjoint is tests/data/test_packing.py's job, on the same sharding code)
+
+
+def test_two_ranks_spend_a_time_budget_on_one_clock(converted_dir, books, tmp_path):
+    """train.max_time: both ranks stop after the same step with the same LRs, and the stop is saved."""
+    out = tmp_path / "run"
+    recipe = tiny.recipe_dict(converted_dir, books, out, eval={"sequences": 0}, checkpoint={"save_every": 100},
+                              train={"max_steps": 50, "max_time": 1e-3, "warmup_steps": 0, "gradient_checkpointing": False})
+    r0, r1 = _run_two_ranks(recipe, tmp_path)
+    assert len(r0["losses"]) == len(r1["losses"]) == 1  # any real step spends a millisecond
+    assert r0["lrs"] == r1["lrs"] and r0["losses"] == r1["losses"]
+    assert [s for s, _ in list_checkpoints(out)] == [1]
