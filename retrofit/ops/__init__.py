@@ -6,8 +6,9 @@ picks for the call (``backend=`` argument, ``--backend``, ``RETROFIT_BACKEND``, 
 kernels themselves live in the math modules (:mod:`.latte`, :mod:`.sliding_window`, ...) and
 are the ``torch`` backend's implementations. The compositions (:mod:`.macchiato`, :mod:`.sinks`)
 call dispatched ops; :func:`slot_attention_step` (one decoding query over preallocated key
-slots), :func:`gqa_sdpa` (SDPA over grouped key/value heads that stays on a fused CUDA kernel), :func:`capped_rope_attention` (full causal attention with RoPE distances capped, for
-layers kept as full attention past their context; SDPA blocks), :func:`linear_cross_entropy`
+slots), :func:`gqa_sdpa` (SDPA over grouped key/value heads, kept on a fused CUDA kernel),
+:func:`capped_rope_attention` (full causal attention with RoPE distances capped, for layers kept
+as full attention past their context; SDPA blocks), :func:`linear_cross_entropy`
 (an LM head's per-token NLL without whole logits, for evaluation) and :func:`linear_head_losses`
 (its training losses, cross-entropy and KL to a teacher, with gradients) are a few device-generic torch
 calls with nothing to dispatch.

@@ -425,13 +425,8 @@ class _Run:
         return float(t.item())
 
     def _out_of_time(self) -> bool:
-        """Whether ``train.max_time`` is spent; every rank gets rank 0's answer, so all stop at one step."""
-        if not self.recipe.train.max_time:
-            return False
-        done = torch.tensor([float(self._time_fraction() >= 1.0)], device=self.device)
-        if self.world > 1:
-            torch.distributed.broadcast(done, src=0)
-        return bool(done.item())
+        """Whether ``train.max_time`` is spent (the same answer on every rank: one clock, see ``_slowest``)."""
+        return bool(self.recipe.train.max_time) and self._time_fraction() >= 1.0
 
     def train_step(self) -> dict[str, float]:
         t0 = time.perf_counter()
