@@ -39,12 +39,11 @@ from retrofit.ops.sinks import (
     sink_window_attention_reference,
 )
 from retrofit.ops.slots import slot_attention_step
-from retrofit.ops.sdpa import gqa_sdpa
+from retrofit.ops.sdpa import gqa_sdpa, repeat_kv_heads
 from retrofit.ops.macchiato import (
     macchiato_attention,
     macchiato_attention_reference,
     macchiato_slot_step,
-    repeat_kv_heads,
 )
 
 __all__ = [

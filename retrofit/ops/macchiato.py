@@ -18,30 +18,11 @@ import torch
 from retrofit.ops.dispatched import causal_latte_chunked, causal_latte_step, sliding_window_attention
 from retrofit.ops.latte import LatteState, causal_latte_reference
 from retrofit.ops.sinks import FarSinks, sink_window_attention
+from retrofit.ops.sdpa import repeat_kv_heads
 from retrofit.ops.slots import slot_attention_step
 from retrofit.ops.sliding_window import sliding_window_attention_reference
 
-__all__ = ["macchiato_attention", "macchiato_attention_reference", "macchiato_slot_step", "repeat_kv_heads"]
-
-
-def repeat_kv_heads(x: torch.Tensor, num_query_heads: int) -> torch.Tensor:
-    """Each KV head repeated over its query group.
-
-    Args:
-        x: ``(B, Hkv, T, D)`` keys or values.
-        num_query_heads: ``Hq`` (a multiple of ``Hkv``).
-
-    Returns:
-        ``(B, Hq, T, D)`` (``x`` itself when ``Hq == Hkv``).
-
-    Example:
-        >>> import torch
-        >>> from retrofit.ops import repeat_kv_heads
-        >>> repeat_kv_heads(torch.randn(1, 2, 5, 8), 4).shape
-        torch.Size([1, 4, 5, 8])
-    """
-    group = num_query_heads // x.shape[1]
-    return x if group == 1 else x.repeat_interleave(group, dim=1)
+__all__ = ["macchiato_attention", "macchiato_attention_reference", "macchiato_slot_step"]
 
 
 def macchiato_attention(

@@ -14,10 +14,30 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["gqa_sdpa", "native_gqa_on_cuda"]
+__all__ = ["gqa_sdpa", "native_gqa_on_cuda", "repeat_kv_heads"]
 
 _FUSED_GQA_DTYPES = (torch.float16, torch.bfloat16)
 _FUSED_GQA_MAX_HEAD_DIM = 256
+
+
+def repeat_kv_heads(x: torch.Tensor, num_query_heads: int) -> torch.Tensor:
+    """Each KV head repeated over its query group.
+
+    Args:
+        x: ``(B, Hkv, T, D)`` keys or values.
+        num_query_heads: ``Hq`` (a multiple of ``Hkv``).
+
+    Returns:
+        ``(B, Hq, T, D)`` (``x`` itself when ``Hq == Hkv``).
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import repeat_kv_heads
+        >>> repeat_kv_heads(torch.randn(1, 2, 5, 8), 4).shape
+        torch.Size([1, 4, 5, 8])
+    """
+    group = num_query_heads // x.shape[1]
+    return x if group == 1 else x.repeat_interleave(group, dim=1)
 
 
 def native_gqa_on_cuda(dtype: torch.dtype, head_dim: int, masked: bool) -> bool:
@@ -58,7 +78,7 @@ def gqa_sdpa(
     if Hq % Hkv:
         raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
     if q.is_cuda and not native_gqa_on_cuda(q.dtype, q.shape[-1], attn_mask is not None):
-        k, v = k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1)
+        k, v = repeat_kv_heads(k, Hq), repeat_kv_heads(v, Hq)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                                           enable_gqa=True)
