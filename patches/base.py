@@ -137,7 +137,11 @@ class AttentionPatch:
 
     @property
     def rotary_fn(self) -> Callable:
-        return self._modeling().apply_rotary_pos_emb
+        # resolved once per patch: a compiled decoding step traces this attribute, not an import
+        fn = self.__dict__.get("_rotary_fn")
+        if fn is None:
+            fn = self.__dict__["_rotary_fn"] = self._modeling().apply_rotary_pos_emb
+        return fn
 
     def is_attention(self, module: nn.Module) -> bool:
         """True for the family's attention module and for an already replaced one."""

@@ -6,7 +6,8 @@ Tiers, low to high (a module may import its own tier's lower rungs and any lower
     ops     pure tensor math
     layers  nn.Modules with the new weights, and their decoding cache
     family  patches/ (how to reach q/k/v/o inside one model family)
-    model   surgery/ (conversion, checkpoints, loading, the converted classes transformers loads)
+    model   surgery/ (conversion, checkpoints, loading, the converted classes transformers loads),
+            decoding/ (a compiled decoding step over a converted model)
     apps    train/, eval/, bench/  (siblings: none imports another)
     top     cli/, demo, the ``retrofit`` package's lazy facade
 
@@ -41,6 +42,7 @@ TIERS: list[tuple[str, str, int]] = [
     ("retrofit.layers", "layers", 2),
     ("retrofit.patches", "family", 3),
     ("retrofit.surgery", "model", 4),
+    ("retrofit.decoding", "model", 4),
     ("retrofit.train", "apps", 5),
     ("retrofit.eval", "apps", 5),
     ("retrofit.bench", "apps", 5),

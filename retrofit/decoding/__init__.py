@@ -1,0 +1,4 @@
+"""Decoding engines beyond transformers' ``generate``: a compiled one-token step for converted models."""
+from retrofit.decoding.compiled import SUPPORTED_FAMILIES, CompiledDecoder, compiled_decoding_support
+
+__all__ = ["CompiledDecoder", "SUPPORTED_FAMILIES", "compiled_decoding_support"]
