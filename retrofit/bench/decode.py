@@ -9,12 +9,19 @@ the base model's the usual growing key/value cache. Reported per point: median a
 latency, tokens/s, and the bytes the cache holds after the context. The two models' steps
 are interleaved at each length (both caches prefilled first), so load drift on a shared machine
 moves both alike and the speed-up is a same-moment ratio.
+
+``--compile``: the converted model decodes through :class:`retrofit.decoding.CompiledDecoder`
+(one compiled graph per step, weights frozen), and the base is timed twice: as it ships (the
+``base`` rows) and given the same treatment (``base_compiled``: transformers' ``StaticCache``
+sized to the context and ``torch.compile(fullgraph=True)`` of its forward, weights frozen).
+Each compiled model takes one untimed step first (the compilation, recorded as ``compile_s``).
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +45,11 @@ DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 QUICK_LENGTHS = (256, 512, 1024)
 
 
+def _random_context(model, T: int, batch: int, seed: int, device) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, int(model.config.vocab_size), (batch, T), generator=g).to(device)
+
+
 class _Decoder:
     """One model's decoding run at one context: prefill, then timed single-token steps."""
 
@@ -46,8 +58,7 @@ class _Decoder:
         from transformers import DynamicCache
 
         self.model, self.device = model, device
-        g = torch.Generator().manual_seed(seed)
-        ids = torch.randint(3, int(model.config.vocab_size), (batch, T), generator=g).to(device)
+        ids = _random_context(model, T, batch, seed, device)
         self.cache = DynamicCache(config=model.config)
         self.keyword = cache_keyword(model.forward)
         kw = forward_kwargs(model)
@@ -78,22 +89,125 @@ class _Decoder:
         warm = steps[1:] if len(steps) > 2 else steps  # the first step may pay one-time costs
         p90 = sorted(warm)[min(len(warm) - 1, int(0.9 * len(warm)))]
         med = statistics.median(warm)
-        return {
+        row = {
             "T": self.T, "prefill_s": self.prefill_s, "step_s": med, "step_p90_s": p90, "tokens_per_s": self.batch / med,
-            "steps_s": steps, "cache_bytes": self.context_bytes, "cache_bytes_end": cache_bytes(self.cache),
+            "steps_s": steps, "cache_bytes": self.context_bytes, "cache_bytes_end": self.bytes_now(),
         }
+        if getattr(self, "compile_s", None) is not None:
+            row["compile_s"] = self.compile_s
+        return row
+
+    def bytes_now(self) -> int:
+        return cache_bytes(self.cache)
+
+
+# one compiled step per model for the whole run: the converted model's graph does not depend on the
+# context, and each compiled graph holds its own frozen copy of the weights
+_COMPILED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+
+
+class _CompiledConvertedDecoder(_Decoder):
+    """The converted model through :class:`retrofit.decoding.CompiledDecoder`."""
+
+    @torch.no_grad()
+    def __init__(self, model, T: int, *, batch: int, prefill_chunk: int, device, seed: int = 0):
+        from retrofit.decoding import CompiledDecoder
+
+        self.model, self.device = model, device
+        if model not in _COMPILED:
+            _COMPILED[model] = CompiledDecoder(model, prefill_chunk=prefill_chunk)
+        self.decoder = _COMPILED[model]
+        ids = _random_context(model, T, batch, seed, device)
+        sync(device)
+        t0 = time.perf_counter()
+        logits = self.decoder.prefill(ids)
+        sync(device)
+        self.prefill_s = time.perf_counter() - t0
+        self.context_bytes = self.decoder.memory_bytes()
+        self.nxt = logits.argmax(-1, keepdim=True)
+        t0 = time.perf_counter()
+        self.nxt = self.decoder.step(self.nxt).argmax(-1, keepdim=True)  # compiles
+        self.compile_s = time.perf_counter() - t0
+        self.T, self.batch, self.steps = T, batch, []
+
+    @torch.no_grad()
+    def step(self) -> None:
+        sync(self.device)
+        t0 = time.perf_counter()
+        self.nxt = self.decoder.step(self.nxt).argmax(-1, keepdim=True)
+        sync(self.device)
+        self.steps.append(time.perf_counter() - t0)
+
+    def bytes_now(self) -> int:
+        return self.decoder.memory_bytes()
+
+
+class _CompiledBaseDecoder(_Decoder):
+    """The base as transformers compiles it for decoding: a ``StaticCache`` sized to the context
+    plus the steps, ``torch.compile(fullgraph=True)`` of the forward, weights frozen."""
+
+    @torch.no_grad()
+    def __init__(self, model, T: int, *, batch: int, prefill_chunk: int, device, seed: int = 0, steps: int = 1):
+        from transformers import StaticCache
+
+        self.model, self.device = model, device
+        ids = _random_context(model, T, batch, seed, device)
+        self.cache = StaticCache(config=model.config, max_cache_len=T + steps + 1)
+        kw = forward_kwargs(model)
+        sync(device)
+        t0 = time.perf_counter()
+        out = None
+        for i in range(0, T, prefill_chunk):
+            chunk = ids[:, i : i + prefill_chunk]
+            out = model(input_ids=chunk, past_key_values=self.cache, use_cache=True,
+                        cache_position=torch.arange(i, i + chunk.shape[1], device=device), **kw)
+        sync(device)
+        self.prefill_s = time.perf_counter() - t0
+        self.context_bytes = cache_bytes(self.cache)
+        if model not in _COMPILED:
+            _COMPILED[model] = torch.compile(model.forward, fullgraph=True, dynamic=False)
+        self.forward = _COMPILED[model]
+        self.position = T
+        self.nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        t0 = time.perf_counter()
+        self._advance()  # compiles
+        self.compile_s = time.perf_counter() - t0
+        self.T, self.batch, self.steps = T, batch, []
+
+    def _advance(self) -> None:
+        from torch._inductor import config as inductor_config
+
+        with inductor_config.patch(freezing=True):
+            out = self.forward(input_ids=self.nxt, past_key_values=self.cache, use_cache=True,
+                               cache_position=torch.tensor([self.position], device=self.device))
+        self.nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+        self.position += 1
+
+    @torch.no_grad()
+    def step(self) -> None:
+        sync(self.device)
+        t0 = time.perf_counter()
+        self._advance()
+        sync(self.device)
+        self.steps.append(time.perf_counter() - t0)
 
 
 def decode_points(models: dict[str, Any], T: int, *, batch: int, new_tokens: int, prefill_chunk: int, device,
-                  seed: int = 0) -> dict[str, dict[str, Any]]:
+                  seed: int = 0, compile: bool = False) -> dict[str, dict[str, Any]]:
     """Prefill ``T`` tokens into each model's cache, then time ``new_tokens`` steps of each,
     the models' steps interleaved (base, converted, base, ...) so that machine-load drift hits
     both alike. Returns per model: latencies (median, p90, all steps) and cache bytes; a model that
-    runs out of memory gets ``{"T", "error"}``."""
+    runs out of memory gets ``{"T", "error"}``. ``compile``: the converted model decodes compiled
+    and the base runs twice, as it ships (``base``) and compiled (``base_compiled``)."""
+    kinds = {name: _Decoder for name in models}
+    if compile:
+        kinds = {"base": _Decoder, "base_compiled": _CompiledBaseDecoder, "converted": _CompiledConvertedDecoder}
+        models = {"base": models["base"], "base_compiled": models["base"], "converted": models["converted"]}
     runs, rows = {}, {}
     for name, model in models.items():
+        extra = {"steps": new_tokens + 1} if kinds[name] is _CompiledBaseDecoder else {}
         try:
-            runs[name] = _Decoder(model, T, batch=batch, prefill_chunk=prefill_chunk, device=device, seed=seed)
+            runs[name] = kinds[name](model, T, batch=batch, prefill_chunk=prefill_chunk, device=device, seed=seed, **extra)
         except RuntimeError as exc:  # out of memory at long contexts: record and go on
             rows[name] = {"T": T, "error": str(exc).splitlines()[0][:200]}
     for _ in range(new_tokens):
@@ -120,22 +234,30 @@ def run_decode_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     for T in bar:
         bar.set_postfix_str(f"T={T}")
         points = decode_points({"base": base, "converted": converted}, T, batch=args.batch, new_tokens=new_tokens,
-                               prefill_chunk=args.prefill_chunk, device=device, seed=args.seed)
+                               prefill_chunk=args.prefill_chunk, device=device, seed=args.seed, compile=args.compile)
         rows += [{"model": name, **r} for name, r in points.items()]
     config = {"lengths": lengths, "new_tokens": new_tokens, "batch": args.batch, "prefill_chunk": args.prefill_chunk,
-              "device": args.device, "dtype": args.dtype, "backend": args.backend, "steps": "interleaved"}
+              "device": args.device, "dtype": args.dtype, "backend": args.backend, "steps": "interleaved",
+              "compile": bool(args.compile)}
     return finish_pair_bench("decode", args, hw, info, config, rows, render_table, _plot)
 
 
 def render_table(report: dict[str, Any]) -> str:
     by = {(r["model"], r["T"]): r for r in report["rows"]}
+    compiled = bool(report["config"].get("compile"))
+    ms = lambda r: r["step_s"] * 1e3 if "step_s" in r else None  # noqa: E731
+    mib = lambda r: r["cache_bytes"] / 2**20 if "cache_bytes" in r else None  # noqa: E731
+    ratio = lambda a, b: a["step_s"] / b["step_s"] if "step_s" in a and "step_s" in b else None  # noqa: E731
     rows = []
     for T in report["config"]["lengths"]:
-        b, c = by.get(("base", T), {}), by.get(("converted", T), {})
-        ms = lambda r: r["step_s"] * 1e3 if "step_s" in r else None  # noqa: E731
-        mib = lambda r: r["cache_bytes"] / 2**20 if "cache_bytes" in r else None  # noqa: E731
-        ratio = b["step_s"] / c["step_s"] if "step_s" in b and "step_s" in c else None
-        rows.append([T, ms(b), ms(c), ratio, mib(b), mib(c)])
+        b, c, bc = by.get(("base", T), {}), by.get(("converted", T), {}), by.get(("base_compiled", T), {})
+        if compiled:
+            rows.append([T, ms(b), ms(bc), ms(c), ratio(b, c), ratio(bc, c), mib(b), mib(c)])
+        else:
+            rows.append([T, ms(b), ms(c), ratio(b, c), mib(b), mib(c)])
+    if compiled:
+        return markdown_table(["context", "base ms/token", "base compiled ms/token", "converted compiled ms/token",
+                               "speedup vs base", "speedup vs compiled base", "base cache MiB", "converted cache MiB"], rows)
     return markdown_table(
         ["context", "base ms/token", "converted ms/token", "speedup", "base cache MiB", "converted cache MiB"], rows
     )
@@ -149,11 +271,11 @@ def _plot(report: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, style in (("base", "-o"), ("converted", "-s")):
+    for name, style in (("base", "-o"), ("base_compiled", "--o"), ("converted", "-s")):
         rs = sorted((r for r in report["rows"] if r["model"] == name and "step_s" in r), key=lambda r: r["T"])
         if not rs:
             continue
-        label = report["models"]["base" if name == "base" else "converted"]
+        label = report["models"]["converted" if name == "converted" else "base"]
         label = label if len(label) < 60 else label[:57] + "..."
         ax_t.plot([r["T"] for r in rs], [r["step_s"] * 1e3 for r in rs], style, label=f"{name}: {label}", ms=4)
         ax_m.plot([r["T"] for r in rs], [r["cache_bytes"] / 2**20 for r in rs], style, label=name, ms=4)

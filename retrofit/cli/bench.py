@@ -78,6 +78,9 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     d.add_argument("--new-tokens", type=int, default=16, help="timed decoding steps per length")
     d.add_argument("--prefill-chunk", type=int, default=2048, help="prefill the context in chunks of this many tokens")
     d.add_argument("--batch", type=int, default=1)
+    d.add_argument("--compile", action="store_true",
+                   help="decode the converted model through retrofit.decoding.CompiledDecoder (one compiled step, "
+                        "weights frozen) and time the base both as it ships and compiled with a StaticCache")
     _model_args(d)
     _common(d, "runs/bench/decode")
     d.set_defaults(handler=_run_decode)

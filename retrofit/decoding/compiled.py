@@ -25,6 +25,8 @@ refused with the reason (decode it eagerly).
 """
 from __future__ import annotations
 
+import itertools
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +44,8 @@ __all__ = ["CompiledDecoder", "SUPPORTED_FAMILIES", "compiled_decoding_support"]
 # families (patches/families.py) whose decoder layers are input_layernorm -> self_attn ->
 # post_attention_layernorm -> mlp (pre-norm, plain residuals, unscaled embeddings, no logit soft-cap)
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+
+_DECODER_IDS = itertools.count()
 
 
 def compiled_decoding_support(model: nn.Module) -> str | None:
@@ -130,7 +134,7 @@ class CompiledDecoder:
         if compile:
             # freezing: inductor treats the weights as constants (prepacked matmuls, no per-call guards
             # on ~10 tensors per layer); it keeps its own copy of them
-            self._step = torch.compile(self._step_impl, fullgraph=True, dynamic=False)
+            self._step = torch.compile(self._own_step_function(), fullgraph=True, dynamic=False)
         else:
             self._step = self._step_impl
 
@@ -192,6 +196,15 @@ class CompiledDecoder:
             logits = self._step(input_ids, self.position_tensor)
         self.position_tensor += 1
         return logits
+
+    def _own_step_function(self):
+        """``_step_impl`` bound to this decoder through its own code object. Dynamo keeps compiled
+        graphs per code object and guards a frozen graph's weights by identity only, so a second
+        decoder of the same model after an in-place weight change would otherwise reuse the first
+        one's graph with the old weights baked in."""
+        impl = CompiledDecoder._step_impl
+        code = impl.__code__.replace(co_name=f"compiled_decoding_step_{next(_DECODER_IDS)}")
+        return types.MethodType(types.FunctionType(code, impl.__globals__, code.co_name), self)
 
     def _weights_key(self) -> tuple:
         return tuple(p._version for p in self._params), tuple(p.data_ptr() for p in self._params)

@@ -253,3 +253,21 @@ def test_pair_weights_live_in_process_memory_not_the_mapped_checkpoint(tmp_path)
     for model in (base, converted):
         if model.config.tie_word_embeddings:
             assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+def test_decode_compiled_times_the_base_as_shipped_and_compiled(tmp_path):
+    """--compile: the converted model through CompiledDecoder, the base twice (as it ships and with a
+    StaticCache + torch.compile); compilation is an untimed first step, recorded apart."""
+    rc = main(["bench", "decode", "--lengths", "32", "96", "--new-tokens", "3", "--prefill-chunk", "40", "--compile",
+               "--tiny-size", "tiny", "--window", "16", "--threads", "1", "--quiet", "--out", str(tmp_path)])
+    assert rc == 0
+    dec = json.loads((tmp_path / "results.json").read_text())
+    by = {(r["model"], r["T"]): r for r in dec["rows"]}
+    assert set(by) == {(m, T) for m in ("base", "base_compiled", "converted") for T in (32, 96)}
+    assert all(r["step_s"] > 0 and len(r["steps_s"]) == 3 for r in by.values())
+    assert all("compile_s" in by[(m, T)] for m in ("base_compiled", "converted") for T in (32, 96))
+    assert "compile_s" not in by[("base", 32)]
+    # the compiled decoder's state is the window and the latent states, whatever the context
+    assert by[("converted", 96)]["cache_bytes"] == by[("converted", 32)]["cache_bytes"] < by[("base", 96)]["cache_bytes"]
+    assert dec["config"]["compile"] is True
+    assert "speedup vs compiled base" in (tmp_path / "results.md").read_text()

@@ -127,6 +127,11 @@ def test_compiled_step_is_one_graph_and_equals_the_eager_step():
         model.model.layers[0].mlp.down_proj.weight.mul_(2.0)
     with pytest.raises(RetrofitError, match="weights changed"):
         decoder.step(tokens[-1])
+    # a new decoder of the same model compiles its own graph with the new weights
+    ref, tokens = _reference_logits(model, prompt, 3)
+    got = _decoder_logits(CompiledDecoder(model), prompt, tokens)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_state_is_constant_in_the_context_length():
