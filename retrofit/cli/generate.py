@@ -4,7 +4,9 @@
     retrofit generate out/g270-mac --prompt "Once upon a time" --temperature 0.8 --top-p 0.95 --seed 1
 
 Converted layers decode with a constant-memory cache (latent state + the last w-1 keys and
-values); the cache size is printed at the end.
+values); the cache size is printed at the end. ``--compile`` decodes through
+:class:`retrofit.decoding.CompiledDecoder` (every layer Macchiato, LLaMA-shaped families): one
+compiled graph per token, whose compilation the first token pays.
 """
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: as stored)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
+    p.add_argument("--compile", action="store_true",
+                   help="decode through retrofit.decoding.CompiledDecoder: one compiled step per token (a model with "
+                        "every layer Macchiato, LLaMA-shaped; the first token pays the compilation)")
     p.set_defaults(handler=_run)
 
 
@@ -48,6 +53,12 @@ def _run(args: argparse.Namespace) -> int:
     model, tokenizer = load_any(args.model, dtype=args.dtype)
     if tokenizer is None:
         raise RetrofitError(f"{args.model} has no tokenizer; save one next to the weights (retrofit convert does)")
+    if args.compile:
+        from retrofit.decoding import compiled_decoding_support
+
+        reason = compiled_decoding_support(model.eval())
+        if reason is not None:
+            raise RetrofitError(f"--compile: {reason}; run without --compile to decode it eagerly")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model.to(device)
     torch.manual_seed(args.seed)
@@ -57,6 +68,13 @@ def _run(args: argparse.Namespace) -> int:
     gen_kwargs = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p) if sample else dict(do_sample=False)
     streamer = TextStreamer(tokenizer, skip_prompt=False, skip_special_tokens=True)
     t0 = time.perf_counter()
+    if args.compile:
+        out, state_bytes = _generate_compiled(model, tokenizer, inputs["input_ids"], args, streamer)
+        dt = time.perf_counter() - t0
+        n_new = out.shape[1] - inputs["input_ids"].shape[1]
+        print(f"[{n_new} tokens in {dt:.1f}s (compilation included), {n_new / max(dt, 1e-9):.1f} tok/s, "
+              f"compiled step, state {state_bytes / 2**20:.2f} MiB for {out.shape[1]} tokens]", file=sys.stderr)
+        return 0
     with torch.no_grad():
         out = model.generate(
             **inputs, max_new_tokens=args.max_new_tokens, streamer=streamer, **{cache_keyword(model.forward): cache},
@@ -70,6 +88,41 @@ def _run(args: argparse.Namespace) -> int:
         stats += f", cache {cache.memory_bytes() / 2**20:.2f} MiB for {out.shape[1]} tokens"
     print(stats + "]", file=sys.stderr)
     return 0
+
+
+def _generate_compiled(model, tokenizer, input_ids, args: argparse.Namespace, streamer):
+    """Greedy or sampled (transformers' temperature and top-p warpers) decoding through
+    :class:`retrofit.decoding.CompiledDecoder`; stops at the model's end-of-sequence tokens.
+    Returns ``(ids (1, T + new), decoding-state bytes)``."""
+    import torch
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+    from retrofit.decoding import CompiledDecoder
+
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None} or {tokenizer.eos_token_id} - {None}
+    warpers = LogitsProcessorList()
+    if args.temperature > 0:
+        warpers.append(TemperatureLogitsWarper(args.temperature))
+        if args.top_p < 1:
+            warpers.append(TopPLogitsWarper(args.top_p))
+    decoder = CompiledDecoder(model)
+    ids = input_ids
+    streamer.put(ids.cpu())
+    logits = decoder.prefill(ids)
+    for i in range(args.max_new_tokens):
+        if args.temperature > 0:
+            probs = torch.softmax(warpers(ids, logits), dim=-1)
+            nxt = torch.multinomial(probs, 1)
+        else:
+            nxt = logits.argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=1)
+        streamer.put(nxt.cpu())
+        if int(nxt) in eos or i == args.max_new_tokens - 1:
+            break
+        logits = decoder.step(nxt)
+    streamer.end()
+    return ids, decoder.memory_bytes()
 
 
 def _encode(tokenizer, prompt: str):

@@ -1,4 +1,9 @@
 """Decoding engines beyond transformers' ``generate``: a compiled one-token step for converted models."""
-from retrofit.decoding.compiled import SUPPORTED_FAMILIES, CompiledDecoder, compiled_decoding_support
+from retrofit.decoding.compiled import (
+    SUPPORTED_FAMILIES,
+    CompiledDecoder,
+    compiled_decoding_support,
+    cpu_compiler_available,
+)
 
-__all__ = ["CompiledDecoder", "SUPPORTED_FAMILIES", "compiled_decoding_support"]
+__all__ = ["CompiledDecoder", "SUPPORTED_FAMILIES", "compiled_decoding_support", "cpu_compiler_available"]

@@ -39,7 +39,7 @@ from retrofit.layers.macchiato import MacchiatoAttention, MacchiatoLayerCache
 from retrofit.ops import capped_sink_keys, gqa_sdpa, repeat_kv_heads
 from retrofit.ops.latte import LatteState, causal_latte_step
 
-__all__ = ["CompiledDecoder", "SUPPORTED_FAMILIES", "compiled_decoding_support"]
+__all__ = ["CompiledDecoder", "SUPPORTED_FAMILIES", "compiled_decoding_support", "cpu_compiler_available"]
 
 # families (patches/families.py) whose decoder layers are input_layernorm -> self_attn ->
 # post_attention_layernorm -> mlp (pre-norm, plain residuals, unscaled embeddings, no logit soft-cap)
@@ -71,6 +71,17 @@ def compiled_decoding_support(model: nn.Module) -> str | None:
         if attn.training or attn.distill_mode is not None:
             return "compiled decoding needs the model in eval mode, outside distillation"
     return None
+
+
+def cpu_compiler_available() -> bool:
+    """Whether inductor finds the C++ compiler it builds CPU kernels with (``g++``, ``clang++`` or ``$CXX``)."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception:  # noqa: BLE001 - inductor raises its own error types for a missing compiler
+        return False
+    return True
 
 
 @dataclass
@@ -121,6 +132,10 @@ class CompiledDecoder:
             raise RetrofitError(reason)
         if prefill_chunk < 1:
             raise RetrofitError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        if compile and on_cpu and not cpu_compiler_available():
+            raise RetrofitError("torch.compile builds CPU kernels with a C++ compiler and none was found (g++, clang++ "
+                                "or $CXX): install one, or decode without compiling")
         self.model = model
         self.layers = list(model.model.layers)
         self.prefill_chunk = int(prefill_chunk)

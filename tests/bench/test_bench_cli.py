@@ -9,6 +9,7 @@ import torch
 
 from retrofit.bench.common import MALLOC_MODES, set_malloc_mode
 from retrofit.cli.main import main
+from retrofit.decoding import cpu_compiler_available
 
 TINY_ATTENTION = ["--heads", "2", "--head-dim", "16", "--latents", "8", "--window", "8", "--repeats", "1",
                   "--max-seconds", "1", "--threads", "1", "--quiet"]
@@ -255,6 +256,7 @@ def test_pair_weights_live_in_process_memory_not_the_mapped_checkpoint(tmp_path)
             assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 
+@pytest.mark.skipif(not cpu_compiler_available(), reason="torch.compile on a CPU needs a C++ compiler")
 def test_decode_compiled_times_the_base_as_shipped_and_compiled(tmp_path):
     """--compile: the converted model through CompiledDecoder, the base twice (as it ships and with a
     StaticCache + torch.compile); compilation is an untimed first step, recorded apart."""

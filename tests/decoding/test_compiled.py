@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from retrofit.decoding import SUPPORTED_FAMILIES, CompiledDecoder, compiled_decoding_support
+from retrofit.decoding import SUPPORTED_FAMILIES, CompiledDecoder, compiled_decoding_support, cpu_compiler_available
 from retrofit.errors import RetrofitError
 from retrofit.surgery import ConversionSpec, convert
 from tests.surgery.tiny import VOCAB, tiny_model
@@ -111,6 +111,7 @@ def test_prompt_shorter_than_the_window_then_past_it():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.skipif(not cpu_compiler_available(), reason="torch.compile on a CPU needs a C++ compiler")
 def test_compiled_step_is_one_graph_and_equals_the_eager_step():
     model = _converted()
     prompt = _prompt()
