@@ -123,6 +123,13 @@ def test_compiled_step_is_one_graph_and_equals_the_eager_step():
     for i, (a, b) in enumerate(zip(got, ref)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"token {i}")
     assert decoder.position == prompt.shape[1] + STEPS
+    # the same decoder on another prompt of another length: the graph is reused with the new state
+    other = _prompt(length=21, seed=1)
+    ref, other_tokens = _reference_logits(model, other, 12)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        got = _decoder_logits(decoder, other, other_tokens)
+    for i, (a, b) in enumerate(zip(got, ref)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4, msg=f"second prompt, token {i}")
     # the frozen graph holds the weights it was compiled with: a change must not go unnoticed
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.mul_(2.0)
