@@ -15,6 +15,8 @@ moves both alike and the speed-up is a same-moment ratio.
 ``base`` rows) and given the same treatment (``base_compiled``: transformers' ``StaticCache``
 sized to the context and ``torch.compile(fullgraph=True)`` of its forward, weights frozen).
 Each compiled model takes one untimed step first (the compilation, recorded as ``compile_s``).
+The converted graph serves every length; the base compiles one graph per length (its
+StaticCache has the length's shape), each holding its own frozen copy of the weights.
 """
 from __future__ import annotations
 
@@ -228,6 +230,15 @@ def run_decode_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     lengths = sorted(args.lengths or (QUICK_LENGTHS if args.quick else DEFAULT_LENGTHS))
     new_tokens = min(args.new_tokens, 8) if args.quick else args.new_tokens
     base, converted, info = build_pair(args, max(lengths) + new_tokens + 1)
+    if args.compile:  # refuse before any prefill, not at the first length
+        from retrofit.decoding import compiled_decoding_support, cpu_compiler_available
+        from retrofit.errors import RetrofitError
+
+        reason = compiled_decoding_support(converted)
+        if reason is None and device.type == "cpu" and not cpu_compiler_available():
+            reason = "torch.compile builds CPU kernels with a C++ compiler and none was found (g++, clang++ or $CXX)"
+        if reason is not None:
+            raise RetrofitError(f"--compile: {reason}; run without --compile")
     hw = hardware_info(device)
     rows = []
     bar = tqdm(lengths, desc="bench decode", unit="length", disable=args.quiet)

@@ -273,3 +273,11 @@ def test_decode_compiled_times_the_base_as_shipped_and_compiled(tmp_path):
     assert by[("converted", 96)]["cache_bytes"] == by[("converted", 32)]["cache_bytes"] < by[("base", 96)]["cache_bytes"]
     assert dec["config"]["compile"] is True
     assert "speedup vs compiled base" in (tmp_path / "results.md").read_text()
+
+
+def test_decode_compile_refuses_a_model_it_cannot_compile_before_any_work(tmp_path, capsys):
+    rc = main(["bench", "decode", "--method", "exp-linear", "--tiny-size", "tiny", "--lengths", "32", "--compile",
+               "--threads", "1", "--quiet", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 1 and "error: --compile:" in err and "Macchiato" in err
+    assert not (tmp_path / "results.json").exists()
