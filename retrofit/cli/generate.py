@@ -25,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     p.add_argument("--compile", action="store_true",
                    help="decode through retrofit.decoding.CompiledDecoder: one compiled step per token (a model with "
-                        "every layer Macchiato, LLaMA-shaped; the first token pays the compilation)")
+                        "every layer Macchiato, LLaMA-shaped). The first run compiles for about a minute, later runs "
+                        "reuse inductor's cache (seconds): worth it for long outputs")
     p.set_defaults(handler=_run)
 
 
@@ -106,7 +107,9 @@ def _generate_compiled(model, tokenizer, input_ids, args: argparse.Namespace, st
         warpers.append(TemperatureLogitsWarper(args.temperature))
         if args.top_p < 1:
             warpers.append(TopPLogitsWarper(args.top_p))
-    decoder = CompiledDecoder(model)
+    # weights not frozen: inductor's cache then keeps the compiled graph across runs (a frozen graph,
+    # a few ms per token faster, compiles anew each time: worth it for benchmarks, not for a prompt)
+    decoder = CompiledDecoder(model, freeze_weights=False)
     ids = input_ids
     streamer.put(ids.cpu())
     logits = decoder.prefill(ids)
