@@ -290,3 +290,18 @@ def test_every_backend_module_registers():
     modules = [m.name for m in pkgutil.iter_modules(backends.__path__) if m.name != "registry"]
     registered = {importlib.import_module(f"retrofit.ops.backends.{m}").BACKEND.name for m in modules}
     assert registered == set(backends.backend_names()) == {"torch", "fla", "flash", "flex"}
+
+
+def test_a_first_dispatch_inside_torch_compile_traces_and_the_next_eager_call_logs_it(caplog):
+    """The choice made while dynamo traces (fullgraph: no logging call allowed there) is logged by the
+    next eager call, and the traced op gives the eager result (dynamo's eager backend: no compiler)."""
+    q, k, v = _latte()[:3]
+    state = ops.LatteState.empty(2, 2, 3, 4)
+    step = torch.compile(lambda: ops.causal_latte_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], state)[0],
+                         fullgraph=True, backend="eager")
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        out = step()
+        assert "causal_latte_step" not in caplog.text
+        ref = ops.causal_latte_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], state)[0]
+        assert "causal_latte_step runs on the torch backend" in caplog.text
+    torch.testing.assert_close(out, ref)

@@ -282,7 +282,9 @@ _logged: set[tuple] = set()
 
 
 def _log_once(level: int, key: tuple, msg: str, *args: Any) -> None:
-    if key in _logged:
+    # a call torch.compile traces chooses its backend like an eager one but cannot log (dynamo refuses
+    # logging in a graph); the next eager call of the op logs the choice
+    if key in _logged or torch.compiler.is_compiling():
         return
     _logged.add(key)
     logger.log(level, msg, *args)
@@ -319,7 +321,9 @@ def resolve(op: str, call: Call, requested: str | None = None) -> Backend:
     key = (op, call, requested, _default_backend, os.environ.get(ENV_VAR), _is_strict())
     chosen = _resolved.get(key)
     if chosen is None:
-        chosen = _resolved[key] = _resolve(op, call, requested)
+        chosen = _resolve(op, call, requested)
+        if not torch.compiler.is_compiling():  # a call torch.compile traces chooses alike but stores nothing
+            _resolved[key] = chosen
     return chosen
 
 
