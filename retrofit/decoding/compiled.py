@@ -13,8 +13,8 @@ to logits, is one function over fixed-shape buffers that ``torch.compile`` turns
 * which slots a query sees is computed from the position too: ring slot ``j`` once a token has
   reached it (``j <= t``), a sink once it lies before the window (``idx <= t - w``), with its
   key re-positioned to the capped RoPE distance (:func:`retrofit.ops.capped_sink_keys`);
-* the latent state ``m (B, H, L, D)``, ``z (B, H, L)`` updated in place by
-  :func:`retrofit.ops.latte.causal_latte_step`.
+* the layer's own mixing logits and :func:`retrofit.ops.macchiato_slot_step` (the eager slot
+  step's arithmetic), the latent state ``m (B, H, L, D)``, ``z (B, H, L)`` copied back in place.
 
 The pretrained parts run as the model's own modules (norms, q/k/v/o through the family patch,
 the MLP, the rotary embedding), so the step is the eager step's arithmetic, compared in the
@@ -36,8 +36,7 @@ from torch import nn
 from retrofit.errors import RetrofitError
 from retrofit.layers.cache import cache_keyword, output_cache
 from retrofit.layers.macchiato import MacchiatoAttention, MacchiatoLayerCache
-from retrofit.ops import capped_sink_keys, gqa_sdpa, repeat_kv_heads
-from retrofit.ops.latte import LatteState, causal_latte_step
+from retrofit.ops import LatteState, capped_sink_keys, macchiato_slot_step
 
 __all__ = ["CompiledDecoder", "SUPPORTED_FAMILIES", "compiled_decoding_support", "cpu_compiler_available"]
 
@@ -169,11 +168,10 @@ class CompiledDecoder:
             raise RetrofitError(f"prefill takes input_ids of shape (batch, tokens >= 1), got {tuple(input_ids.shape)}")
         cache = DynamicCache(config=self.model.config)
         keyword = cache_keyword(self.model.forward)
-        kw = {"logits_to_keep": 1} if "logits_to_keep" in _forward_params(self.model) else {}
         out = None
         for i in range(0, input_ids.shape[1], self.prefill_chunk):
             out = self.model(input_ids=input_ids[:, i : i + self.prefill_chunk], use_cache=True,
-                             **{keyword: cache}, **kw)
+                             logits_to_keep=1, **{keyword: cache})  # every supported family takes it
             cache = output_cache(out)
         self.adopt(cache)
         return out.logits[:, -1].float()
@@ -250,15 +248,6 @@ class CompiledDecoder:
                    for t in vars(b).values() if isinstance(t, torch.Tensor))
 
 
-def _forward_params(model: nn.Module) -> set[str]:
-    import inspect
-
-    try:
-        return set(inspect.signature(model.forward).parameters)
-    except (TypeError, ValueError):
-        return set()
-
-
 def _adopt_layer(attn: MacchiatoAttention, entry: MacchiatoLayerCache) -> _LayerBuffers:
     keys, values, valid = entry.past_kv()  # chronological: the last min(seen, w - 1) tokens
     if valid is not None and not bool(valid.all()):
@@ -309,24 +298,13 @@ def _attention_step(attn: MacchiatoAttention, buf: _LayerBuffers, h: torch.Tenso
         allowed = torch.cat([sinks_seen, allowed_ring], dim=1)
     else:
         allowed = allowed_ring
-    swa = gqa_sdpa(q, buf.slot_k, buf.slot_v, attn_mask=allowed[:, None, None, :], scale=attn.scaling)  # (B, Hq, 1, D)
-    if buf.m is None:  # no latent states: the window alone
-        out = swa
-    else:
-        u = h
-        if attn.conv is not None:
-            u, tail = attn.conv(h, buf.conv_tail)
-            buf.conv_tail.copy_(tail)
-        H, Lh = attn.num_heads, attn.latents_per_head
-        mix = attn.latent_q(u).view(B, H, Lh + 1).float()
-        lat = attn.latent_k(u).view(B, H, Lh)
-        p = torch.softmax(mix, dim=-1)  # p(l|t), state 0 the window
-        v_heads = repeat_kv_heads(v, H)[:, :, 0]  # (B, Hq, D)
-        latent, state = causal_latte_step(p[..., 1:], lat, v_heads, LatteState(buf.m, buf.z))
+    mix, lat, tail = attn.mixing_logits(h, None, buf.conv_tail)
+    state = None if buf.m is None else LatteState(buf.m, buf.z)
+    out, state = macchiato_slot_step(q, buf.slot_k, buf.slot_v, allowed, v, mix, lat, state,
+                                     scaling=attn.scaling, softcap=attn.softcap)
+    if state is not None:
         buf.m.copy_(state.m)
         buf.z.copy_(state.z)
-        if attn.latent_path_closed:  # p(0|t) = 1 exactly; the state still follows the tokens
-            out = swa
-        else:
-            out = (latent.unsqueeze(2).float() + p[..., :1, None] * swa.float()).to(swa.dtype)
+    if tail is not None:
+        buf.conv_tail.copy_(tail)
     return attn.patch.project_out(attn, out)

@@ -412,8 +412,11 @@ class MacchiatoAttention(RetrofitAttention):
             return False  # no latent state to carry the output without the window
         return super().supports(capability)
 
-    def _mixing(self, x: torch.Tensor, valid: torch.Tensor | None, tail: torch.Tensor | None):
-        """``mix_logits (B, H, T, L_h+1)``, ``latent_logits (B, H, T, L_h)`` or None, new conv tail."""
+    def mixing_logits(self, x: torch.Tensor, valid: torch.Tensor | None, tail: torch.Tensor | None):
+        """The latent branch's logits for inputs ``x`` ``(B, T, hidden)`` (``valid`` ``(B, T)`` or None;
+        ``tail`` the conv's previous inputs or None): ``mix_logits (B, H, T, L_h+1)`` (state 0 the
+        window; saturated when the latent path is closed), ``latent_logits (B, H, T, L_h)`` or None,
+        and the new conv tail."""
         B, T, _ = x.shape
         H, Lh = self.num_heads, self.latents_per_head
         u, new_tail = x, None
@@ -440,6 +443,8 @@ class MacchiatoAttention(RetrofitAttention):
         (their storage or version counter); None when either is wrapped (PEFT) or absent."""
         if type(self.latent_q) is not nn.Linear or type(self.latent_k) is not nn.Linear:
             return None
+        if torch.compiler.is_compiling():  # a traced step cannot compare storages; two products there
+            return None
         wq, bq, wk = self.latent_q.weight, self.latent_q.bias, self.latent_k.weight
         key = tuple((t.data_ptr(), t._version, t.dtype, t.device) for t in (wq, bq, wk))
         if self._fused is None or self._fused[0] != key:
@@ -463,7 +468,7 @@ class MacchiatoAttention(RetrofitAttention):
 
     def attend(self, q, k, v, valid, cache, *, hidden_states, position_embeddings):
         B, T = q.shape[0], q.shape[2]
-        mix, lat, tail = self._mixing(hidden_states, valid, cache.conv_tail if cache is not None else None)
+        mix, lat, tail = self.mixing_logits(hidden_states, valid, cache.conv_tail if cache is not None else None)
 
         if self._takes_slot_step(T, cache):
             return self._slot_step(q, k, v, mix, lat, tail, valid, cache)

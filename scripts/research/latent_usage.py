@@ -26,18 +26,18 @@ from retrofit.surgery.distill import converted_modules, distill_mode, transfer_l
 
 
 def _record_shares(modules: list) -> tuple[dict[int, list[float]], list]:
-    """Wrap each layer's ``_mixing`` to record mean p(0|t); returns the record and the handles to undo."""
+    """Wrap each layer's ``mixing_logits`` to record mean p(0|t); returns the record and the handles to undo."""
     shares: dict[int, list[float]] = {}
     undo = []
     for m in modules:
-        original = m._mixing
+        original = m.mixing_logits
 
         def wrapped(x, valid, tail, _m=m, _orig=original):
             mix, lat, new_tail = _orig(x, valid, tail)
             shares.setdefault(int(_m.layer_idx), []).append(float(mix.float().softmax(-1)[..., 0].mean()))
             return mix, lat, new_tail
 
-        m._mixing = wrapped
+        m.mixing_logits = wrapped
         undo.append((m, original))
     return shares, undo
 
@@ -60,7 +60,7 @@ def latent_usage(model, input_ids: torch.Tensor) -> list[dict]:
         for m in modules:
             m.latent_path_closed = False
         for m, original in undo:
-            m._mixing = original
+            m.mixing_logits = original
     rows = []
     for m, o, c in zip(modules, open_losses, closed_losses):
         i = int(m.layer_idx)

@@ -47,7 +47,7 @@ def test_initial_swa_share_is_exact_for_every_token(share):
     convert(model, ConversionSpec(window=8, latents=12, init_swa_share=share))
     attn = model.model.layers[0].self_attn
     with torch.no_grad():
-        mix, lat, _ = attn._mixing(x, None, None)
+        mix, lat, _ = attn.mixing_logits(x, None, None)
         p0 = torch.softmax(mix, -1)[..., 0]
     assert mix.shape == (2, 4, 37, 3 + 1) and lat.shape == (2, 4, 37, 3)
     torch.testing.assert_close(p0, torch.full_like(p0, share), rtol=0, atol=1e-6)
@@ -63,9 +63,9 @@ def test_decoding_projection_is_the_two_projections_and_follows_their_updates():
     x = torch.randn(2, 1, model.config.hidden_size)
     for step in range(3):
         with torch.no_grad():
-            fused = attn._mixing(x, None, None)
+            fused = attn.mixing_logits(x, None, None)
             assert attn._fused is not None  # the stacked path ran
-        separate = attn._mixing(x, None, None)  # grad enabled: the two modules
+        separate = attn.mixing_logits(x, None, None)  # grad enabled: the two modules
         for a, b in zip(fused[:2], separate[:2]):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
         with torch.no_grad():  # in place, as an optimizer step
