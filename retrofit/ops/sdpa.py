@@ -73,12 +73,12 @@ def gqa_sdpa(
         torch.Size([1, 6, 5, 8])
     """
     Hq, Hkv = q.shape[1], k.shape[1]
-    if Hq == Hkv:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
-    if Hq % Hkv:
-        raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
-    if q.is_cuda and not native_gqa_on_cuda(q.dtype, q.shape[-1], attn_mask is not None):
-        k, v = repeat_kv_heads(k, Hq), repeat_kv_heads(v, Hq)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
-                                          enable_gqa=True)
+    gqa = {}
+    if Hq != Hkv:
+        if Hq % Hkv:
+            raise ValueError(f"query heads ({Hq}) must be a multiple of key/value heads ({Hkv})")
+        if q.is_cuda and not native_gqa_on_cuda(q.dtype, q.shape[-1], attn_mask is not None):
+            k, v = repeat_kv_heads(k, Hq), repeat_kv_heads(v, Hq)
+        else:
+            gqa = {"enable_gqa": True}
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, **gqa)
