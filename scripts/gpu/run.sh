@@ -300,20 +300,24 @@ EOF
   split -b 15M -d "$WORK/smollm2-delta/delta.safetensors" "$OUT/smollm2-delta.part-"
 }
 
+smol_trained() {  # what the evaluations score: the delta on the base's fp32 weights once written, else the run's export
+  if [ -f "$WORK/smollm2-delta/delta.safetensors" ]; then echo "$WORK/smollm2-delta"; else echo "$SMOL_RUN/final"; fi
+}
+
 do_smollm2_ppl() {
-  retrofit eval ppl "$SMOL_RUN/final" --baseline smollm2-135m --zero-shot yarn:4 dynamic:4 cap:8191 closed \
+  retrofit eval ppl "$(smol_trained)" --baseline smollm2-135m --zero-shot yarn:4 dynamic:4 cap:8191 closed \
     --datasets "$RETROFIT_PG_BOOKS/jack-sheppard.txt" --lengths $SMOL_PPL_LENGTHS --max-windows 1 --chunk-size 4096 \
     --device "$SMOL_DEVICE" --dtype float32 --out "$WORK/results/smollm2-ppl" --overwrite
 }
 
 do_smollm2_passkey() {  # the trained model and its closed twin inside the base's context
-  retrofit eval passkey "$SMOL_RUN/final" ${SMOL_PASSKEY_ZERO_SHOT:+--zero-shot $SMOL_PASSKEY_ZERO_SHOT} \
+  retrofit eval passkey "$(smol_trained)" ${SMOL_PASSKEY_ZERO_SHOT:+--zero-shot $SMOL_PASSKEY_ZERO_SHOT} \
     --lengths $SMOL_PASSKEY_LENGTHS --depths 0 0.5 1 --trials "$SMOL_TRIALS" --chat-template off \
     --device "$SMOL_DEVICE" --dtype float32 --out "$WORK/results/smollm2-passkey" --overwrite
 }
 
 do_smollm2_passkey_long() {  # everything at 8K / 16K, where the zero-shot extensions differ from the base
-  retrofit eval passkey "$SMOL_RUN/final" --baseline smollm2-135m --zero-shot closed cap:8191 yarn:4 dynamic:4 \
+  retrofit eval passkey "$(smol_trained)" --baseline smollm2-135m --zero-shot closed cap:8191 yarn:4 dynamic:4 \
     --lengths ${SMOL_PASSKEY_LONG_LENGTHS:-8K 16K} --depths 0 0.5 1 --trials "$SMOL_TRIALS" --chat-template off \
     --device "$SMOL_DEVICE" --dtype float32 --out "$WORK/results/smollm2-passkey-long" --overwrite
 }
