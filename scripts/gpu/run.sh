@@ -307,6 +307,7 @@ smol_trained() {  # what the evaluations score: the delta on the base's fp32 wei
 do_smollm2_ppl() {
   retrofit eval ppl "$(smol_trained)" --baseline smollm2-135m --zero-shot yarn:4 dynamic:4 cap:8191 closed \
     --datasets "$RETROFIT_PG_BOOKS/jack-sheppard.txt" --lengths $SMOL_PPL_LENGTHS --max-windows 1 --chunk-size 4096 \
+    --baseline-chunk-size 4096 \
     --device "$SMOL_DEVICE" --dtype float32 --out "$WORK/results/smollm2-ppl" --overwrite
 }
 
