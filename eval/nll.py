@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from retrofit.layers.cache import cache_keyword, output_cache
+from retrofit.surgery.rope_scaling import reset_dynamic_rope
 
 DEFAULT_LOGIT_BUDGET = 1 << 26  # elements of fp32 logits alive at once (256 MiB)
 
@@ -105,9 +106,16 @@ def window_token_nll(
     input_ids: [T] or [1, T]. ``chunk_size``: run the forward ``chunk_size`` tokens at a time
     through the model's cache. For a causal model the first ``L-1`` entries are the NLLs of the
     window's own first ``L`` tokens (see ``score_windows``' prefix reuse).
+
+    A model whose RoPE follows the sequence length (dynamic NTK) is scored as the window alone
+    defines it: its frequencies are reset first, and it runs in one forward whatever
+    ``chunk_size`` says (chunks would rotate earlier keys with another base;
+    :mod:`retrofit.surgery.rope_scaling`).
     """
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
+    if reset_dynamic_rope(model):
+        chunk_size = None
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     T = input_ids.shape[1]

@@ -11,17 +11,26 @@ only the full-attention layers' RoPE changes, as the published Gemma 3 long-cont
 
 ``dynamic`` recomputes its frequencies from the longest position of each forward: a window's
 scores then depend on its length (a shorter window is not a prefix of a longer one's scores).
+Two consequences for scoring (:func:`dynamic_rope_modules`, :func:`reset_dynamic_rope`):
+
+* a window run through the cache in chunks is not the window run at once: each chunk's keys are
+  rotated with the frequencies of the positions seen so far, so later queries meet keys of
+  another base; a scorer runs such a model one forward per window;
+* transformers keeps the stretched frequencies of the longest sequence seen until a sequence
+  *shorter* than the pretraining context arrives, so a window exactly as long as the context,
+  scored after a longer one, would use the stretched base; a scorer resets them before each window.
 """
 from __future__ import annotations
 
 import copy
 from typing import Any
 
+import torch
 from torch import nn
 
 from retrofit.errors import SpecError
 
-__all__ = ["ROPE_SCALINGS", "rope_scaling_of", "scale_rope"]
+__all__ = ["ROPE_SCALINGS", "dynamic_rope_modules", "reset_dynamic_rope", "rope_scaling_of", "scale_rope"]
 
 ROPE_SCALINGS = ("yarn", "dynamic", "linear")
 _FULL = "full_attention"
@@ -90,3 +99,32 @@ def rope_scaling_of(model: nn.Module) -> dict | None:
     if params.get("rope_type", "default") == "default":
         return None
     return {"rope_type": params["rope_type"], "factor": params.get("factor")}
+
+
+def dynamic_rope_modules(model: nn.Module) -> list[tuple[nn.Module, str | None]]:
+    """``(rotary module, layer type or None)`` for each RoPE of ``model`` whose frequencies follow
+    the sequence length (transformers' ``dynamic`` types); empty for every other model."""
+    found = []
+    for module in model.modules():
+        kind = getattr(module, "rope_type", None)
+        if not type(module).__name__.endswith("RotaryEmbedding") or kind is None:
+            continue
+        for layer_type, rope_type in (kind.items() if isinstance(kind, dict) else [(None, kind)]):
+            if isinstance(rope_type, str) and "dynamic" in rope_type:
+                found.append((module, layer_type))
+    return found
+
+
+@torch.no_grad()
+def reset_dynamic_rope(model: nn.Module) -> int:
+    """Put every length-following RoPE of ``model`` back at its pretraining frequencies.
+
+    Runs each such module once on position 0, which takes transformers' own reset branch (a
+    sequence shorter than the pretraining context); a module that never grew is left as it is.
+    Returns how many modules were visited."""
+    modules = dynamic_rope_modules(model)
+    for module, layer_type in modules:
+        buffer = next(module.buffers())
+        position = torch.zeros(1, 1, dtype=torch.long, device=buffer.device)
+        module(buffer.new_zeros(1), position, **({} if layer_type is None else {"layer_type": layer_type}))
+    return len(modules)

@@ -128,6 +128,69 @@ def test_dynamic_ntk_never_reuses_a_longer_window(sweep):
     assert short["baseline"].get("reused_windows") == 1  # the others take window 0 from the 128-token pass
 
 
+def _dynamic(base):
+    model = copy.deepcopy(base)
+    scale_rope(model, "dynamic", 4.0)
+    return model
+
+
+def test_dynamic_ntk_window_is_scored_as_the_window_alone():
+    """A dynamic-NTK window scores the same chunked or not, and after a longer window as on a fresh model:
+    chunks would rotate earlier keys with a shorter length's base, and transformers keeps the stretched
+    frequencies of a longer sequence until one shorter than the context arrives (a window exactly as long
+    as the context does not reset them)."""
+    from retrofit.eval import nll
+    from retrofit.surgery.rope_scaling import dynamic_rope_modules, reset_dynamic_rope
+
+    base = tiny_llama(96, max_position_embeddings=16)
+    ids = _ids(96, 64)
+    with torch.no_grad():
+        alone = nll.window_token_nll(_dynamic(base), ids)
+        chunked = nll.window_token_nll(_dynamic(base), ids, chunk_size=16)
+        context_alone = nll.window_token_nll(_dynamic(base), ids[:, :16])
+        model = _dynamic(base)
+        nll.window_token_nll(model, ids)  # grows the frequencies to 64 positions
+        context_after = nll.window_token_nll(model, ids[:, :16])
+        full_after = nll.window_token_nll_full(model, ids[:, :16])
+    torch.testing.assert_close(chunked, alone, rtol=0, atol=0)
+    torch.testing.assert_close(context_after, context_alone, rtol=0, atol=0)
+    torch.testing.assert_close(full_after, context_alone, rtol=1e-5, atol=1e-5)
+    # what the reset undoes: without it, the 16-token window after the 64-token one scores otherwise
+    model = _dynamic(base)
+    with torch.no_grad():
+        model(ids)
+        stale = model(ids[:, :16]).logits
+        reset_dynamic_rope(model)
+        reset = model(ids[:, :16]).logits
+        fresh = _dynamic(base)(ids[:, :16]).logits
+    torch.testing.assert_close(reset, fresh, rtol=0, atol=0)
+    assert not torch.allclose(stale, fresh, atol=1e-5)
+    assert len(dynamic_rope_modules(model)) == 1 and dynamic_rope_modules(base) == [] and reset_dynamic_rope(base) == 0
+
+
+def test_dynamic_ntk_prompt_prefills_as_one_forward():
+    """generate_answer with a prefill chunk writes, for a dynamic-NTK model, what one forward of the prompt gives."""
+    from retrofit.eval.generation import generate_answer
+
+    class Tok:
+        pad_token_id, eos_token_id = 0, 2
+
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(str(int(i)) for i in ids)
+
+    base = tiny_llama(96, max_position_embeddings=16)
+    ids = _ids(96, 60)[0].tolist()
+    reference = _dynamic(base)
+    want = generate_answer(reference, Tok(), ids, 6)
+    model = _dynamic(base)
+    generate_answer(model, Tok(), _ids(96, 90)[0].tolist(), 2)  # a longer prompt first: frequencies grown
+    seen = []
+    model.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    assert generate_answer(model, Tok(), ids, 6, chunk_size=16) == want
+    assert seen[0] == 60  # the prompt in one forward, not 16-token chunks
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq, rtol=0, atol=0)
+
+
 def test_baseline_variant_needs_a_baseline(converted_dir):
     with pytest.raises(RetrofitError, match="--baseline"):
         resolve_roles(str(converted_dir), variants=[Variant("yarn", 4.0)])
