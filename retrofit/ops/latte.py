@@ -37,6 +37,10 @@ __all__ = [
 
 NEG_INF = float("-inf")
 NO_GRAD_STATE_BYTES = 64 << 20  # without autograd, chunk-start states of at most this many bytes exist at once
+# the chunk-state scan as one batched GEMM when its (B, H, L, n + 1, n) weights have at most this many
+# elements (64 MiB in fp32; autograd keeps a few such tensors per layer until the backward) and the
+# scan would otherwise be a Python loop of many small kernels (autograd, or a GPU)
+SCAN_MATMUL_MAX_ELEMENTS = 1 << 24
 
 
 @dataclass
@@ -182,15 +186,25 @@ FACTORISED_MAX_RANGE = 40.0
 _MIN_SHARE = math.exp(-FACTORISED_MAX_RANGE)
 
 
-def _scan_chunk_states(contrib: torch.Tensor, decay: torch.Tensor, m_init: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunk-start states by a scan over chunks: ``m[c + 1] = decay[c] m[c] + contrib[c]``.
+def _scan_chunk_states(
+    contrib: torch.Tensor, decay: torch.Tensor, m_init: torch.Tensor, z_bound: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk-start states: ``m[c + 1] = decay[c] m[c] + contrib[c]`` from ``m[0] = m_init``.
 
     contrib ``(B,H,n,L,D)``: each chunk's value sum normalised at its own end; decay ``(B,H,n,L)``
-    = exp(z_start - z_end) <= 1; m_init ``(B,H,L,D)``. Returns ``(m_start (B,H,n,L,D), m_final)``.
-    O(n L D) work per head: n steps on (L, D) states, cheap next to the chunk GEMMs.
+    = exp(z_start - z_end) <= 1; m_init ``(B,H,L,D)``; z_bound ``(B,H,n + 1,L)`` the log-normaliser
+    at each chunk boundary (z_init, then every chunk's end). Returns ``(m_start (B,H,n,L,D), m_final)``.
+
+    Two forms of the same recurrence. Unrolled, the state at boundary c is
+    ``sum_{j<c} exp(z_end[j] - z_bound[c]) contrib[j] + exp(z_init - z_bound[c]) m_init`` (the
+    decays telescope), every exponent <= 0: one batched (n + 1, n) @ (n, D) GEMM per (B, H, L),
+    which autograd and a GPU run as a handful of kernels. Otherwise (a CPU without autograd, or
+    weights larger than ``SCAN_MATMUL_MAX_ELEMENTS``) n steps on (L, D) states: O(n L D) work.
     """
-    n = contrib.shape[2]
+    B, H, n, L, D = contrib.shape
     tracked = torch.is_grad_enabled() and any(x.requires_grad for x in (contrib, decay, m_init))
+    if (tracked or contrib.device.type != "cpu") and B * H * L * (n + 1) * n <= SCAN_MATMUL_MAX_ELEMENTS:
+        return _scan_by_matmul(contrib, m_init, z_bound)
     m = m_init
     if tracked:  # out-of-place steps, stacked; unbind (not indexing) keeps the backward O(n)
         starts = []
@@ -203,6 +217,31 @@ def _scan_chunk_states(contrib: torch.Tensor, decay: torch.Tensor, m_init: torch
         m_start[:, :, c] = m
         m = torch.addcmul(contrib[:, :, c], decay[:, :, c, :, None], m)
     return m_start, m
+
+
+def _scan_by_matmul(contrib: torch.Tensor, m_init: torch.Tensor, z_bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_scan_chunk_states` unrolled (see there): the states at all n + 1 boundaries at once.
+
+    A chunk that saw no key yet (z_end = -inf) has a zero contribution and gets weight 0, as does a
+    boundary before any key; boundary 0 is m_init itself."""
+    n = contrib.shape[2]
+    z_end = z_bound[:, :, 1:]  # (B,H,n,L): where contrib[j] is normalised
+    known = torch.isfinite(z_bound)
+    causal = torch.ones(n + 1, n, dtype=torch.bool, device=contrib.device).tril(-1)  # boundary c after chunk j
+    live = causal[None, None, :, :, None] & known[:, :, :, None] & known[:, :, None, 1:]  # (B,H,n+1,n,L)
+    gap = torch.where(live, z_end[:, :, None] - z_bound[:, :, :, None], torch.zeros((), dtype=z_bound.dtype,
+                                                                                      device=z_bound.device))
+    weights = torch.where(live, torch.exp(gap), torch.zeros((), dtype=gap.dtype, device=gap.device))
+    states = torch.matmul(weights.permute(0, 1, 4, 2, 3), contrib.transpose(2, 3))  # (B,H,L,n+1,D)
+    states = states.transpose(2, 3)  # (B,H,n+1,L,D)
+    init_live = known[:, :, :1] & known  # (B,H,n+1,L)
+    init_gap = torch.where(init_live, z_bound[:, :, :1] - z_bound, torch.zeros((), dtype=z_bound.dtype,
+                                                                                 device=z_bound.device))
+    init_weight = torch.where(init_live, torch.exp(init_gap), torch.zeros((), dtype=init_gap.dtype,
+                                                                          device=init_gap.device))
+    init_weight[:, :, 0] = 1.0  # boundary 0 is m_init, whatever its z
+    states = states + init_weight.unsqueeze(-1) * m_init.unsqueeze(2)
+    return states[:, :, :n], states[:, :, n]
 
 
 def _exact_chunks(
@@ -333,7 +372,7 @@ def causal_latte_chunked(
 
     # chunk-start states (normalised at z_start) by a scan over chunks
     contrib = torch.matmul(k_f.transpose(-1, -2), vv)  # (B,H,n,L,D), normalised at r
-    m_start, m = _scan_chunk_states(contrib, carry, m_init)
+    m_start, m = _scan_chunk_states(contrib, carry, m_init, z_bound)
 
     # out = q exp(z_start - z_t) m_start + W V, the second GEMM accumulating in place (bmm's
     # backward needs only its inputs, so this is autograd-safe and saves a (T, D) copy)

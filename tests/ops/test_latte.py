@@ -19,6 +19,48 @@ from tests.ops._grads import assert_values_and_grads_match
 from tests.ops._inputs import latte_inputs, padding_mask
 
 
+@pytest.fixture(scope="module", autouse=True, params=["matmul", "loop"])
+def scan_form(request):
+    """Every test here runs with both forms of the chunk-state scan: the batched GEMM (autograd, GPUs)
+    and the loop (a CPU without autograd, or too many chunks for the GEMM's weights)."""
+    from retrofit.ops import latte
+
+    kept = latte.SCAN_MATMUL_MAX_ELEMENTS
+    latte.SCAN_MATMUL_MAX_ELEMENTS = kept if request.param == "matmul" else -1
+    yield request.param
+    latte.SCAN_MATMUL_MAX_ELEMENTS = kept
+
+
+@pytest.mark.parametrize("case", ["plain", "late keys", "initial state", "no keys", "spread"])
+def test_chunk_state_scan_forms_agree(case):
+    """The unrolled scan (one GEMM) equals the recurrence step by step, with chunks before any key
+    (z = -inf), an initial state, no key at all, and normalisers that grow by hundreds of nats."""
+    from retrofit.ops.latte import _scan_by_matmul, _scan_chunk_states
+
+    g = torch.Generator().manual_seed(0)
+    B, H, n, L, D = 2, 3, 9, 4, 5
+    steps = torch.rand(B, H, n, L, generator=g, dtype=torch.float64) * (300.0 if case == "spread" else 2.0)
+    z_init = torch.full((B, H, 1, L), float("-inf"), dtype=torch.float64)
+    m_init = torch.zeros(B, H, L, D, dtype=torch.float64)
+    if case == "initial state":
+        z_init = torch.randn(B, H, 1, L, generator=g, dtype=torch.float64)
+        m_init = torch.randn(B, H, L, D, generator=g, dtype=torch.float64)
+    z_end = torch.logcumsumexp(torch.cat([z_init, steps], dim=2), dim=2)[:, :, 1:]
+    if case in ("late keys", "no keys"):
+        z_end[:, :, : (n if case == "no keys" else 4)] = float("-inf")
+    z_bound = torch.cat([z_init, z_end], dim=2)
+    contrib = torch.randn(B, H, n, L, D, generator=g, dtype=torch.float64)
+    contrib = torch.where(torch.isfinite(z_end).unsqueeze(-1), contrib, torch.zeros(()))  # no key, no value
+    r = torch.where(torch.isfinite(z_end), z_end, torch.zeros(()))
+    decay = torch.exp(z_bound[:, :, :-1] - r)
+    with torch.no_grad():  # the loop: a CPU without autograd
+        want = _scan_chunk_states(contrib, decay, m_init, z_bound)
+    got = _scan_by_matmul(contrib, m_init, z_bound)
+    for x, y in zip(got, want):
+        assert torch.isfinite(x).all()
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-12)
+
+
 def test_reference_matches_definition_by_hand():
     # one head, one latent: m_t is the exp(a)-weighted mean of v_1..v_t
     a = torch.tensor([0.0, 1.0, -2.0], dtype=torch.float64).view(1, 1, 3, 1)
