@@ -28,7 +28,7 @@ from retrofit.fs.tempdirs import SWAP_KIND, clean_stale_temps, make_temp_dir, se
 
 __all__ = [
     "AppendLog", "atomic_directory", "atomic_file", "fsync_dir", "json_text", "remove_directory", "save_figure_atomic",
-    "write_bytes_atomic", "write_json_atomic", "write_manifest", "write_text_atomic",
+    "symlink_atomic", "write_bytes_atomic", "write_json_atomic", "write_manifest", "write_text_atomic",
 ]
 
 
@@ -94,6 +94,20 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
     with atomic_file(path, "wb") as fh:
         fh.write(data)
     return Path(path)
+
+
+def symlink_atomic(link: str | os.PathLike, target: str | os.PathLike) -> Path:
+    """Make ``link`` a symbolic link to ``target`` (kept as given: relative stays relative), replacing
+    an existing link in one rename; a real file or folder at ``link`` is an error, never replaced."""
+    link = Path(link)
+    if link.exists() and not link.is_symlink():
+        raise FileExistsError(f"{link} exists and is not a symbolic link")
+    tmp = link.with_name(f".{link.name}.{os.getpid()}.link-tmp")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target, target_is_directory=True)
+    os.replace(tmp, link)
+    fsync_dir(link.parent)
+    return link
 
 
 def _finite(o: Any) -> Any:

@@ -4,7 +4,8 @@ A recipe with a ``stages:`` list runs each stage as a recipe of its own: the sta
 merged over the recipe's (a partial recipe; ``name`` names the stage), and stage ``i + 1``
 starts from the model stage ``i`` exported. Every stage writes into
 ``OUTPUT_DIR/stage-<i>-<name>/`` (checkpoints, metrics, ``final/``); the last stage's
-``final/`` is the result, also linked from ``OUTPUT_DIR/final`` as a copy-free pointer file.
+``final/`` is the result, also reachable as ``OUTPUT_DIR/final`` (a relative symbolic link, so
+``retrofit eval OUTPUT_DIR/final`` works for a staged run as for a single one).
 
     stages:
       - {name: transfer, train: {objective: attention, max_steps: 300, lr: 3e-3}}
@@ -22,12 +23,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import secrets
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 from retrofit.errors import CheckpointError, SpecError
-from retrofit.fs.atomic import write_json_atomic
+from retrofit.fs.atomic import symlink_atomic, write_json_atomic
 from retrofit.train.recipe import Recipe, stage_name, stage_recipes
 
 if TYPE_CHECKING:
@@ -135,7 +137,17 @@ def train_stages(recipe: Recipe, *, callbacks: Sequence["TrainCallback"] = ()) -
         last = TrainResult(out_dir / stages[-1][0], Path(s["final_dir"]) if s.get("final_dir") else None,
                            int(s["steps"]), int(s["tokens"]), ParameterCounts(0, 0), None, [], list(s.get("evals", [])))
     last.stages = results
+    if rank == 0 and last.final_dir is not None:
+        _link_final(out_dir, Path(last.final_dir))
     return last
+
+
+def _link_final(out_dir: Path, final_dir: Path) -> None:
+    """Point ``OUTPUT_DIR/final`` at the last stage's ``final/`` (a relative link, replaced atomically;
+    a real folder of that name, which no staged run writes, is left alone)."""
+    link = out_dir / "final"
+    if not link.exists() or link.is_symlink():
+        symlink_atomic(link, os.path.relpath(final_dir, out_dir))
 
 
 def _read_done(done: Path) -> dict:

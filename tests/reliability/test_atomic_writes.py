@@ -191,3 +191,18 @@ def test_remove_directory_leaves_nothing_and_a_killed_removal_is_cleaned_later(t
     dead = trash.with_name(trash.name.replace(f"-{os.getpid()}-", "-999999999-"))
     trash.rename(dead)
     assert clean_stale_temps(tmp_path) == [dead] and _only(tmp_path) == []
+
+
+def test_symlink_atomic_replaces_a_link_and_never_a_folder(tmp_path):
+    from retrofit.fs.atomic import symlink_atomic
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    link = symlink_atomic(tmp_path / "final", "a")
+    assert link.is_symlink() and link.resolve() == (tmp_path / "a").resolve() and os.readlink(link) == "a"
+    symlink_atomic(tmp_path / "final", "b")  # replaced in one rename
+    assert link.resolve() == (tmp_path / "b").resolve()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "final"]  # no temporary left
+    with pytest.raises(FileExistsError):
+        symlink_atomic(tmp_path / "a", "b")
+    assert (tmp_path / "a").is_dir() and not (tmp_path / "a").is_symlink()

@@ -1,6 +1,9 @@
 """Multi-stage recipes (attention transfer, then KL): one launch, stage chaining, bit-exact resume."""
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -37,6 +40,9 @@ def test_two_stages_chain_and_resume_bit_exactly(pretrained_base, books, tmp_pat
     assert [s["stage"] for s in ref.stages] == ["stage-1-transfer", "stage-2-kl"]
     first = (tmp_path / "ref" / "stage-1-transfer")
     assert (first / "final").is_dir() and (first / "DONE").is_file()
+    link = tmp_path / "ref" / "final"  # the result where a single-stage run puts it
+    assert link.is_symlink() and link.resolve() == (tmp_path / "ref" / "stage-2-kl" / "final").resolve()
+    assert not Path(os.readlink(link)).is_absolute()  # the folder can move
     assert "loss_attention" in ref.history[0] and "loss_kl" in ref.history[0]
     s1, s2 = ref.stages
     assert s2["evals"][0]["loss"] == s1["evals"][-1]["loss"]  # stage 2 starts from stage 1's trained weights
