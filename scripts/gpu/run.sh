@@ -201,7 +201,7 @@ EOF
 
 do_smollm2_smoke() {  # the GPU recipe on a random 2-layer model of SmolLM2's shape: CUDA, DeepSpeed, memory
   make_smollm2_small || return 1
-  TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 retrofit train configs/smollm2-135m-macchiato-gpu.yaml model.name="$WORK/smollm2-2layers" \
+  TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 retrofit train "$SMOL_RECIPE" model.name="$WORK/smollm2-2layers" \
     checkpoint.output_dir="$WORK/smollm2-smoke" checkpoint.resume=none train.max_time=15 logging.every=1 \
     eval.sequences=1 ${SMOL_TRAIN_ARGS:-}
 }
