@@ -78,6 +78,18 @@ class TrainResult:
     stages: list[dict] = field(default_factory=list)  # multi-stage recipes: one summary per stage
 
 
+def _spans(layers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    out, start = [], None
+    for i, x in enumerate(layers):
+        if start is None:
+            start = x
+        if i + 1 == len(layers) or layers[i + 1] != x + 1:
+            out.append(str(start) if start == x else f"{start}-{x}")
+            start = None
+    return ", ".join(out) or "none"
+
+
 def total_steps(recipe: Recipe) -> int:
     """Optimizer steps: ``max_steps``, or fewer if ``max_tokens`` is reached first."""
     t = recipe.train
@@ -235,10 +247,19 @@ class _Run:
         self.use_cache = getattr(model.config, "use_cache", True)  # restored in the exported config
         model.config.use_cache = False
         new = new_parameter_names(model)
-        from retrofit.train.objectives import Objective, objective_weights
+        from retrofit.train.objectives import Objective, layer_weights, objective_weights
 
+        per_layer = layer_weights(r.train.layer_weights)
         self.objective = Objective(objective_weights(r.train.objective, r.train.objective_weights),
-                                   head_positions=r.train.head_positions)
+                                   head_positions=r.train.head_positions, layer_weights=per_layer)
+        if per_layer:
+            from retrofit.surgery.distill import converted_modules
+
+            converted = {int(m.layer_idx) for m in converted_modules(model)}
+            unknown = sorted(set(per_layer) - converted)
+            if unknown:
+                raise SpecError(f"train.layer_weights names layer(s) {', '.join(map(str, unknown))}, which "
+                                f"{r.model.name} does not have converted (converted: {_spans(sorted(converted))})")
 
         from retrofit.surgery import retrofit_record
         from retrofit.surgery.fingerprint import section_digest, tokenizer_digest, weights_fingerprint

@@ -5,7 +5,8 @@
 * ``lm``: next-token cross-entropy (what the model's forward returns with ``labels``);
 * ``attention``: each converted layer's output vs the frozen original attention of the same
   layer on the original model's hidden states (relative MSE after o_proj, summed over the
-  converted layers; see ``retrofit/layers/base.py``). The LM head is never computed;
+  converted layers, each times its ``train.layer_weights`` weight, 1 by default; see
+  ``retrofit/layers/base.py``). The LM head is never computed;
 * ``kl``: KL(p_orig || p_conv) over next tokens, the teacher being the same model with its
   converted layers switched back to their original attention under ``no_grad``. Logits live
   one slice of positions at a time (recomputed in backward), never whole;
@@ -22,6 +23,7 @@ Every objective returns ``(loss, parts)``: the scalar to back-propagate and each
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Callable
 
 import torch
@@ -34,7 +36,7 @@ from retrofit.surgery.lm_head import (
     DEFAULT_LOGIT_BUDGET, capture_final_hidden, final_softcap, sliced_head_terms, unwrap_causal_lm,
 )
 
-__all__ = ["OBJECTIVES", "TERMS", "Objective", "heldout_nll", "objective_weights"]
+__all__ = ["OBJECTIVES", "TERMS", "Objective", "heldout_nll", "layer_weights", "objective_weights"]
 
 TERMS = ("lm", "attention", "kl")
 OBJECTIVES = TERMS + ("mix",)
@@ -68,15 +70,41 @@ def objective_weights(objective: str, weights: dict | None = None) -> dict[str, 
     return out
 
 
+def layer_weights(spec: dict | None) -> dict[int, float]:
+    """``{layer index: weight}`` from a recipe's ``train.layer_weights`` (``{"13-29": 4.0, "0": 0.5}``:
+    keys are layer lists as ``conversion.layers`` takes them; layers not named weigh 1)."""
+    from retrofit.surgery.spec import parse_layers
+
+    out: dict[int, float] = {}
+    for key, value in (spec or {}).items():
+        layers = parse_layers(str(key))
+        if isinstance(layers, str):
+            raise SpecError(f"train.layer_weights: name layers by index ('13-29', '0,4'), not {key!r}")
+        try:
+            weight = float(value)
+        except (TypeError, ValueError):
+            raise SpecError(f"train.layer_weights.{key} must be a number, got {value!r}") from None
+        if isinstance(value, bool) or not (weight >= 0.0 and math.isfinite(weight)):
+            raise SpecError(f"train.layer_weights.{key} must be a finite number >= 0, got {value!r}")
+        twice = sorted(set(layers) & set(out))
+        if twice:
+            raise SpecError(f"train.layer_weights: layer(s) {', '.join(map(str, twice))} named twice")
+        out.update({i: weight for i in layers})
+    return out
+
+
 class Objective:
     """Computes a recipe's training loss for one micro-batch of packed token ids ``(B, T)``."""
 
     def __init__(self, weights: dict[str, float], *, logit_budget: int = DEFAULT_LOGIT_BUDGET,
-                 head_positions: int | None = None, sliced_head: bool = False):
+                 head_positions: int | None = None, sliced_head: bool = False,
+                 layer_weights: dict[int, float] | None = None):
         """``sliced_head``: the lm-only objective, too, runs the head one slice of ``logit_budget``
         logits at a time (as kl and mix always do) instead of the model's own loss, whose
-        ``(B, T, V)`` logits are 17 GB of fp32 for one 16K-token Gemma 3 sequence."""
+        ``(B, T, V)`` logits are 17 GB of fp32 for one 16K-token Gemma 3 sequence.
+        ``layer_weights``: ``{layer index: weight}`` of the attention term's per-layer losses (1 if absent)."""
         self.weights = dict(weights)
+        self.layer_weights = dict(layer_weights or {})
         self.logit_budget = int(logit_budget)
         self.head_positions = head_positions
         self.sliced_head = sliced_head
@@ -93,10 +121,10 @@ class Objective:
         causal_lm = unwrap_causal_lm(model)
         total, parts = None, {}
         if "attention" in self.weights:
-            with distill_mode(causal_lm, "transfer"):
+            with distill_mode(causal_lm, "transfer") as modules:
                 model(input_ids=input_ids, logits_to_keep=1)  # decoder on teacher states; 1 head position
-                terms = transfer_losses(causal_lm)
-            att = torch.stack(terms).sum()
+                terms = [(int(m.layer_idx), m.transfer_loss) for m in modules if m.transfer_loss is not None]
+            att = torch.stack([t * self.layer_weights.get(i, 1.0) if self.layer_weights else t for i, t in terms]).sum()
             parts["attention"] = float(att.detach())
             total = self.weights["attention"] * att
         if "kl" in self.weights or "lm" in self.weights:

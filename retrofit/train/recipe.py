@@ -124,6 +124,7 @@ class TrainSection:
     objective: str = "lm"  # lm | attention | kl | mix (see retrofit.train.objectives)
     objective_weights: dict = field(default_factory=dict)  # mix only: {lm: w, attention: w, kl: w}
     head_positions: int | None = None  # kl / lm terms: the LM head runs on this many sampled positions per sequence
+    layer_weights: dict = field(default_factory=dict)  # attention term: {"13-29": 4.0} weighs those layers' losses (others 1)
     window_dropout: float = 0.0  # Macchiato: P(a layer's window branch is dropped for a sequence) at step 0 ...
     window_dropout_until: float = 1.0  # ... decaying linearly to 0 at this fraction of the steps (train/window_dropout.py)
     gradient_checkpointing: bool = True
@@ -244,6 +245,13 @@ class Recipe:
                             f"({', '.join(teacher_terms)}), which trainable.mode {self.trainable.mode!r} would train, "
                             "moving the teacher with the student: use trainable.mode new or lora "
                             "(adapters are bypassed for the teacher), or objective lm")
+        if t.layer_weights:
+            from retrofit.train.objectives import layer_weights
+
+            layer_weights(t.layer_weights)  # SpecError naming the bad key
+            if "attention" not in terms:
+                raise SpecError(f"train.layer_weights weighs the attention term's per-layer losses, but train.objective "
+                                f"{t.objective!r} has no attention term: drop layer_weights or use objective attention / mix")
         if t.head_positions is not None and (not isinstance(t.head_positions, int) or t.head_positions < 1):
             raise SpecError(f"train.head_positions must be a positive integer or null (all positions), got {t.head_positions!r}")
         if not (math.isfinite(t.window_dropout) and 0.0 <= t.window_dropout <= 1.0):

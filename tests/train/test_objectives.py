@@ -272,3 +272,54 @@ def test_teacher_objectives_refuse_training_the_teachers_weights(mode, objective
     recipe_from_dict(data).validate()
     data["trainable"], data["train"]["objective"] = {"mode": mode}, "lm"
     recipe_from_dict(data).validate()
+
+
+def test_layer_weights_scale_each_layers_transfer_loss():
+    """train.layer_weights: the attention term is sum_i w_i * loss_i, w_i = 1 for layers not named;
+    a zero weight removes a layer's gradient."""
+    model = convert(tiny_model("llama"), ConversionSpec(window=6, latents=8, init_swa_share=0.5))
+    ids = _ids()
+    _, plain = Objective({"attention": 1.0})(model, ids)
+    with torch.no_grad(), distill_mode(model, "transfer"):
+        model(input_ids=ids, logits_to_keep=1)
+        per_layer = [float(t) for t in transfer_losses(model)]
+    assert len(per_layer) == 2 and plain["attention"] == pytest.approx(sum(per_layer), rel=1e-6)
+    loss, parts = Objective({"attention": 1.0}, layer_weights={1: 3.0})(model, ids)
+    assert parts["attention"] == pytest.approx(per_layer[0] + 3.0 * per_layer[1], rel=1e-6)
+    model.zero_grad(set_to_none=True)
+    Objective({"attention": 1.0}, layer_weights={0: 0.0})(model, ids)[0].backward()
+    grads = {n.split(".")[2] for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert grads == {"1"}  # model.layers.<i>...: only layer 1's new weights learn
+
+
+@pytest.mark.parametrize("spec, match", [
+    ({"all": 2.0}, "by index"),
+    ({"0-1": -1.0}, ">= 0"),
+    ({"0": "x"}, "must be a number"),
+    ({"0": float("nan")}, ">= 0"),
+    ({"0-1": 1.0, "1": 2.0}, "named twice"),
+])
+def test_layer_weights_errors(spec, match):
+    from retrofit.train.objectives import layer_weights
+
+    with pytest.raises(SpecError, match=match):
+        layer_weights(spec)
+
+
+def test_layer_weights_parse_ranges_and_lists():
+    from retrofit.train.objectives import layer_weights
+
+    assert layer_weights({"13-15": 4, "0,2": 0.5, 7: 1}) == {13: 4.0, 14: 4.0, 15: 4.0, 0: 0.5, 2: 0.5, 7: 1.0}
+    assert layer_weights(None) == {}
+
+
+def test_layer_weights_naming_an_unconverted_layer_is_refused_before_training(converted_dir, books, tmp_path):
+    from retrofit.train import train
+    from retrofit.train.recipe import recipe_from_dict
+    from tests.train import tiny
+
+    recipe = recipe_from_dict(tiny.recipe_dict(converted_dir, books, tmp_path / "out",
+                                               train={"objective": "attention", "layer_weights": {"5-7": 2.0}}))
+    with pytest.raises(SpecError, match=r"names layer\(s\) 5, 6, 7, which .* \(converted: 0-1\)"):
+        train(recipe)
+    assert not (tmp_path / "out" / "final").exists()

@@ -179,3 +179,14 @@ def test_a_time_budget_advances_the_cosine_when_the_clock_is_further_along_than_
 def test_max_time_must_be_positive_seconds(value):
     with pytest.raises(SpecError, match="train.max_time"):
         recipe_from_dict({"model": {"name": "m"}, "train": {"max_time": value}})
+
+
+def test_layer_weights_are_checked_with_the_recipe():
+    cfg = CONFIGS / "smollm2-135m-macchiato-cpu.yaml"
+    r = load_recipe(cfg, ["train.layer_weights={13-29: 4, 0: 0.5}"])
+    assert r.train.layer_weights == {"13-29": 4, 0: 0.5}
+    for bad, message in ((["train.layer_weights={all: 2}"], "by index"),
+                         (["train.layer_weights={3: -1}"], ">= 0"),
+                         (["train.layer_weights={3: 2}", "train.objective=kl"], "no attention term")):
+        with pytest.raises(SpecError, match=message):
+            load_recipe(cfg, bad)
