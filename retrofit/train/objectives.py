@@ -31,7 +31,7 @@ from torch import nn
 
 from retrofit.errors import SpecError
 from retrofit.ops import linear_cross_entropy
-from retrofit.surgery.distill import distill_mode, transfer_losses
+from retrofit.surgery.distill import distill_mode
 from retrofit.surgery.lm_head import (
     DEFAULT_LOGIT_BUDGET, capture_final_hidden, final_softcap, sliced_head_terms, unwrap_causal_lm,
 )
