@@ -231,12 +231,10 @@ def run_decode_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     new_tokens = min(args.new_tokens, 8) if args.quick else args.new_tokens
     base, converted, info = build_pair(args, max(lengths) + new_tokens + 1)
     if args.compile:  # refuse before any prefill, not at the first length
-        from retrofit.decoding import compiled_decoding_support, cpu_compiler_available
+        from retrofit.decoding import compiled_decoding_support, compiler_missing
         from retrofit.errors import RetrofitError
 
-        reason = compiled_decoding_support(converted)
-        if reason is None and device.type == "cpu" and not cpu_compiler_available():
-            reason = "torch.compile builds CPU kernels with a C++ compiler and none was found (g++, clang++ or $CXX)"
+        reason = compiled_decoding_support(converted) or compiler_missing(device)
         if reason is not None:
             raise RetrofitError(f"--compile: {reason}; run without --compile")
     hw = hardware_info(device)

@@ -3,7 +3,9 @@ from retrofit.decoding.compiled import (
     SUPPORTED_FAMILIES,
     CompiledDecoder,
     compiled_decoding_support,
+    compiler_missing,
     cpu_compiler_available,
 )
 
-__all__ = ["CompiledDecoder", "SUPPORTED_FAMILIES", "compiled_decoding_support", "cpu_compiler_available"]
+__all__ = ["CompiledDecoder", "SUPPORTED_FAMILIES", "compiled_decoding_support", "compiler_missing",
+           "cpu_compiler_available"]

@@ -37,8 +37,9 @@ from retrofit.errors import RetrofitError
 from retrofit.layers.cache import cache_keyword, output_cache
 from retrofit.layers.macchiato import MacchiatoAttention, MacchiatoLayerCache
 from retrofit.ops import LatteState, capped_sink_keys, macchiato_slot_step
+from retrofit.surgery.rope_scaling import dynamic_rope_modules
 
-__all__ = ["CompiledDecoder", "SUPPORTED_FAMILIES", "compiled_decoding_support", "cpu_compiler_available"]
+__all__ = ["CompiledDecoder", "SUPPORTED_FAMILIES", "compiled_decoding_support", "compiler_missing", "cpu_compiler_available"]
 
 # families (patches/families.py) whose decoder layers are input_layernorm -> self_attn ->
 # post_attention_layernorm -> mlp (pre-norm, plain residuals, unscaled embeddings, no logit soft-cap)
@@ -49,13 +50,11 @@ _DECODER_IDS = itertools.count()
 
 def compiled_decoding_support(model: nn.Module) -> str | None:
     """None where :class:`CompiledDecoder` can run ``model``, else the reason it cannot."""
-    config = getattr(model, "config", None)
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or not hasattr(inner, "rotary_emb") or not hasattr(model, "lm_head"):
         return "compiled decoding needs a causal LM with model.layers, model.rotary_emb and lm_head"
-    params = getattr(config, "rope_parameters", None) or {}
-    if isinstance(params, dict) and params.get("rope_type") == "dynamic":
+    if dynamic_rope_modules(model):
         return "compiled decoding needs fixed RoPE frequencies; dynamic NTK rescales them with the length"
     for i, layer in enumerate(layers):
         attn = getattr(layer, "self_attn", None)
@@ -81,6 +80,14 @@ def cpu_compiler_available() -> bool:
     except Exception:  # noqa: BLE001 - inductor raises its own error types for a missing compiler
         return False
     return True
+
+
+def compiler_missing(device: torch.device | str) -> str | None:
+    """The reason ``torch.compile`` cannot build kernels for ``device`` here (a CPU without a C++
+    compiler), else None."""
+    if torch.device(device).type == "cpu" and not cpu_compiler_available():
+        return "torch.compile builds CPU kernels with a C++ compiler and none was found (g++, clang++ or $CXX)"
+    return None
 
 
 @dataclass
@@ -131,10 +138,9 @@ class CompiledDecoder:
             raise RetrofitError(reason)
         if prefill_chunk < 1:
             raise RetrofitError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
-        on_cpu = next(model.parameters()).device.type == "cpu"
-        if compile and on_cpu and not cpu_compiler_available():
-            raise RetrofitError("torch.compile builds CPU kernels with a C++ compiler and none was found (g++, clang++ "
-                                "or $CXX): install one, or decode without compiling")
+        missing = compiler_missing(next(model.parameters()).device) if compile else None
+        if missing is not None:
+            raise RetrofitError(f"{missing}: install one, or decode without compiling")
         self.model = model
         self.layers = list(model.model.layers)
         self.prefill_chunk = int(prefill_chunk)

@@ -169,6 +169,15 @@ def test_a_layer_left_as_softmax_attention_is_refused():
     assert "layer 1" in compiled_decoding_support(model)
 
 
+def test_dynamic_ntk_is_refused():
+    from retrofit.surgery.rope_scaling import scale_rope
+
+    model = _converted(sinks=4)
+    assert compiled_decoding_support(model) is None
+    scale_rope(model, "dynamic", 4.0)
+    assert "dynamic NTK" in compiled_decoding_support(model)
+
+
 def test_misuse_gets_one_clear_error():
     model = _converted(sinks=4)
     decoder = CompiledDecoder(model, compile=False)
