@@ -186,9 +186,11 @@ def check_sliced_head(model: Any, input_ids: torch.Tensor, *, atol: float = 1e-3
 
 @torch.no_grad()
 def window_token_nll_full(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
-    """Reference: per-token NLL [T-1] from the model's own full logits [T, V] (memory O(T * V))."""
+    """Reference: per-token NLL [T-1] from the model's own full logits [T, V] (memory O(T * V));
+    a dynamic-NTK model from its pretraining frequencies, as in :func:`window_token_nll`."""
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
+    reset_dynamic_rope(model)
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     logits = model(input_ids=input_ids, use_cache=False).logits.float()
