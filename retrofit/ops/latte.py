@@ -225,20 +225,15 @@ def _scan_by_matmul(contrib: torch.Tensor, m_init: torch.Tensor, z_bound: torch.
     A chunk that saw no key yet (z_end = -inf) has a zero contribution and gets weight 0, as does a
     boundary before any key; boundary 0 is m_init itself."""
     n = contrib.shape[2]
-    z_end = z_bound[:, :, 1:]  # (B,H,n,L): where contrib[j] is normalised
     known = torch.isfinite(z_bound)
     causal = torch.ones(n + 1, n, dtype=torch.bool, device=contrib.device).tril(-1)  # boundary c after chunk j
-    live = causal[None, None, :, :, None] & known[:, :, :, None] & known[:, :, None, 1:]  # (B,H,n+1,n,L)
-    gap = torch.where(live, z_end[:, :, None] - z_bound[:, :, :, None], torch.zeros((), dtype=z_bound.dtype,
-                                                                                      device=z_bound.device))
-    weights = torch.where(live, torch.exp(gap), torch.zeros((), dtype=gap.dtype, device=gap.device))
-    states = torch.matmul(weights.permute(0, 1, 4, 2, 3), contrib.transpose(2, 3))  # (B,H,L,n+1,D)
-    states = states.transpose(2, 3)  # (B,H,n+1,L,D)
-    init_live = known[:, :, :1] & known  # (B,H,n+1,L)
-    init_gap = torch.where(init_live, z_bound[:, :, :1] - z_bound, torch.zeros((), dtype=z_bound.dtype,
-                                                                                 device=z_bound.device))
-    init_weight = torch.where(init_live, torch.exp(init_gap), torch.zeros((), dtype=init_gap.dtype,
-                                                                          device=init_gap.device))
+    dead = ~(causal[None, None, :, :, None] & known[:, :, :, None] & known[:, :, None, 1:])  # (B,H,n+1,n,L)
+    # exponents <= 0 where live; dead entries (-inf - -inf = nan among them) are zeroed before exp
+    gap = (z_bound[:, :, None, 1:] - z_bound[:, :, :, None]).masked_fill(dead, 0.0)
+    weights = gap.exp().masked_fill(dead, 0.0)
+    states = torch.matmul(weights.permute(0, 1, 4, 2, 3), contrib.transpose(2, 3)).transpose(2, 3)  # (B,H,n+1,L,D)
+    init_dead = ~(known[:, :, :1] & known)  # (B,H,n+1,L)
+    init_weight = (z_bound[:, :, :1] - z_bound).masked_fill(init_dead, 0.0).exp().masked_fill(init_dead, 0.0)
     init_weight[:, :, 0] = 1.0  # boundary 0 is m_init, whatever its z
     states = states + init_weight.unsqueeze(-1) * m_init.unsqueeze(2)
     return states[:, :, :n], states[:, :, n]
