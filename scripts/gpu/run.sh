@@ -353,7 +353,7 @@ for s in "$@"; do
     smollm2-train) stage smollm2-train "${SMOL_TRAIN_LIMIT:-330}" do_smollm2_train ;;
     smollm2-delta) stage smollm2-delta 60 do_smollm2_delta ;;
     smollm2-ppl) stage smollm2-ppl 150 do_smollm2_ppl ;;
-    smollm2-passkey) stage smollm2-passkey 150 do_smollm2_passkey ;;
+    smollm2-passkey) stage smollm2-passkey "${SMOL_PASSKEY_LIMIT:-150}" do_smollm2_passkey ;;
     smollm2-passkey-long) stage smollm2-passkey-long 240 do_smollm2_passkey_long ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
