@@ -34,7 +34,7 @@ print('[oldest] transformers', transformers.__version__, '/ retrofit from', retr
 cd "$ROOT"
 # identity (Auto classes, pipeline, PEFT-free), checkpoints, the SWA anchor, the decoding cache (and
 # Macchiato's: decoding slots, sinks) and the RoPE cap on kept full-attention layers (mask interface,
-# cached prefill, decoding)
+# cached prefill, decoding), and activation checkpointing (whose method name changed after 5.17)
 exec "$OLD/bin/python" -m pytest -q -p no:cacheprovider \
   tests/surgery/test_hf_identity.py tests/surgery/test_checkpoint.py tests/test_cache.py \
-  tests/methods/test_macchiato.py tests/surgery/test_rope_cap.py "$@"
+  tests/methods/test_macchiato.py tests/surgery/test_rope_cap.py tests/surgery/test_recompute.py "$@"

@@ -48,6 +48,7 @@ from retrofit.bench.models import build_pair, forward_kwargs
 from retrofit.errors import SpecError
 from retrofit.patches.attention import install_attention_function
 from retrofit.surgery.lm_head import sliced_lm_loss
+from retrofit.surgery.recompute import set_activation_checkpointing
 
 __all__ = ["run_model_benchmark"]
 
@@ -101,7 +102,7 @@ def _step(model, ids, kind: str, args: argparse.Namespace) -> Iterator[tuple[Cal
     opt = torch.optim.AdamW(params, lr=1e-5)
     model.train()
     if args.checkpointing:
-        _checkpointing(model, True)
+        set_activation_checkpointing(model, True)
 
     def train():
         if args.loss == "sliced":
@@ -116,18 +117,8 @@ def _step(model, ids, kind: str, args: argparse.Namespace) -> Iterator[tuple[Cal
         yield train, sum(p.numel() for p in params)
     finally:
         if args.checkpointing:
-            _checkpointing(model, False)
+            set_activation_checkpointing(model, False)
         model.eval()
-
-
-def _checkpointing(model, on: bool) -> None:
-    """Activation checkpointing of every decoder layer on or off (transformers' own switch)."""
-    if on:
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable()
-    else:
-        disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
-        disable()
 
 
 def run_model_benchmark(args: argparse.Namespace) -> dict[str, Any]:

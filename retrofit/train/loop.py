@@ -290,7 +290,9 @@ class _Run:
             # recomputing a decoder layer in backward would run it outside the transfer mode
             self.log("[retrofit] note: gradient checkpointing is off for the attention objective (nothing to save)")
         elif r.train.gradient_checkpointing:
-            model.activation_checkpointing_enable()
+            from retrofit.surgery.recompute import set_activation_checkpointing
+
+            set_activation_checkpointing(model, True)
         act_bytes = 2 if self.precision == "bf16" else 4
         reserved = 0
         if self.cuda and self.zero_stage < 3:
