@@ -17,7 +17,7 @@ import torch
 from retrofit.eval import loading, report
 from retrofit.eval.nll import forward_chunks
 from retrofit.layers.cache import cache_keyword, output_cache
-from retrofit.surgery.rope_scaling import reset_dynamic_rope
+from retrofit.surgery.rope_scaling import dynamic_rope_held_at, reset_dynamic_rope
 
 _CONTROL = re.compile(r"[\x00-\x1f]")
 
@@ -42,16 +42,16 @@ def generate_answer(model: Any, tokenizer: Any, ids: list[int], max_new_tokens: 
     ``chunk_size``: a prompt longer than this is first run through the model's cache in chunks
     (all but its last token), and ``generate`` continues from that cache: the same tokens as one
     prefill, in memory bounded by the chunk instead of the prompt. A model whose RoPE follows the
-    sequence length (dynamic NTK) starts from its pretraining frequencies and prefills in one
-    forward, as transformers' ``generate`` runs it (chunks would rotate earlier keys with another base)."""
-    if reset_dynamic_rope(model):
-        chunk_size = None
+    sequence length (dynamic NTK) starts from its pretraining frequencies, and its chunks are held
+    at the whole prompt's frequencies, as transformers' ``generate`` prefills it in one forward."""
+    reset_dynamic_rope(model)
     device = next(model.parameters()).device
     input_ids = torch.tensor([ids], dtype=torch.long, device=device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     extra = {}
     if chunk_size and input_ids.shape[1] > chunk_size:
-        extra[cache_keyword(model.forward)] = prefill(model, input_ids[:, :-1], chunk_size)
+        with dynamic_rope_held_at(model, input_ids.shape[1]):
+            extra[cache_keyword(model.forward)] = prefill(model, input_ids[:, :-1], chunk_size)
     out = model.generate(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),

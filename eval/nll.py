@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from retrofit.layers.cache import cache_keyword, output_cache
-from retrofit.surgery.rope_scaling import reset_dynamic_rope
+from retrofit.surgery.rope_scaling import dynamic_rope_held_at
 
 DEFAULT_LOGIT_BUDGET = 1 << 26  # elements of fp32 logits alive at once (256 MiB)
 
@@ -108,29 +108,27 @@ def window_token_nll(
     window's own first ``L`` tokens (see ``score_windows``' prefix reuse).
 
     A model whose RoPE follows the sequence length (dynamic NTK) is scored as the window alone
-    defines it: its frequencies are reset first, and it runs in one forward whatever
-    ``chunk_size`` says (chunks would rotate earlier keys with another base;
-    :mod:`retrofit.surgery.rope_scaling`).
+    defines it: its frequencies are held at the window's length for all chunks, as one forward of
+    the window would rotate them, and reset afterwards (:mod:`retrofit.surgery.rope_scaling`).
     """
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
-    if reset_dynamic_rope(model):
-        chunk_size = None
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     T = input_ids.shape[1]
     if slice_tokens is None:
         slice_tokens = slice_tokens_for(model.get_output_embeddings().weight.shape[0])
-    if not chunk_size or chunk_size >= T:
-        hidden = decoder_module(model)(input_ids=input_ids, use_cache=False).last_hidden_state
-        return sliced_token_nll(model, hidden[:, :-1], input_ids[:, 1:], slice_tokens=slice_tokens)[0]
-    parts = []
-    for s, out in forward_chunks(model, input_ids, chunk_size):
-        targets = input_ids[:, s + 1 : s + 1 + chunk_size]  # one short on the last chunk
-        hidden = out.last_hidden_state[:, : targets.shape[1]]
-        parts.append(sliced_token_nll(model, hidden, targets, slice_tokens=slice_tokens)[0])
-        del out, hidden
-    return torch.cat(parts)
+    with dynamic_rope_held_at(model, T):
+        if not chunk_size or chunk_size >= T:
+            hidden = decoder_module(model)(input_ids=input_ids, use_cache=False).last_hidden_state
+            return sliced_token_nll(model, hidden[:, :-1], input_ids[:, 1:], slice_tokens=slice_tokens)[0]
+        parts = []
+        for s, out in forward_chunks(model, input_ids, chunk_size):
+            targets = input_ids[:, s + 1 : s + 1 + chunk_size]  # one short on the last chunk
+            hidden = out.last_hidden_state[:, : targets.shape[1]]
+            parts.append(sliced_token_nll(model, hidden, targets, slice_tokens=slice_tokens)[0])
+            del out, hidden
+        return torch.cat(parts)
 
 
 def forward_chunks(model: Any, input_ids: torch.Tensor, chunk_size: int) -> Iterator[tuple[int, Any]]:
@@ -187,13 +185,13 @@ def check_sliced_head(model: Any, input_ids: torch.Tensor, *, atol: float = 1e-3
 @torch.no_grad()
 def window_token_nll_full(model: Any, input_ids: torch.Tensor) -> torch.Tensor:
     """Reference: per-token NLL [T-1] from the model's own full logits [T, V] (memory O(T * V));
-    a dynamic-NTK model from its pretraining frequencies, as in :func:`window_token_nll`."""
+    a dynamic-NTK model at the window's own frequencies, as in :func:`window_token_nll`."""
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
-    reset_dynamic_rope(model)
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
-    logits = model(input_ids=input_ids, use_cache=False).logits.float()
+    with dynamic_rope_held_at(model, input_ids.shape[1]):
+        logits = model(input_ids=input_ids, use_cache=False).logits.float()
     return F.cross_entropy(logits[0, :-1], input_ids[0, 1:], reduction="none").double().cpu()
 
 

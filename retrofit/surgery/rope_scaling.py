@@ -15,22 +15,25 @@ Two consequences for scoring (:func:`dynamic_rope_modules`, :func:`reset_dynamic
 
 * a window run through the cache in chunks is not the window run at once: each chunk's keys are
   rotated with the frequencies of the positions seen so far, so later queries meet keys of
-  another base; a scorer runs such a model one forward per window;
+  another base; a scorer holds the frequencies at the whole window's length while it runs the
+  chunks (:func:`dynamic_rope_held_at`), which gives one forward's numbers in a chunk's memory;
 * transformers keeps the stretched frequencies of the longest sequence seen until a sequence
   *shorter* than the pretraining context arrives, so a window exactly as long as the context,
   scored after a longer one, would use the stretched base; a scorer resets them before each window.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from retrofit.errors import SpecError
 
-__all__ = ["ROPE_SCALINGS", "dynamic_rope_modules", "reset_dynamic_rope", "rope_scaling_of", "scale_rope"]
+__all__ = ["ROPE_SCALINGS", "dynamic_rope_held_at", "dynamic_rope_modules", "reset_dynamic_rope", "rope_scaling_of",
+           "scale_rope"]
 
 ROPE_SCALINGS = ("yarn", "dynamic", "linear")
 _FULL = "full_attention"
@@ -128,3 +131,38 @@ def reset_dynamic_rope(model: nn.Module) -> int:
         position = torch.zeros(1, 1, dtype=torch.long, device=buffer.device)
         module(buffer.new_zeros(1), position, **({} if layer_type is None else {"layer_type": layer_type}))
     return len(modules)
+
+
+@torch.no_grad()
+def _run_at(module: nn.Module, layer_type: str | None, seq_len: int) -> None:
+    """One call of a rotary module whose longest position is ``seq_len - 1`` (its update branches run)."""
+    buffer = next(module.buffers())
+    position = torch.full((1, 1), seq_len - 1, dtype=torch.long, device=buffer.device)
+    module(buffer.new_zeros(1), position, **({} if layer_type is None else {"layer_type": layer_type}))
+
+
+@contextlib.contextmanager
+def dynamic_rope_held_at(model: nn.Module, seq_len: int) -> Iterator[int]:
+    """Hold every length-following RoPE of ``model`` at the frequencies one forward of ``seq_len``
+    tokens uses, for as long as the block runs, so a forward in chunks through the cache rotates
+    every key and query as that one forward would.
+
+    Within the block each such module first takes transformers' own reset and growth branches
+    (as a fresh forward of ``seq_len`` tokens does), then is marked non-dynamic so that no chunk
+    changes its frequencies. On exit its RoPE type is restored and its frequencies are reset to
+    the pretraining ones. Yields how many modules are held (0: nothing to do)."""
+    modules = dynamic_rope_modules(model)
+    reset_dynamic_rope(model)
+    kinds = {id(module): (module, module.rope_type) for module, _ in modules}
+    try:
+        for module, layer_type in modules:
+            _run_at(module, layer_type, int(seq_len))
+        for module, kind in kinds.values():  # transformers' update wrapper acts only on "dynamic" types
+            module.rope_type = ({lt: "default" if "dynamic" in rt else rt for lt, rt in kind.items()}
+                                if isinstance(kind, dict) else "default")
+        yield len(modules)
+    finally:
+        for module, kind in kinds.values():
+            module.rope_type = kind
+        reset_dynamic_rope(model)
+

@@ -136,24 +136,39 @@ def _dynamic(base):
 
 def test_dynamic_ntk_window_is_scored_as_the_window_alone():
     """A dynamic-NTK window scores the same chunked or not, and after a longer window as on a fresh model:
-    chunks would rotate earlier keys with a shorter length's base, and transformers keeps the stretched
-    frequencies of a longer sequence until one shorter than the context arrives (a window exactly as long
-    as the context does not reset them)."""
+    unheld, chunks would rotate earlier keys with a shorter length's base, and transformers keeps the
+    stretched frequencies of a longer sequence until one shorter than the context arrives (a window exactly
+    as long as the context does not reset them)."""
     from retrofit.eval import nll
-    from retrofit.surgery.rope_scaling import dynamic_rope_modules, reset_dynamic_rope
+    from retrofit.surgery.rope_scaling import dynamic_rope_held_at, dynamic_rope_modules, reset_dynamic_rope
 
     base = tiny_llama(96, max_position_embeddings=16)
     ids = _ids(96, 64)
     with torch.no_grad():
         alone = nll.window_token_nll(_dynamic(base), ids)
-        chunked = nll.window_token_nll(_dynamic(base), ids, chunk_size=16)
+        chunked_model = _dynamic(base)
+        chunks = []
+        chunked_model.model.register_forward_pre_hook(lambda m, a, kw: chunks.append(kw["input_ids"].shape[1]),
+                                                      with_kwargs=True)
+        chunked = nll.window_token_nll(chunked_model, ids, chunk_size=8)  # the first chunk is shorter than the context
+        one_forward = _dynamic(base).model(ids).last_hidden_state
+        unheld = torch.cat([out.last_hidden_state for _, out in nll.forward_chunks(_dynamic(base), ids, 8)], 1)
+        held_model = _dynamic(base)
+        with dynamic_rope_held_at(held_model, 64) as n_held:
+            held = torch.cat([out.last_hidden_state for _, out in nll.forward_chunks(held_model, ids, 8)], 1)
         context_alone = nll.window_token_nll(_dynamic(base), ids[:, :16])
         model = _dynamic(base)
         nll.window_token_nll(model, ids)  # grows the frequencies to 64 positions
         context_after = nll.window_token_nll(model, ids[:, :16])
         nll.window_token_nll(model, ids)
         full_after = nll.window_token_nll_full(model, ids[:, :16])  # the full-logits path resets them too
-    torch.testing.assert_close(chunked, alone, rtol=0, atol=0)
+    assert chunks == [8] * 8  # run in chunks, and scored as the one forward
+    assert n_held == 1
+    torch.testing.assert_close(held, one_forward, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(unheld, one_forward, atol=1e-3)  # what holding the frequencies fixes
+    torch.testing.assert_close(chunked, alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(chunked_model.model.rotary_emb.inv_freq, _dynamic(base).model.rotary_emb.inv_freq,
+                               rtol=0, atol=0)  # reset afterwards
     torch.testing.assert_close(context_after, context_alone, rtol=0, atol=0)
     torch.testing.assert_close(full_after, context_alone, rtol=1e-5, atol=1e-5)
     # what the reset undoes: without it, the 16-token window after the 64-token one scores otherwise
@@ -170,7 +185,8 @@ def test_dynamic_ntk_window_is_scored_as_the_window_alone():
 
 
 def test_dynamic_ntk_prompt_prefills_as_one_forward():
-    """generate_answer with a prefill chunk writes, for a dynamic-NTK model, what one forward of the prompt gives."""
+    """generate_answer with a prefill chunk writes, for a dynamic-NTK model, what one forward of the prompt gives,
+    with the prompt run in chunks."""
     from retrofit.eval.generation import generate_answer
 
     class Tok:
@@ -187,8 +203,20 @@ def test_dynamic_ntk_prompt_prefills_as_one_forward():
     generate_answer(model, Tok(), _ids(96, 90)[0].tolist(), 2)  # a longer prompt first: frequencies grown
     seen = []
     model.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[1]), with_kwargs=True)
-    assert generate_answer(model, Tok(), ids, 6, chunk_size=16) == want
-    assert seen[0] == 60  # the prompt in one forward, not 16-token chunks
+    freqs = []
+    def record(module, args, kwargs, out):  # calls over several positions: the prefill chunks
+        positions = args[1] if len(args) > 1 else kwargs["position_ids"]
+        if positions.shape[-1] > 1:
+            freqs.append(module.inv_freq.clone())
+
+    model.model.rotary_emb.register_forward_hook(record, with_kwargs=True)
+    assert generate_answer(model, Tok(), ids, 6, chunk_size=8) == want  # a first chunk shorter than the context
+    grown = _dynamic(base)
+    grown.model(torch.tensor([ids]))  # one forward of the 60-token prompt
+    assert len(freqs) == 8
+    for f in freqs:  # every prefill chunk rotated with the whole prompt's frequencies
+        torch.testing.assert_close(f, grown.model.rotary_emb.inv_freq, rtol=0, atol=0)
+    assert seen[:8] == [8] * 7 + [3]  # 59 prompt tokens in chunks, then generate's own steps
     torch.testing.assert_close(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq, rtol=0, atol=0)
 
 
