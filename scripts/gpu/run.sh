@@ -22,7 +22,8 @@
 #   smollm2-train retrofit train $SMOL_RECIPE (default configs/smollm2-135m-macchiato-gpu.yaml: every layer Macchiato,
 #               attention transfer, train.max_time bounded, bf16; `smollm2-135m-macchiato-gpu-kl.yaml`: then KL)
 #   smollm2-delta the trained new weights as a delta of the alias smollm2-135m, split into
-#               $OUT/smollm2-delta.part-* (16 MiB a returned file) with its record in results/
+#               $OUT/smollm2-delta.part-* (16 MiB a returned file) with its record in results/; of a
+#               staged run that failed in a later stage, its last finished stage (so are the evaluations)
 #   smollm2-ppl   retrofit eval ppl of the trained model beside the base and every zero-shot baseline
 #   smollm2-passkey-long retrofit eval passkey at 8K / 16K, depths 0 / 0.5 / 1: the trained model, its
 #               closed twin, the base, cap 8191, YaRN x4, dynamic NTK x4
@@ -278,7 +279,8 @@ do_smollm2_train() {  # a run that runs out of GPU memory is retried once with m
 }
 
 do_smollm2_delta() {
-  python3 - "$SMOL_RUN/final" "$WORK/smollm2-delta" <<'EOF' || return 1
+  local run; run=$(smol_export) || return 1
+  python3 - "$run" "$WORK/smollm2-delta" <<'EOF' || return 1
 import sys, torch
 from retrofit.surgery import load_any, new_parameter_names
 from retrofit.surgery.checkpoint import load, save_delta
@@ -301,8 +303,18 @@ EOF
   split -b 15M -d "$WORK/smollm2-delta/delta.safetensors" "$OUT/smollm2-delta.part-"
 }
 
+smol_export() {  # the run's export: OUTPUT_DIR/final, or of a staged run that stopped early the last stage that finished
+  local last
+  if [ -f "$SMOL_RUN/final/config.json" ]; then echo "$SMOL_RUN/final"; return 0; fi
+  last=$(ls -d "$SMOL_RUN"/stage-*/final 2>/dev/null | sort -V | tail -n 1)
+  if [ -n "$last" ] && [ -f "$last/config.json" ]; then
+    echo "[gpu] the run has no final/; taking its last finished stage, $last" >&2; echo "$last"; return 0
+  fi
+  echo "[gpu] no export in $SMOL_RUN" >&2; return 1
+}
+
 smol_trained() {  # what the evaluations score: the delta on the base's fp32 weights once written, else the run's export
-  if [ -f "$WORK/smollm2-delta/delta.safetensors" ]; then echo "$WORK/smollm2-delta"; else echo "$SMOL_RUN/final"; fi
+  if [ -f "$WORK/smollm2-delta/delta.safetensors" ]; then echo "$WORK/smollm2-delta"; else smol_export; fi
 }
 
 do_smollm2_ppl() {
