@@ -12,7 +12,8 @@ closed`` adds one row per variant to the same table and plot.
 
 Roles are ordered as tables show them: ``baseline``, the baseline's variants, the model's
 variants, ``model``. A variant's role name is its spec prefixed by whom it applies to
-(``baseline:yarn:4``, ``model:closed``).
+(``baseline:yarn:4``, ``model:closed``; ``model:yarn:4`` for an unconverted model scored without
+a baseline: it is then the base).
 """
 from __future__ import annotations
 
@@ -140,8 +141,10 @@ def resolve_roles(
 ) -> dict[str, tuple[Any, Any, str]]:
     """``{role: (model, tokenizer, label)}`` for the model, its baseline and every variant, in table order.
 
-    A baseline variant needs ``baseline`` (the base model it scales or caps); labels that collide
-    get `` (baseline)`` appended to the baseline's. Every model is in eval mode on ``device``.
+    A baseline variant changes ``baseline`` (the base model it scales or caps), or, with no
+    baseline, the model itself when it is unconverted (role ``model:yarn:4``); a converted model
+    with no baseline is an error. Labels that collide get `` (baseline)`` appended to the
+    baseline's. Every model is in eval mode on ``device``.
     """
     variants = list(variants or [])
     m, tok, m_label = loading.resolve(model, tokenizer, device=device, dtype=dtype, rope_cap=rope_cap)
@@ -151,17 +154,20 @@ def resolve_roles(
         b, btok, b_label = loading.resolve(baseline, baseline_tokenizer, device=device, dtype=dtype, rope_cap=rope_cap)
         loading.check_same_tokenizer(tok, btok, m_label, b_label)
         roles["baseline"] = (b, btok, b_label if b_label != m_label else f"{b_label} (baseline)")
+    # without a baseline, an unconverted model is the base its RoPE variants change (role model:yarn:4)
+    on_model = b is None and not loading.is_converted(m)
     for v in variants:
-        if v.applies_to == "baseline" and b is None:
-            raise RetrofitError(f"zero-shot variant {v.spec!r} changes the base model: pass it with --baseline BASE")
+        if v.applies_to == "baseline" and b is None and not on_model:
+            raise RetrofitError(f"zero-shot variant {v.spec!r} changes the base model, and MODEL is converted: "
+                                "pass the base with --baseline BASE")
     ordered = [v for v in variants if v.applies_to == "baseline"] + [v for v in variants if v.applies_to == "model"]
     for v in ordered:
-        if v.applies_to == "baseline":
+        if v.applies_to == "baseline" and not on_model:
             fresh = _copy_of(baseline, b, device=device, dtype=dtype, rope_cap=rope_cap)
             roles[v.role] = (apply_variant(fresh, v).eval(), roles["baseline"][1], v.label(roles["baseline"][2]))
         else:
             fresh = _copy_of(model, m, device=device, dtype=dtype, rope_cap=rope_cap)
-            roles[v.role] = (apply_variant(fresh, v).eval(), tok, v.label(m_label))
+            roles[f"model:{v.spec}"] = (apply_variant(fresh, v).eval(), tok, v.label(m_label))
     roles["model"] = (m, tok, m_label)
     return roles
 

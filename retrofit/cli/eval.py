@@ -43,7 +43,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero-shot", nargs="+", default=[], metavar="VARIANT",
                    help="zero-shot baselines scored beside MODEL and BASE in the same table: yarn:F, dynamic:F, "
                         "linear:F (transformers' RoPE scaling of BASE by factor F), cap:N (BASE's RoPE distance "
-                        "capped at N), closed (MODEL with its latent path closed: the frozen window and sinks "
+                        "capped at N; without --baseline, an unconverted MODEL is the base they change), closed (MODEL with its latent path closed: the frozen window and sinks "
                         "alone, i.e. StreamingLLM); e.g. --zero-shot yarn:4 dynamic:4 cap:8191 closed")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--text-errors", choices=("strict", "replace"), default="strict",
@@ -88,12 +88,14 @@ def _out(args: argparse.Namespace, name: str) -> Path:
     from retrofit.cli.devices import check_device
     from retrofit.eval.variants import parse_variants
     from retrofit.fs import check_output_folder
+    from retrofit.surgery.loading import names_converted
 
     check_device(args.device)  # every eval command calls _out first: bad flags fail before any model loads
     variants = parse_variants(args.zero_shot)
-    if any(v.applies_to == "baseline" for v in variants) and not args.baseline:
-        raise RetrofitError("--zero-shot " + " ".join(v.spec for v in variants if v.applies_to == "baseline")
-                            + " changes the base model: pass it with --baseline BASE")
+    on_base = [v.spec for v in variants if v.applies_to == "baseline"]
+    if on_base and not args.baseline and names_converted(args.model):  # an unconverted MODEL is the base they change
+        raise RetrofitError("--zero-shot " + " ".join(on_base) + " changes the base model, and MODEL is converted: "
+                            "pass the base with --baseline BASE")
     if args.zero_shot and name != "all" and not takes_zero_shot(get_evaluator(args.evaluator).runner()):
         raise RetrofitError(f"retrofit eval {name} does not score zero-shot variants; drop --zero-shot")
     for ev in evaluators():

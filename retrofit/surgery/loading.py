@@ -12,6 +12,7 @@ Base models come from :mod:`retrofit.surgery.sources`, converted ones from
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from retrofit.surgery.sources import (  # re-exported: the old import paths
     ALIASES, cache_root, gguf_to_folder, load_plain, load_tokenizer, locate, read_config, resolve_dtype,
 )
 
-__all__ = ["ALIASES", "cache_root", "load_any", "load_tokenizer", "gguf_to_folder", "resolve_dtype"]
+__all__ = ["ALIASES", "cache_root", "load_any", "load_tokenizer", "gguf_to_folder", "names_converted", "resolve_dtype"]
 
 
 def load_any(
@@ -43,3 +44,24 @@ def load_any(
         if "retrofit" in read_config(folder):
             return checkpoint.load(folder, dtype=dtype, device_map=device_map), load_tokenizer(folder)
     return load_plain(source, alias, dtype, device_map=device_map)
+
+
+def names_converted(name_or_path: str | os.PathLike) -> bool | None:
+    """Whether ``name_or_path`` names a converted model, read without loading anything: True for
+    a converted or delta folder, False for an alias, a GGUF file or a plain model folder, None
+    when only loading can tell (a hub id, a path that does not exist)."""
+    name = str(name_or_path)
+    if name in ALIASES:
+        return False
+    path = Path(name).expanduser()
+    if path.is_file():
+        return False if path.suffix.lower() == ".gguf" else None
+    if not path.is_dir():
+        return None
+    if checkpoint.is_delta(path):
+        return True
+    try:
+        return "retrofit" in read_config(path)
+    except Exception:  # not a model folder: load_any says so in its own words
+        return None
+

@@ -60,6 +60,7 @@ def test_missing_extra_is_one_line_with_the_pip_command(monkeypatch):
     with pytest.raises(MissingExtraError, match=r"plots need.*matplotlib: pip install 'retrofit\[eval\]'"):
         require("matplotlib", "plots")
     monkeypatch.setitem(sys.modules, "lm_eval", None)
+    monkeypatch.setitem(sys.modules, "lm_eval.tasks", None)  # an earlier test may have imported it
     with pytest.raises(MissingExtraError, match=r"pip install 'retrofit\[eval\]'"):
         require("lm_eval.tasks", "lm-eval benchmarks")
     monkeypatch.setitem(sys.modules, "deepspeed", None)

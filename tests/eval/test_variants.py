@@ -231,7 +231,7 @@ def test_baseline_variant_needs_a_baseline(converted_dir):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--zero-shot", "yarn:4"], "pass it with --baseline BASE"),
+    (["--zero-shot", "yarn:4"], "MODEL is converted: pass the base with --baseline BASE"),
     (["--zero-shot", "ntk:4"], "unknown zero-shot variant"),
 ])
 def test_cli_errors_before_loading(converted_dir, tmp_path, capsys, argv, message):
@@ -241,3 +241,26 @@ def test_cli_errors_before_loading(converted_dir, tmp_path, capsys, argv, messag
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("retrofit eval: error:") and message in err[0]
     assert not (tmp_path / "o").exists()
+
+
+def test_rope_variants_of_an_unconverted_model_without_a_baseline(base_dir):
+    """No --baseline and an unconverted MODEL: the RoPE variants change MODEL itself (it is the base)."""
+    from retrofit.surgery.loading import names_converted
+
+    roles = resolve_roles(str(base_dir), variants=[Variant("yarn", 4.0), Variant("cap", 16)])
+    assert list(roles) == ["model:yarn:4", "model:cap:16", "model"]
+    assert rope_scaling_of(roles["model:yarn:4"][0]) == {"rope_type": "yarn", "factor": 4.0}
+    assert rope_scaling_of(roles["model"][0]) is None and rope_scaling_of(roles["model:cap:16"][0]) is None
+    assert roles["model:yarn:4"][2] == roles["model"][2] + " + YaRN x4"
+    res = run_perplexity(str(base_dir), datasets=["pg-books-heldout"], lengths=[64], max_windows=1, progress=False,
+                         zero_shot=["yarn:4"])
+    cell = res["results"]["pg-books-heldout"]["64"]
+    assert set(cell) == {"model", "model:yarn:4"} and cell["model"]["ppl"] != cell["model:yarn:4"]["ppl"]
+    assert names_converted(str(base_dir)) is False and names_converted("smollm2-135m") is False
+
+
+def test_converted_model_names_itself_converted(converted_dir, tmp_path):
+    from retrofit.surgery.loading import names_converted
+
+    assert names_converted(str(converted_dir)) is True
+    assert names_converted(str(tmp_path / "missing")) is None and names_converted("someone/some-model") is None
