@@ -127,9 +127,7 @@ def reset_dynamic_rope(model: nn.Module) -> int:
     Returns how many modules were visited."""
     modules = dynamic_rope_modules(model)
     for module, layer_type in modules:
-        buffer = next(module.buffers())
-        position = torch.zeros(1, 1, dtype=torch.long, device=buffer.device)
-        module(buffer.new_zeros(1), position, **({} if layer_type is None else {"layer_type": layer_type}))
+        _run_at(module, layer_type, 1)
     return len(modules)
 
 
@@ -158,8 +156,8 @@ def dynamic_rope_held_at(model: nn.Module, seq_len: int) -> Iterator[int]:
         for module, layer_type in modules:
             _run_at(module, layer_type, int(seq_len))
         for module, kind in kinds.values():  # transformers' update wrapper acts only on "dynamic" types
-            module.rope_type = ({lt: "default" if "dynamic" in rt else rt for lt, rt in kind.items()}
-                                if isinstance(kind, dict) else "default")
+            module.rope_type = ({lt: "default" if isinstance(rt, str) and "dynamic" in rt else rt
+                                 for lt, rt in kind.items()} if isinstance(kind, dict) else "default")
         yield len(modules)
     finally:
         for module, kind in kinds.values():

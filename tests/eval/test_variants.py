@@ -184,6 +184,27 @@ def test_dynamic_ntk_window_is_scored_as_the_window_alone():
     assert len(dynamic_rope_modules(model)) == 1 and dynamic_rope_modules(base) == [] and reset_dynamic_rope(base) == 0
 
 
+def test_dynamic_ntk_per_layer_type_is_held_in_chunks():
+    """Gemma 3 (one RoPE per layer type, dynamic only on the full-attention layers): chunks held at the
+    window's length score as one forward, and the held module's per-type RoPE kinds come back unchanged."""
+    from retrofit.eval import nll
+    from retrofit.surgery.rope_scaling import dynamic_rope_held_at, dynamic_rope_modules
+
+    model = tiny_gemma3(96, max_position_embeddings=16, sliding_window=64)
+    scale_rope(model, "dynamic", 4.0)
+    (rotary, layer_type), = dynamic_rope_modules(model)
+    kinds = dict(rotary.rope_type)
+    ids = _ids(96, 64)
+    with torch.no_grad():
+        alone = nll.window_token_nll(model, ids)
+        chunked = nll.window_token_nll(model, ids, chunk_size=8)
+        with dynamic_rope_held_at(model, 64):
+            assert "dynamic" not in rotary.rope_type[layer_type]
+            assert all(rotary.rope_type[lt] == kind for lt, kind in kinds.items() if lt != layer_type)
+    torch.testing.assert_close(chunked, alone, rtol=1e-5, atol=1e-5)
+    assert rotary.rope_type == kinds
+
+
 def test_dynamic_ntk_prompt_prefills_as_one_forward():
     """generate_answer with a prefill chunk writes, for a dynamic-NTK model, what one forward of the prompt gives,
     with the prompt run in chunks."""
