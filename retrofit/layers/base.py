@@ -40,7 +40,7 @@ from torch import nn
 
 from retrofit.layers.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.method import registered_method
-from retrofit.ops import gqa_sdpa, sliding_window_attention
+from retrofit.ops import capped_rope_attention, gqa_sdpa, sliding_window_attention
 
 __all__ = ["DISTILL_MODES", "RetrofitAttention", "adapters_off"]
 
@@ -130,6 +130,11 @@ class RetrofitAttention(nn.Module):
             self.add_module(name, child)
         self.distill_mode: str | None = None
         self.transfer_loss: torch.Tensor | None = None
+        # The teacher's RoPE distance cap (original_attention): the base's context until convert
+        # sets the spec's rope_cap; fp32 frequencies kept off the buffers (model.to(bf16) cannot
+        # round them), None for a RoPE type whose frequencies follow the sequence
+        self.teacher_rope_cap = max(0, int(getattr(self.config, "max_position_embeddings", 0) or 0) - 1)
+        self.teacher_inv_freq = patch.rope_inv_freq(original) if self.native_window is None else None
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -219,12 +224,21 @@ class RetrofitAttention(nn.Module):
 
         Full causal softmax over the T tokens (or the layer's native sliding window), with the
         family's q/k norms, RoPE, scaling and soft-cap; no cache. Padded keys are never attended.
+        Past ``teacher_rope_cap`` (the spec's ``rope_cap``, by default the base's context) the
+        distances are capped, as on the layers a conversion keeps as full attention: beyond its
+        context the base's own attention is the collapsed model, and the capped base is its
+        strongest zero-shot form there (:mod:`retrofit.surgery.rope_cap`). Nothing changes within
+        the cap.
         """
         B, T, _ = hidden_states.shape
         q, k, v = self.patch.project_qkv(self, hidden_states, position_embeddings)
         valid = self.key_padding(attention_mask, T)
         window = self.native_window if self.native_window else T  # a window >= T is full causal attention
-        if valid is None and not self.softcap and window >= T:
+        cap = self.teacher_rope_cap
+        if window >= T and cap and T - 1 > cap and self.teacher_inv_freq is not None:
+            out = capped_rope_attention(q, k, v, cap, self.teacher_inv_freq.to(q.device), scaling=self.scaling,
+                                        softcap=self.softcap, key_padding_mask=valid)
+        elif valid is None and not self.softcap and window >= T:
             out = gqa_sdpa(q, k, v, is_causal=True, scale=self.scaling)
         else:
             out = sliding_window_attention(q, k, v, window, scaling=self.scaling, softcap=self.softcap,

@@ -84,6 +84,7 @@ def convert(model: nn.Module, spec: ConversionSpec | None = None, *, base_model:
 
     for site, new in built:
         setattr(site.parent, site.attr, new)
+        new.teacher_rope_cap = int(spec.rope_cap)  # its original attention, as the kept full layers: capped
     mark_new_trainable(model)
 
     model.set_attn_implementation(install_attention_function())

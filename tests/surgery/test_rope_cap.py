@@ -106,3 +106,29 @@ def test_bad_caps_are_spec_errors(bad):
         ConversionSpec(rope_cap=bad)
     with pytest.raises(SpecError, match="rope_cap"):
         cap_rope(tiny_model("llama"), bad)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_teacher_past_the_context_is_the_capped_base(family):
+    """A converted model's teacher (its layers switched back to the original attention) scores a
+    sequence longer than the base's context as the base with its RoPE distance capped at the spec's
+    rope_cap (default: the context), and as the plain base with rope_cap 0; within the context the
+    cap changes nothing."""
+    from retrofit.surgery.distill import distill_mode
+
+    context = 16
+    base = tiny_model(family, max_position_embeddings=context)
+    base.set_attn_implementation(install_attention_function())
+    ids = _ids()  # T = 30 > context
+    plain = _logits(base, ids)
+    cap_rope(base, context - 1)
+    capped = _logits(base, ids)
+    cap_rope(base, 0)
+    assert (capped - plain).abs().amax() > 1e-3  # the cap acts at this length
+    for rope_cap, want in ((None, capped), (0, plain)):
+        model = tiny_model(family, max_position_embeddings=context)
+        convert(model, ConversionSpec(layers="all" if family == "llama" else "global", window=8, latents=4,
+                                      rope_cap=rope_cap))
+        with distill_mode(model, "teacher"):
+            torch.testing.assert_close(_logits(model, ids), want, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(_logits(model, ids[:, :context]), plain[:, :context], atol=1e-4, rtol=1e-4)
