@@ -320,6 +320,15 @@ def test_7_unwritable_outputs_give_one_error_line(base, books, tmp_path, capsys,
     fails(["train", str(recipe)], capsys, "cannot write checkpoint checkpoint-1", "No space left on device")
     assert not (tmp_path / "out" / "checkpoint-1").exists() and not leftovers(tmp_path / "out")
 
+    def zip_writer_disk_full(state, folder, rank):  # torch.save's writer on a full disk: a RuntimeError
+        (Path(folder) / f"data_state_rank{rank}.npz").write_bytes(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 20590272 vs 20590152")
+
+    monkeypatch.setattr(loop, "_save_data_state", zip_writer_disk_full)
+    shutil.rmtree(tmp_path / "out", ignore_errors=True)
+    fails(["train", str(recipe)], capsys, "cannot write checkpoint checkpoint-1", "a write failed", "MiB free")
+    assert not (tmp_path / "out" / "checkpoint-1").exists() and not leftovers(tmp_path / "out")
+
 
 def test_7_bad_numbers_bad_text_bad_device_bad_out(base, books, tmp_path, capsys):
     recipe = recipe_file(tmp_path, base, books)
