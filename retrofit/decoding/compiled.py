@@ -39,7 +39,8 @@ from retrofit.layers.macchiato import MacchiatoAttention, MacchiatoLayerCache
 from retrofit.ops import LatteState, capped_sink_keys, macchiato_slot_step
 from retrofit.surgery.rope_scaling import dynamic_rope_modules
 
-__all__ = ["CompiledDecoder", "SUPPORTED_FAMILIES", "compiled_decoding_support", "compiler_missing", "cpu_compiler_available"]
+__all__ = ["CompiledDecoder", "SUPPORTED_FAMILIES", "compiled_decoding_support", "compiler_missing",
+           "cpu_compiler_available"]
 
 # families (patches/families.py) whose decoder layers are input_layernorm -> self_attn ->
 # post_attention_layernorm -> mlp (pre-norm, plain residuals, unscaled embeddings, no logit soft-cap)
@@ -298,8 +299,8 @@ def _attention_step(attn: MacchiatoAttention, buf: _LayerBuffers, h: torch.Tenso
     allowed_ring = (torch.arange(w, device=h.device) <= t).expand(B, w)
     if n:
         sinks_seen = buf.sink_ok & (buf.sink_idx <= t - w)  # a sink inside the window is its ring slot
-        if attn.rope_inv_freq is not None:
-            capped = capped_sink_keys(buf.sink_k, buf.sink_idx, t, attn.sink_distance, attn.rope_inv_freq.to(h.device))
+        if attn.sink_inv_freq is not None:
+            capped = capped_sink_keys(buf.sink_k, buf.sink_idx, t, attn.sink_distance, attn.sink_inv_freq.to(h.device))
             buf.slot_k[:, :, :n] = capped.to(buf.slot_k.dtype)
         allowed = torch.cat([sinks_seen, allowed_ring], dim=1)
     else:

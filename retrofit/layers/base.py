@@ -130,11 +130,10 @@ class RetrofitAttention(nn.Module):
             self.add_module(name, child)
         self.distill_mode: str | None = None
         self.transfer_loss: torch.Tensor | None = None
-        # The teacher's RoPE distance cap (original_attention): the base's context until convert
-        # sets the spec's rope_cap; fp32 frequencies kept off the buffers (model.to(bf16) cannot
-        # round them), None for a RoPE type whose frequencies follow the sequence
-        self.teacher_rope_cap = max(0, int(getattr(self.config, "max_position_embeddings", 0) or 0) - 1)
-        self.teacher_inv_freq = patch.rope_inv_freq(original) if self.native_window is None else None
+        # the layer's RoPE frequencies, fp32 and kept off the buffers (model.to(bf16) cannot round
+        # them); None for a RoPE type whose frequencies follow the sequence
+        self.rope_inv_freq = patch.rope_inv_freq(original)
+        self.teacher_rope_cap = 0  # original_attention's RoPE distance cap: convert sets the spec's rope_cap
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -224,8 +223,8 @@ class RetrofitAttention(nn.Module):
 
         Full causal softmax over the T tokens (or the layer's native sliding window), with the
         family's q/k norms, RoPE, scaling and soft-cap; no cache. Padded keys are never attended.
-        Past ``teacher_rope_cap`` (the spec's ``rope_cap``, by default the base's context) the
-        distances are capped, as on the layers a conversion keeps as full attention: beyond its
+        Past ``teacher_rope_cap`` (set by :func:`retrofit.convert` to the spec's ``rope_cap``, by
+        default the base's context) the distances are capped, as on the layers a conversion keeps as full attention: beyond its
         context the base's own attention is the collapsed model, and the capped base is its
         strongest zero-shot form there (:mod:`retrofit.surgery.rope_cap`). Nothing changes within
         the cap.
@@ -235,8 +234,8 @@ class RetrofitAttention(nn.Module):
         valid = self.key_padding(attention_mask, T)
         window = self.native_window if self.native_window else T  # a window >= T is full causal attention
         cap = self.teacher_rope_cap
-        if window >= T and cap and T - 1 > cap and self.teacher_inv_freq is not None:
-            out = capped_rope_attention(q, k, v, cap, self.teacher_inv_freq.to(q.device), scaling=self.scaling,
+        if window >= T and cap and T - 1 > cap and self.rope_inv_freq is not None:
+            out = capped_rope_attention(q, k, v, cap, self.rope_inv_freq.to(q.device), scaling=self.scaling,
                                         softcap=self.softcap, key_padding_mask=valid)
         elif valid is None and not self.softcap and window >= T:
             out = gqa_sdpa(q, k, v, is_causal=True, scale=self.scaling)

@@ -370,8 +370,8 @@ class MacchiatoAttention(RetrofitAttention):
         if sink_distance is None:  # as MacchiatoConfig.resolved: the base's pretraining context
             sink_distance = max(0, int(getattr(self.config, "max_position_embeddings", 0) or 0) - 1)
         self.sink_distance = int(sink_distance)
-        # fp32 frequencies kept off the module's buffers, so model.to(bf16) cannot round them
-        self.rope_inv_freq = patch.rope_inv_freq(original) if self.sinks and self.sink_distance else None
+        # the frequencies that move a sink's key to the capped distance (the base's, fp32); None: uncapped
+        self.sink_inv_freq = self.rope_inv_freq if self.sinks and self.sink_distance else None
         if self.sinks and self.sink_distance and self.rope_inv_freq is None:
             warnings.warn(f"layer {self.layer_idx}: this model's RoPE type has no fixed frequencies; "
                           f"the sinks' distance is not capped", stacklevel=2)
@@ -491,8 +491,8 @@ class MacchiatoAttention(RetrofitAttention):
                 cand = [torch.cat([a, b], dim=1 if a.dim() == 2 else 2) for a, b in zip(cache.sinks, cand)]
             sinks = first_valid(self.sinks, *cand)
         far = None
-        if sinks is not None and self.rope_inv_freq is not None:
-            far = capped_sinks(q, sinks[2], sinks[0], seen, self.sink_distance, self.rope_inv_freq)
+        if sinks is not None and self.sink_inv_freq is not None:
+            far = capped_sinks(q, sinks[2], sinks[0], seen, self.sink_distance, self.sink_inv_freq)
         out, state = macchiato_attention(
             q, k_all, v_all, mix, lat, window=self.window, scaling=self.scaling, softcap=self.softcap,
             key_padding_mask=valid_all, chunk_size=self.chunk_size, num_past=num_past, sinks=sinks, q_start=seen,
@@ -515,9 +515,9 @@ class MacchiatoAttention(RetrofitAttention):
         cache.write_slot(k, v, valid)
         slot_k, slot_v, allowed = cache.slots()
         t = cache.cumulative_length  # this token's stream index
-        if self.rope_inv_freq is not None and cache.sinks is not None and t > self.sink_distance:
+        if self.sink_inv_freq is not None and cache.sinks is not None and t > self.sink_distance:
             idx, _, sink_k, _ = cache.sinks  # re-positioned per step from the originals, in the sink slots
-            slot_k[:, :, : sink_k.shape[2]] = capped_sink_keys(sink_k, idx, t, self.sink_distance, self.rope_inv_freq)
+            slot_k[:, :, : sink_k.shape[2]] = capped_sink_keys(sink_k, idx, t, self.sink_distance, self.sink_inv_freq)
         out, state = macchiato_slot_step(
             q, slot_k, slot_v, allowed, v, mix, lat, cache.state, valid=valid, scaling=self.scaling, softcap=self.softcap
         )

@@ -64,4 +64,3 @@ def names_converted(name_or_path: str | os.PathLike) -> bool | None:
         return "retrofit" in read_config(path)
     except Exception:  # not a model folder: load_any says so in its own words
         return None
-

@@ -3,8 +3,8 @@ transformers release the project supports.
 
 Recent transformers releases name it ``activation_checkpointing_enable`` / ``_disable``; older
 ones the project supports (5.17, for one) have only ``gradient_checkpointing_enable`` /
-``_disable``, the same switch under its older name, which later releases keep. Callers go through :func:`set_activation_checkpointing` so neither name is
-assumed.
+``_disable``, the same switch under its older name, which later releases keep. Callers go
+through :func:`set_activation_checkpointing`, so neither name is assumed.
 """
 from __future__ import annotations
 

@@ -163,4 +163,3 @@ def dynamic_rope_held_at(model: nn.Module, seq_len: int) -> Iterator[int]:
         for module, kind in kinds.values():
             module.rope_type = kind
         reset_dynamic_rope(model)
-

@@ -213,4 +213,4 @@ def test_default_cap_is_the_pretraining_context():
     model = convert(tiny_model("gemma3"), ConversionSpec(window=W, latents=8, sinks=2))
     assert model.config.retrofit["sink_distance"] == model.config.max_position_embeddings - 1
     layer = next(m for m in model.modules() if hasattr(m, "sink_distance"))
-    assert layer.sink_distance == model.config.max_position_embeddings - 1 and layer.rope_inv_freq is not None
+    assert layer.sink_distance == model.config.max_position_embeddings - 1 and layer.sink_inv_freq is not None

@@ -159,7 +159,7 @@ def test_capped_sinks_survive_save_and_load(tmp_path):
     model, out = _saved(tmp_path, spec)
     loaded = load(out)
     layer = next(m for m in loaded.modules() if getattr(m, "sink_distance", 0))
-    assert layer.sink_distance == 12 and layer.rope_inv_freq.device.type == "cpu"
+    assert layer.sink_distance == 12 and layer.sink_inv_freq.device.type == "cpu"
     ids = torch.randint(3, 200, (1, 40))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
