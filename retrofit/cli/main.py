@@ -69,6 +69,13 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(exc, OSError):
             print(f"retrofit {args.verb}: error: {os_error_message(exc)}", file=sys.stderr)
             return 1
+        from retrofit.fs.write_errors import write_failure
+
+        failed = write_failure(exc)  # a full disk as torch's zip writer or safetensors reports it
+        if failed:
+            print(f"retrofit {args.verb}: error: {failed}; free disk space or write somewhere else "
+                  "(nothing was published: outputs are written to a temporary folder first)", file=sys.stderr)
+            return 1
         raise
 
 

@@ -25,6 +25,7 @@ from retrofit.errors import CheckpointError
 from retrofit.fs.guard import MANIFEST, check_replaceable, folder_files
 from retrofit.fs.locks import output_lock
 from retrofit.fs.tempdirs import SWAP_KIND, clean_stale_temps, make_temp_dir, settle_swap, temp_name
+from retrofit.fs.write_errors import write_failure
 
 __all__ = [
     "AppendLog", "atomic_directory", "atomic_file", "fsync_dir", "json_text", "remove_directory", "save_figure_atomic",
@@ -296,6 +297,10 @@ def atomic_directory(
             shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointError(f"cannot write {out}: {exc.strerror or exc}; free space or choose a writable "
                                   "output folder (nothing was written)") from None
-        except BaseException:
+        except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
+            failed = write_failure(exc)  # a full disk as torch's zip writer or safetensors reports it
+            if failed:
+                raise CheckpointError(f"cannot write {out}: {failed}; free space or choose a writable output folder "
+                                      "(nothing was written)") from None
             raise

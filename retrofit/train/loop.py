@@ -29,6 +29,7 @@ import torch
 
 from retrofit.errors import CheckpointError, DataError, RetrofitError, SpecError, TrainingError
 from retrofit.fs.atomic import atomic_file, write_text_atomic
+from retrofit.fs.write_errors import free_space, write_failure
 from retrofit.train import checkpointing as ckpt
 from retrofit.train.distributed import (
     deepspeed_config,
@@ -121,27 +122,6 @@ def _fingerprint(recipe: Recipe) -> dict:
 
 
 # ----------------------------------------------------------------------------- data state files
-# what torch's zip writer raises (as RuntimeError) when a write fails: a full disk, a vanished folder
-_WRITE_FAILURES = ("inline_container", "PytorchStreamWriter", "iostream error", "file write failed")
-
-
-def _is_write_failure(exc: RuntimeError) -> bool:
-    return any(marker in str(exc) for marker in _WRITE_FAILURES)
-
-
-def _free_space(folder: Path) -> str:
-    """``"N MiB free on its disk"`` for ``folder`` (or its nearest existing parent), or ``"free space unknown"``."""
-    import shutil
-
-    path = Path(folder)
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    try:
-        return f"{shutil.disk_usage(path).free / 2**20:,.0f} MiB free on its disk"
-    except OSError:
-        return "free space unknown"
-
-
 def _save_data_state(state: dict, folder: Path, rank: int) -> None:
     arrays = {"carry": state["carry"], "pool": state["pool"]}
     meta = {k: v for k, v in state.items() if k not in arrays}
@@ -572,8 +552,8 @@ class _Run:
                             "tokenizer_digest": self.tokenizer_digest, "time": time.time()})
                 except OSError as exc:  # full or read-only disk: the temporary folder goes, no checkpoint appears
                     raise self._save_failed(final, exc) from None
-                except RuntimeError as exc:  # torch.save's zip writer reports a failed write (a full disk) so
-                    if not _is_write_failure(exc):
+                except Exception as exc:  # torch's zip writer and safetensors report a failed write (a full disk) so
+                    if write_failure(exc) is None:
                         raise
                     raise self._save_failed(final, exc) from None
             if self.main:
@@ -598,8 +578,8 @@ class _Run:
         last = f"the last complete checkpoint is {self.last_saved or 'none'}"
         if isinstance(exc, CheckpointError):  # says what failed and what to do
             return TrainingError(f"{exc} ({last})")
-        reason = getattr(exc, "strerror", None) or (f"a write failed ({_free_space(self.output_dir)})"
-                                                     if isinstance(exc, RuntimeError) else exc)
+        failed = write_failure(exc)
+        reason = getattr(exc, "strerror", None) or (f"{failed} ({free_space(self.output_dir)})" if failed else exc)
         return TrainingError(f"cannot write checkpoint {final.name} into {self.output_dir}: {reason}; "
                              f"free space or choose a writable checkpoint.output_dir ({last})")
 

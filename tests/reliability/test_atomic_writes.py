@@ -206,3 +206,36 @@ def test_symlink_atomic_replaces_a_link_and_never_a_folder(tmp_path):
     with pytest.raises(FileExistsError):
         symlink_atomic(tmp_path / "a", "b")
     assert (tmp_path / "a").is_dir() and not (tmp_path / "a").is_symlink()
+
+
+def test_write_failure_knows_the_full_disk_of_torch_and_safetensors_and_nothing_else():
+    from safetensors import SafetensorError
+
+    from retrofit.fs.write_errors import write_failure
+
+    old = SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                          'message: "No space left on device" })')  # safetensors < 0.6
+    new = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert write_failure(old) == "writing a safetensors file failed (No space left on device)"
+    assert write_failure(new) == "writing a safetensors file failed (No space left on device (os error 28))"
+    assert "write failed" in write_failure(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 9"))
+    assert "write failed" in write_failure(RuntimeError("PytorchStreamWriter failed writing file data/0"))
+    for other in (SafetensorError("Error while deserializing header: HeaderTooLarge"), RuntimeError("shape mismatch"),
+                  OSError(28, "No space left on device"), ValueError("inline_container")):
+        assert write_failure(other) is None
+
+
+def test_atomic_directory_turns_a_failed_safetensors_write_into_one_error_and_leaves_nothing(tmp_path):
+    from safetensors import SafetensorError
+
+    from retrofit.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="cannot write .*out: writing a safetensors file failed.*nothing was written"):
+        with atomic.atomic_directory(tmp_path / "out") as tmp:
+            (tmp / "model.safetensors").write_bytes(b"partial")
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert _only(tmp_path) == []
+    with pytest.raises(ValueError, match="not a write"):  # any other error passes through unchanged
+        with atomic.atomic_directory(tmp_path / "out"):
+            raise ValueError("not a write")
+    assert _only(tmp_path) == []

@@ -306,6 +306,17 @@ def test_7_unwritable_outputs_give_one_error_line(base, books, tmp_path, capsys,
     monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", disk_full)
     fails(convert_argv(base, tmp_path / "full"), capsys, "No space left on device", "nothing was written")
     assert not (tmp_path / "full").exists() and not leftovers(tmp_path)
+
+    from safetensors import SafetensorError
+
+    def safetensors_disk_full(self, folder, *args, **kwargs):  # safetensors' own error, not an OSError
+        real(self, folder, *args, **kwargs)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "save_pretrained", safetensors_disk_full)
+    fails(convert_argv(base, tmp_path / "full"), capsys, "cannot write", "writing a safetensors file failed",
+          "No space left on device", "nothing was written")
+    assert not (tmp_path / "full").exists() and not leftovers(tmp_path)
     monkeypatch.undo()
 
     import retrofit.train.loop as loop
