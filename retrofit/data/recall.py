@@ -16,6 +16,10 @@ of ``(seed, index, length)``, so a resumed run and every data-parallel rank see 
 an uninterrupted run sees. A sequence too short for the snippets plus ``min_distance`` is left
 unchanged. The wording never uses the passkey evaluator's phrases (``FORBIDDEN``): passkey
 accuracy must measure transfer, not a memorised template.
+
+A handful of answer tokens are a sliver of a sequence's positions, so uniform attention transfer
+spends almost none of its gradient on them. ``answer_weight`` > 1 weighs them up in that loss
+(:meth:`RecallInserter.position_weights`; the training stream then yields ``(ids, weights)``).
 """
 from __future__ import annotations
 
@@ -69,11 +73,14 @@ COLOURS = ("crimson", "cobalt", "ochre", "ivory", "scarlet", "emerald", "amber",
 @dataclass(frozen=True)
 class RecallConfig:
     """``share``: probability a sequence is rewritten (0 = off); ``facts`` per rewritten sequence;
-    ``min_distance``: tokens from the end of a fact to the start of its answer's value; ``seed``."""
+    ``min_distance``: tokens from the end of a fact to the start of its answer's value; ``seed``;
+    ``answer_weight``: the weight, in the attention-transfer loss, of the positions that predict an
+    answer's value tokens (every other position weighs 1; 1 = all alike; see :meth:`RecallInserter.position_weights`)."""
     share: float = 0.0
     facts: int = 4
     min_distance: int = 1024
     seed: int = 0
+    answer_weight: float = 1.0
 
     def check(self, where: str = "recall") -> "RecallConfig":
         """SpecError naming ``where.<field>`` for a value out of range."""
@@ -87,6 +94,10 @@ class RecallConfig:
                             f"got {self.min_distance}")
         if not (isinstance(self.seed, int) and self.seed >= 0):
             raise SpecError(f"{where}.seed must be >= 0, got {self.seed}")
+        w = self.answer_weight
+        if isinstance(w, bool) or not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 1.0):
+            raise SpecError(f"{where}.answer_weight must be a finite number >= 1 (the answers' weight in the "
+                            f"attention-transfer loss; 1 = every position alike), got {w}")
         return self
 
 
@@ -176,6 +187,16 @@ class RecallInserter:
         rewritten (not drawn, or too short for the snippets with ``min_distance`` between)."""
         layout = self._layout(length, index)
         return None if layout is None else [p for p, _, _ in layout]
+
+    def position_weights(self, length: int, index: int) -> np.ndarray:
+        """``(length,)`` float32 loss weights of sequence ``index``: ``answer_weight`` at the positions
+        whose next token is one of an answer's value tokens (``answer_value - 1`` onwards: where the
+        model must have carried the fact across ``min_distance`` tokens), 1 everywhere else (all ones
+        when the sequence is not rewritten)."""
+        weights = np.ones(length, dtype=np.float32)
+        for p in self.plan(length, index) or ():
+            weights[p.answer_value - 1: p.answer_value - 1 + len(p.value_ids)] = self.config.answer_weight
+        return weights
 
     def __call__(self, ids: np.ndarray, index: int) -> np.ndarray:
         """``ids`` (``(seq_len,)`` ints) with sequence ``index``'s snippets written in: a new array of

@@ -28,7 +28,8 @@ replaced, :meth:`original_attention` (full causal softmax, or the layer's native
   from the original model's hidden states, as in LoLCATs' attention transfer) and keeps
   ``transfer_loss``: the mean squared error of its output against the teacher's after o_proj
   (the error the residual stream actually receives), divided by the teacher output's mean
-  square, so every layer's term is a relative error whatever the scale of its o_proj.
+  square, so every layer's term is a relative error whatever the scale of its o_proj
+  (positions weighted by ``transfer_position_weights`` ``(B, T)`` when set, e.g. recall answers).
 """
 from __future__ import annotations
 
@@ -130,6 +131,7 @@ class RetrofitAttention(nn.Module):
             self.add_module(name, child)
         self.distill_mode: str | None = None
         self.transfer_loss: torch.Tensor | None = None
+        self.transfer_position_weights: torch.Tensor | None = None  # (B, T) weights of transfer_loss's positions
         # the layer's RoPE frequencies, fp32 and kept off the buffers (model.to(bf16) cannot round
         # them); None for a RoPE type whose frequencies follow the sequence
         self.rope_inv_freq = patch.rope_inv_freq(original)
@@ -205,11 +207,16 @@ class RetrofitAttention(nn.Module):
         return teacher, None
 
     def _relative_mse(self, student: torch.Tensor, teacher: torch.Tensor, attention_mask: Any) -> torch.Tensor:
+        """``sum_t w_t |student_t - teacher_t|^2 / sum_t w_t |teacher_t|^2``: w = the real tokens times
+        ``transfer_position_weights`` (all 1 when neither is given)."""
         err = (student.float() - teacher.float()).pow(2).mean(-1)  # (B, T)
         ref = teacher.float().pow(2).mean(-1)
         valid = self.key_padding(attention_mask, student.shape[1])
-        if valid is not None:
-            w = valid.to(err.dtype)
+        w = None if valid is None else valid.to(err.dtype)
+        if self.transfer_position_weights is not None:
+            pw = self.transfer_position_weights.to(device=err.device, dtype=err.dtype)
+            w = pw if w is None else w * pw
+        if w is not None:
             return (err * w).sum() / (ref * w).sum().clamp_min(1e-12)
         return err.sum() / ref.sum().clamp_min(1e-12)
 

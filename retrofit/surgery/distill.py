@@ -31,8 +31,12 @@ def converted_modules(model: nn.Module) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
-def distill_mode(model: nn.Module, mode: str | None, layers: Iterable[int] | None = None) -> Iterator[list[nn.Module]]:
+def distill_mode(model: nn.Module, mode: str | None, layers: Iterable[int] | None = None, *,
+                 position_weights: torch.Tensor | None = None) -> Iterator[list[nn.Module]]:
     """Put the converted layers (all, or those in ``layers``) in ``mode`` for the ``with`` block.
+
+    ``position_weights`` ``(B, T)`` (``"transfer"`` only): each position's weight in every layer's
+    relative error (None: all alike).
 
     ``"teacher"`` over the whole model also bypasses its PEFT adapters (:func:`adapters_off`): the
     teacher is the original model even while LoRA trains its projections. (``"transfer"`` layers
@@ -46,10 +50,13 @@ def distill_mode(model: nn.Module, mode: str | None, layers: Iterable[int] | Non
     if layers is not None:
         wanted = set(layers)
         modules = [m for m in modules if int(m.layer_idx) in wanted]
+    if position_weights is not None and mode != "transfer":
+        raise SpecError(f"position_weights weigh the transfer loss; distill mode {mode!r} has none")
     before = [(m, m.distill_mode) for m in modules]
     for m in modules:
         m.distill_mode = mode
         m.transfer_loss = None
+        m.transfer_position_weights = position_weights
     try:
         with adapters_off(model) if mode == "teacher" and layers is None else contextlib.nullcontext():
             yield modules
@@ -57,6 +64,7 @@ def distill_mode(model: nn.Module, mode: str | None, layers: Iterable[int] | Non
         for m, old in before:
             m.distill_mode = old
             m.transfer_loss = None
+            m.transfer_position_weights = None
 
 
 def transfer_losses(model: nn.Module) -> list[torch.Tensor]:

@@ -58,15 +58,24 @@ class RecallSequences:
     Block ``i`` of rank ``rank`` (of ``world``) is global sequence ``i * world + rank``; ``i`` is the
     packer's own count of yielded blocks, part of its resumable state, so a resumed run rewrites
     exactly the sequences an uninterrupted one does. State is the packer's, unchanged.
+
+    With ``data.recall.answer_weight`` > 1 each item is ``(ids, weights)``: the block and its
+    ``(seq_len,)`` float32 position weights for the attention term
+    (:meth:`~retrofit.data.recall.RecallInserter.position_weights`); otherwise the block alone.
     """
 
     def __init__(self, packed: PackedSequences, inserter: RecallInserter, rank: int, world: int):
         self.packed, self.inserter, self.rank, self.world = packed, inserter, rank, world
+        self.weighted = inserter.config.answer_weight != 1.0
 
-    def __iter__(self) -> Iterator[torch.Tensor]:
+    def __iter__(self) -> Iterator[torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
         for block in self.packed:
             index = (self.packed.blocks_yielded - 1) * self.world + self.rank
-            yield torch.from_numpy(self.inserter(block.numpy(), index))
+            ids = torch.from_numpy(self.inserter(block.numpy(), index))
+            if self.weighted:
+                yield ids, torch.from_numpy(self.inserter.position_weights(len(ids), index))
+            else:
+                yield ids
 
     def state_dict(self) -> dict:
         return self.packed.state_dict()
@@ -93,7 +102,8 @@ def train_stream(recipe: Recipe, tokenizer: Any, files: DataFiles, rank: int,
     recall = recall_config(recipe)
     if recall.share > 0:
         desc += (f"; recall facts in {recall.share:.0%} of the sequences ({recall.facts} facts, answers "
-                 f">= {recall.min_distance} tokens later)")
+                 f">= {recall.min_distance} tokens later"
+                 + (f", weighted x{recall.answer_weight:g} in the attention term)" if recall.answer_weight != 1.0 else ")"))
         return RecallSequences(stream, RecallInserter(recall, make_tokenize(tokenizer, special_tokens=False)), rank, world), desc
     return stream, desc
 

@@ -113,7 +113,9 @@ def _fingerprint(recipe: Recipe) -> dict:
     same = {"model": d["model"]["name"], "conversion": d["conversion"], "trainable": d["trainable"], "data": data_keys,
             "batch_size": d["train"]["batch_size"], "micro_batch_size": d["train"]["micro_batch_size"]}
     if d["data"]["recall"]["share"]:  # recall off: older checkpoints keep their hash
-        data_keys["recall"] = d["data"]["recall"]
+        data_keys["recall"] = dict(d["data"]["recall"])
+        if data_keys["recall"].get("answer_weight") == 1.0:  # unweighted: as before the key existed
+            del data_keys["recall"]["answer_weight"]
     if d["train"]["objective"] != "lm":  # older checkpoints (lm only) keep their hash
         same["objective"] = {"objective": d["train"]["objective"], "weights": d["train"]["objective_weights"]}
         if d["train"].get("head_positions"):
@@ -406,9 +408,14 @@ class _Run:
             group["lr"] = lr
         return lr
 
-    def _next_batch(self) -> torch.Tensor:
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(ids (B, T), position weights (B, T) or None)``: a stream of ``(ids, weights)`` items
+        (recall answers weighted, :class:`retrofit.train.data.RecallSequences`) gives both."""
         rows = [next(self._train_iter) for _ in range(self.recipe.train.micro_batch_size)]
-        return torch.stack(rows).to(self.device)
+        if isinstance(rows[0], tuple):
+            return (torch.stack([r[0] for r in rows]).to(self.device),
+                    torch.stack([r[1] for r in rows]).to(self.device))
+        return torch.stack(rows).to(self.device), None
 
     def _global_mean(self, value: torch.Tensor) -> float:
         v = value.detach().float().reshape(1).to(self.device)
@@ -458,10 +465,10 @@ class _Run:
         drop = self._set_window_dropout()
         losses, parts = [], {}
         for micro in range(self.accum):
-            batch = self._next_batch()
+            batch, position_weights = self._next_batch()
             try:
                 with self.acc.accumulate(self.model):
-                    loss, terms = self.objective(self.model, batch)
+                    loss, terms = self.objective(self.model, batch, position_weights=position_weights)
                     for k, v in terms.items():
                         parts[k] = parts.get(k, 0.0) + v / self.accum
                     mean = self._global_mean(loss)

@@ -113,15 +113,18 @@ class Objective:
     def name(self) -> str:
         return "+".join(f"{w:g}*{k}" if len(self.weights) > 1 else k for k, w in self.weights.items())
 
-    def __call__(self, model: nn.Module, input_ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """``model``: what the training loop calls (the DeepSpeed engine or a plain module)."""
+    def __call__(self, model: nn.Module, input_ids: torch.Tensor,
+                 position_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+        """``model``: what the training loop calls (the DeepSpeed engine or a plain module);
+        ``position_weights``: ``(B, T)`` weights of the attention term's positions (None: all 1),
+        e.g. recall answers weighted up (``data.recall.answer_weight``)."""
         if self.weights == {"lm": 1.0} and not self.sliced_head:  # the model's own loss, bit for bit
             loss = model(input_ids=input_ids, labels=input_ids).loss
             return loss, {"lm": float(loss.detach())}
         causal_lm = unwrap_causal_lm(model)
         total, parts = None, {}
         if "attention" in self.weights:
-            with distill_mode(causal_lm, "transfer") as modules:
+            with distill_mode(causal_lm, "transfer", position_weights=position_weights) as modules:
                 model(input_ids=input_ids, logits_to_keep=1)  # decoder on teacher states; 1 head position
                 terms = [(int(m.layer_idx), m.transfer_loss) for m in modules if m.transfer_loss is not None]
             att = torch.stack([t * self.layer_weights.get(i, 1.0) if self.layer_weights else t for i, t in terms]).sum()

@@ -78,6 +78,7 @@ class RecallSection:
     facts: int = RecallConfig.facts  # facts per rewritten sequence, each asked about later
     min_distance: int = RecallConfig.min_distance  # tokens from a fact to its answer (at least)
     seed: int = RecallConfig.seed  # the rewrite of sequence i is a function of (seed, i) only
+    answer_weight: float = RecallConfig.answer_weight  # attention term: weight of the answer positions (others 1)
 
 
 @dataclass
@@ -252,6 +253,13 @@ class Recipe:
             if "attention" not in terms:
                 raise SpecError(f"train.layer_weights weighs the attention term's per-layer losses, but train.objective "
                                 f"{t.objective!r} has no attention term: drop layer_weights or use objective attention / mix")
+        if d.recall.answer_weight != 1.0 and "attention" not in terms:
+            raise SpecError(f"data.recall.answer_weight weighs the answers' positions in the attention term, but "
+                            f"train.objective {t.objective!r} has none: set it to 1 here (a stage may override it) "
+                            "or use objective attention / mix")
+        if d.recall.answer_weight != 1.0 and not d.recall.share:
+            raise SpecError("data.recall.answer_weight weighs recall answers, but data.recall.share is 0 (no sequence "
+                            "has any): set data.recall.share > 0 or drop answer_weight")
         if t.head_positions is not None and (not isinstance(t.head_positions, int) or t.head_positions < 1):
             raise SpecError(f"train.head_positions must be a positive integer or null (all positions), got {t.head_positions!r}")
         if not (math.isfinite(t.window_dropout) and 0.0 <= t.window_dropout <= 1.0):

@@ -108,7 +108,9 @@ def test_no_passkey_wording_in_the_word_lists_or_in_generated_snippets(tok, book
 
 
 @pytest.mark.parametrize("bad,message", [({"share": 1.5}, "recall.share"), ({"facts": 0}, "recall.facts"),
-                                         ({"min_distance": 0}, "recall.min_distance"), ({"seed": -1}, "recall.seed")])
+                                         ({"min_distance": 0}, "recall.min_distance"), ({"seed": -1}, "recall.seed"),
+                                         ({"answer_weight": 0.0}, "recall.answer_weight"),
+                                         ({"answer_weight": float("inf")}, "recall.answer_weight")])
 def test_out_of_range_config_is_a_spec_error(bad, message):
     with pytest.raises(SpecError, match=message):
         RecallConfig(**bad).check()
@@ -121,6 +123,8 @@ def _recipe(tmp_path, **recall):
     books = tiny.write_books(tmp_path / "books", n=4, chars=6_000)
     d = tiny.recipe_dict(tmp_path / "model", books, tmp_path / "out",
                          data={"seq_len": 512, "shuffle_buffer": 4, **({"recall": recall} if recall else {})})
+    if recall.get("answer_weight", 1.0) != 1.0:  # weighs the attention term
+        d["train"]["objective"] = "attention"
     return recipe_from_dict(d, base_dir=tmp_path)
 
 
@@ -168,3 +172,44 @@ def test_recall_off_is_the_plain_stream_and_eval_is_never_rewritten(tmp_path, to
     assert ev_off and all(torch.equal(a, b) for a, b in zip(ev_off, ev_on))
     assert _fingerprint(off)["hash"] != _fingerprint(on)["hash"]
     assert "recall" not in _fingerprint(off)["data"]  # recall off: checkpoints written before it still resume
+    assert "answer_weight" not in _fingerprint(on)["data"]["recall"]  # unweighted: the hash from before the key
+    weighted = _recipe(tmp_path, share=1.0, facts=2, min_distance=100, answer_weight=5.0)
+    before = _fingerprint(weighted)["hash"]
+    weighted.data.recall.answer_weight = 1.0  # the same recipe, unweighted: a run of one cannot resume the other
+    assert _fingerprint(weighted)["hash"] != before
+
+
+def test_position_weights_mark_exactly_the_positions_that_predict_an_answers_value(tok, book):
+    ins = _inserter(tok, facts=3, min_distance=300, answer_weight=25.0)
+    for index in range(20):
+        out, plan, w = ins(book, index), ins.plan(SEQ, index), ins.position_weights(SEQ, index)
+        assert w.shape == (SEQ,) and w.dtype == np.float32
+        marked = np.flatnonzero(w != 1.0)
+        assert set(w[marked].tolist()) == {25.0}
+        # each marked position's next token is a value token of an answer, and every answer value token is covered
+        expected = sorted(p.answer_value - 1 + j for p in plan for j in range(len(p.value_ids)))
+        assert marked.tolist() == expected
+        for p in plan:
+            assert out[p.answer_value:p.answer_value + len(p.value_ids)].tolist() == list(p.value_ids)
+            assert p.answer_value - 1 >= p.fact_stop + 300 - 1  # read beyond min_distance
+    none = _inserter(tok, share=0.0, answer_weight=25.0)
+    assert np.array_equal(none.position_weights(SEQ, 0), np.ones(SEQ, dtype=np.float32))
+
+
+def test_a_weighted_stream_yields_the_same_ids_with_their_weights(tmp_path, tok):
+    from retrofit.train.data import train_stream, data_files
+
+    recall = {"share": 0.5, "facts": 3, "min_distance": 200, "seed": 3}
+    plain, weighted = _recipe(tmp_path, **recall), _recipe(tmp_path, **recall, answer_weight=8.0)
+    ins = RecallInserter(RecallConfig(**recall, answer_weight=8.0), make_tokenize(tok, special_tokens=False))
+    for rank, world in ((0, 1), (1, 2)):
+        ref = _take(train_stream(plain, tok, data_files(plain), rank, world)[0], 6)
+        stream, desc = train_stream(weighted, tok, data_files(weighted), rank, world)
+        assert "weighted x8 in the attention term" in desc
+        items = list(itertools.islice(iter(stream), 6))
+        assert all(isinstance(item, tuple) and len(item) == 2 for item in items)
+        assert all(torch.equal(ids, r) for (ids, _), r in zip(items, ref))
+        for i, (ids, w) in enumerate(items):
+            assert w.dtype == torch.float32 and w.shape == ids.shape
+            assert np.array_equal(w.numpy(), ins.position_weights(len(ids), i * world + rank))
+        assert any(bool((w > 1).any()) for _, w in items)

@@ -292,6 +292,52 @@ def test_layer_weights_scale_each_layers_transfer_loss():
     assert grads == {"1"}  # model.layers.<i>...: only layer 1's new weights learn
 
 
+def test_position_weights_weigh_each_positions_transfer_error_in_every_layer():
+    """The attention term with position weights w (B, T) is, per layer,
+    sum_t w_t |student_t - teacher_t|^2 / sum_t w_t |teacher_t|^2 (data.recall.answer_weight);
+    all-ones weights are the unweighted loss, and the weights are gone after the block."""
+    model = convert(tiny_model("llama"), ConversionSpec(window=6, latents=8, init_swa_share=0.5))
+    ids = _ids()
+    weights = torch.ones(ids.shape)
+    weights[0, 30:33] = 50.0
+    weights[1, 5] = 7.0
+    with torch.no_grad(), distill_mode(model, "transfer", position_weights=weights):
+        model(input_ids=ids, logits_to_keep=1)
+        weighted = [float(t) for t in transfer_losses(model)]
+    with torch.no_grad(), distill_mode(model, "transfer"):
+        model(input_ids=ids, logits_to_keep=1)
+        plain = [float(t) for t in transfer_losses(model)]
+    # reference: each converted layer run by hand on the unconverted model's attention inputs
+    base = tiny_model("llama")
+    captured = {}
+    hooks = [layer.self_attn.register_forward_hook(
+        lambda m, a, kw, out, i=i: captured.__setitem__(i, (kw, out[0])), with_kwargs=True)
+        for i, layer in enumerate(base.model.layers)]
+    with torch.no_grad():
+        base(input_ids=ids)
+    for h in hooks:
+        h.remove()
+    expected = []
+    for i, layer in enumerate(model.model.layers):
+        kw, teacher = captured[i]
+        kw = {k: v for k, v in kw.items() if k not in ("past_key_values", "cache")}
+        with torch.no_grad():
+            student, _ = layer.self_attn.forward(**kw)
+        err, ref = (student - teacher).pow(2).mean(-1), teacher.pow(2).mean(-1)
+        expected.append(float((err * weights).sum() / (ref * weights).sum()))
+        assert plain[i] == pytest.approx(float(err.sum() / ref.sum()), rel=1e-5)
+    assert weighted == pytest.approx(expected, rel=1e-5)
+    assert weighted != pytest.approx(plain, rel=1e-3)  # the weights matter
+    _, ones = Objective({"attention": 1.0})(model, ids, position_weights=torch.ones(ids.shape))
+    assert ones["attention"] == pytest.approx(sum(plain), rel=1e-6)
+    _, through = Objective({"attention": 1.0})(model, ids, position_weights=weights)
+    assert through["attention"] == pytest.approx(sum(expected), rel=1e-5)
+    assert all(layer.self_attn.transfer_position_weights is None for layer in model.model.layers)  # reset on exit
+    with pytest.raises(SpecError, match="position_weights weigh the transfer loss"):
+        with distill_mode(model, "teacher", position_weights=weights):
+            pass
+
+
 @pytest.mark.parametrize("spec, match", [
     ({"all": 2.0}, "by index"),
     ({"0-1": -1.0}, ">= 0"),
@@ -323,3 +369,31 @@ def test_layer_weights_naming_an_unconverted_layer_is_refused_before_training(co
     with pytest.raises(SpecError, match=r"names layer\(s\) 5, 6, 7, which .* \(converted: 0-1\)"):
         train(recipe)
     assert not (tmp_path / "out" / "final").exists()
+
+
+def test_the_trainer_hands_recall_answer_weights_to_the_attention_term(converted_dir, books, tmp_path, monkeypatch):
+    """data.recall.answer_weight: every micro-batch reaches the objective with its (B, T) position
+    weights, answer_weight at the answers' positions of the very ids it trains on."""
+    from retrofit.train import train
+    from retrofit.train.recipe import recipe_from_dict
+    from tests.train import tiny
+
+    seen = []
+    real = Objective.__call__
+
+    def spy(self, model, input_ids, position_weights=None):
+        seen.append((input_ids.clone(), None if position_weights is None else position_weights.clone()))
+        return real(self, model, input_ids, position_weights=position_weights)
+
+    monkeypatch.setattr(Objective, "__call__", spy)
+    recall = {"share": 1.0, "facts": 2, "min_distance": 50, "answer_weight": 20.0}
+    recipe = recipe_from_dict(tiny.recipe_dict(converted_dir, books, tmp_path / "out",
+                                               data={"seq_len": 512, "recall": recall},
+                                               train={"objective": "attention", "max_steps": 2}))
+    train(recipe)
+    assert len(seen) == 2 * recipe.train.batch_size // recipe.train.micro_batch_size
+    for ids, w in seen:
+        assert w is not None and w.shape == ids.shape and w.dtype == torch.float32
+        assert set(torch.unique(w).tolist()) == {1.0, 20.0}
+        assert all(int((row == 20.0).sum()) >= 2 for row in w)  # at least one value token per fact, every row
+    assert (tmp_path / "out" / "final").is_dir()

@@ -109,6 +109,23 @@ def test_data_recall_is_off_by_default_and_checked_by_override():
             load_recipe(CONFIGS / "smollm2-135m-macchiato-cpu.yaml", [bad])
 
 
+def test_recall_answer_weight_needs_recall_facts_and_an_attention_term():
+    base = CONFIGS / "smollm2-135m-macchiato-cpu.yaml"  # objective attention
+    r = load_recipe(base, ["data.recall.share=1", "data.recall.answer_weight=40"])
+    assert r.data.recall.answer_weight == 40.0
+    for extra, message in (([], r"data\.recall\.share is 0"),
+                           (["data.recall.share=1", "train.objective=kl"], r"has none: set it to 1 here"),
+                           (["data.recall.share=1", "train.objective=lm"], r"has none: set it to 1 here")):
+        with pytest.raises(SpecError, match=message):
+            load_recipe(base, ["data.recall.answer_weight=40", *extra])
+    for bad in ("0.5", ".nan", "true"):
+        with pytest.raises(SpecError, match=r"data\.recall\.answer_weight must be a (finite )?number"):
+            load_recipe(base, ["data.recall.share=1", f"data.recall.answer_weight={bad}"])
+    ok = load_recipe(base, ["data.recall.share=1", "train.objective=mix", "train.objective_weights={attention: 1, kl: 1}",
+                            "data.recall.answer_weight=10"])
+    assert ok.data.recall.answer_weight == 10.0
+
+
 def test_overrides_are_typed_and_unknown_keys_name_the_valid_ones(tmp_path):
     r = load_recipe(CONFIGS / "gemma2-2b-macchiato.yaml", [
         "train.lr=1e-4", "train.max_steps=10", "trainable.mode=lora", "trainable.lora.target_modules=[q_proj]",
