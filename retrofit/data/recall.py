@@ -18,8 +18,10 @@ unchanged. The wording never uses the passkey evaluator's phrases (``FORBIDDEN``
 accuracy must measure transfer, not a memorised template.
 
 A handful of answer tokens are a sliver of a sequence's positions, so uniform attention transfer
-spends almost none of its gradient on them. ``answer_weight`` > 1 weighs them up in that loss
-(:meth:`RecallInserter.position_weights`; the training stream then yields ``(ids, weights)``).
+spends almost none of its gradient on them. :meth:`RecallInserter.answer_mask` marks them; the
+training stream then yields ``(ids, mask)``, and the objective weighs them up in the attention
+term (``answer_weight``) or trains on them end to end (the ``recall`` term,
+:mod:`retrofit.train.objectives`).
 """
 from __future__ import annotations
 
@@ -188,15 +190,19 @@ class RecallInserter:
         layout = self._layout(length, index)
         return None if layout is None else [p for p, _, _ in layout]
 
-    def position_weights(self, length: int, index: int) -> np.ndarray:
-        """``(length,)`` float32 loss weights of sequence ``index``: ``answer_weight`` at the positions
-        whose next token is one of an answer's value tokens (``answer_value - 1`` onwards: where the
-        model must have carried the fact across ``min_distance`` tokens), 1 everywhere else (all ones
-        when the sequence is not rewritten)."""
-        weights = np.ones(length, dtype=np.float32)
+    def answer_mask(self, length: int, index: int) -> np.ndarray:
+        """``(length,)`` bool: True at the positions of sequence ``index`` whose next token is one of an
+        answer's value tokens (``answer_value - 1`` onwards: where the model must have carried the fact
+        across ``min_distance`` tokens); all False when the sequence is not rewritten."""
+        mask = np.zeros(length, dtype=bool)
         for p in self.plan(length, index) or ():
-            weights[p.answer_value - 1: p.answer_value - 1 + len(p.value_ids)] = self.config.answer_weight
-        return weights
+            mask[p.answer_value - 1: p.answer_value - 1 + len(p.value_ids)] = True
+        return mask
+
+    def position_weights(self, length: int, index: int) -> np.ndarray:
+        """``(length,)`` float32 loss weights of sequence ``index``: ``answer_weight`` where
+        :meth:`answer_mask` is True, 1 everywhere else."""
+        return np.where(self.answer_mask(length, index), np.float32(self.config.answer_weight), np.float32(1.0))
 
     def __call__(self, ids: np.ndarray, index: int) -> np.ndarray:
         """``ids`` (``(seq_len,)`` ints) with sequence ``index``'s snippets written in: a new array of

@@ -16,6 +16,7 @@ from retrofit.data.documents import strip_gutenberg
 from retrofit.data.packing import PackedSequences, eval_blocks, make_tokenize
 from retrofit.data.recall import RecallInserter
 from retrofit.data.sources import load_documents, resolve_files, shard_documents, split_holdout
+from retrofit.train.objectives import objective_weights
 from retrofit.train.recipe import Recipe, recall_config
 
 __all__ = ["DataFiles", "data_files", "recipe_tokenize", "recipe_bos", "train_stream", "heldout_sequences",
@@ -59,21 +60,20 @@ class RecallSequences:
     packer's own count of yielded blocks, part of its resumable state, so a resumed run rewrites
     exactly the sequences an uninterrupted one does. State is the packer's, unchanged.
 
-    With ``data.recall.answer_weight`` > 1 each item is ``(ids, weights)``: the block and its
-    ``(seq_len,)`` float32 position weights for the attention term
-    (:meth:`~retrofit.data.recall.RecallInserter.position_weights`); otherwise the block alone.
+    With ``marks`` (the objective reads the answers: ``data.recall.answer_weight`` > 1 or the
+    ``recall`` term) each item is ``(ids, mask)``: the block and its ``(seq_len,)`` bool answer
+    positions (:meth:`~retrofit.data.recall.RecallInserter.answer_mask`); otherwise the block alone.
     """
 
-    def __init__(self, packed: PackedSequences, inserter: RecallInserter, rank: int, world: int):
-        self.packed, self.inserter, self.rank, self.world = packed, inserter, rank, world
-        self.weighted = inserter.config.answer_weight != 1.0
+    def __init__(self, packed: PackedSequences, inserter: RecallInserter, rank: int, world: int, marks: bool = False):
+        self.packed, self.inserter, self.rank, self.world, self.marks = packed, inserter, rank, world, marks
 
     def __iter__(self) -> Iterator[torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
         for block in self.packed:
             index = (self.packed.blocks_yielded - 1) * self.world + self.rank
             ids = torch.from_numpy(self.inserter(block.numpy(), index))
-            if self.weighted:
-                yield ids, torch.from_numpy(self.inserter.position_weights(len(ids), index))
+            if self.marks:
+                yield ids, torch.from_numpy(self.inserter.answer_mask(len(ids), index))
             else:
                 yield ids
 
@@ -101,10 +101,13 @@ def train_stream(recipe: Recipe, tokenizer: Any, files: DataFiles, rank: int,
                              text_field=d.text_field)
     recall = recall_config(recipe)
     if recall.share > 0:
+        marks = recall.answer_weight != 1.0 or "recall" in objective_weights(recipe.train.objective,
+                                                                             recipe.train.objective_weights)
         desc += (f"; recall facts in {recall.share:.0%} of the sequences ({recall.facts} facts, answers "
                  f">= {recall.min_distance} tokens later"
                  + (f", weighted x{recall.answer_weight:g} in the attention term)" if recall.answer_weight != 1.0 else ")"))
-        return RecallSequences(stream, RecallInserter(recall, make_tokenize(tokenizer, special_tokens=False)), rank, world), desc
+        inserter = RecallInserter(recall, make_tokenize(tokenizer, special_tokens=False))
+        return RecallSequences(stream, inserter, rank, world, marks=marks), desc
     return stream, desc
 
 

@@ -254,7 +254,8 @@ class _Run:
 
         per_layer = layer_weights(r.train.layer_weights)
         self.objective = Objective(objective_weights(r.train.objective, r.train.objective_weights),
-                                   head_positions=r.train.head_positions, layer_weights=per_layer)
+                                   head_positions=r.train.head_positions, layer_weights=per_layer,
+                                   answer_weight=r.data.recall.answer_weight)
         if per_layer:
             from retrofit.surgery.distill import converted_modules
 
@@ -409,8 +410,8 @@ class _Run:
         return lr
 
     def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(ids (B, T), position weights (B, T) or None)``: a stream of ``(ids, weights)`` items
-        (recall answers weighted, :class:`retrofit.train.data.RecallSequences`) gives both."""
+        """``(ids (B, T), answer mask (B, T) or None)``: a stream of ``(ids, mask)`` items (recall
+        answers marked for the objective, :class:`retrofit.train.data.RecallSequences`) gives both."""
         rows = [next(self._train_iter) for _ in range(self.recipe.train.micro_batch_size)]
         if isinstance(rows[0], tuple):
             return (torch.stack([r[0] for r in rows]).to(self.device),
@@ -465,10 +466,10 @@ class _Run:
         drop = self._set_window_dropout()
         losses, parts = [], {}
         for micro in range(self.accum):
-            batch, position_weights = self._next_batch()
+            batch, answer_mask = self._next_batch()
             try:
                 with self.acc.accumulate(self.model):
-                    loss, terms = self.objective(self.model, batch, position_weights=position_weights)
+                    loss, terms = self.objective(self.model, batch, answer_mask=answer_mask)
                     for k, v in terms.items():
                         parts[k] = parts.get(k, 0.0) + v / self.accum
                     mean = self._global_mean(loss)

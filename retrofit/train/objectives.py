@@ -10,7 +10,12 @@
 * ``kl``: KL(p_orig || p_conv) over next tokens, the teacher being the same model with its
   converted layers switched back to their original attention under ``no_grad``. Logits live
   one slice of positions at a time (recomputed in backward), never whole;
-* ``mix``: ``sum_k train.objective_weights[k] * loss_k`` over any of the three.
+* ``recall``: next-token cross-entropy of the recall answers' value tokens only (the positions
+  ``data.recall`` marks, :meth:`retrofit.data.recall.RecallInserter.answer_mask`), end to end
+  through the converted model: retrieval beyond the window trained directly, with no teacher;
+* ``mix``: ``sum_k train.objective_weights[k] * loss_k`` over any of the four.
+
+``data.recall.answer_weight`` > 1 weighs the answers' positions up in the ``attention`` term instead.
 
 ``train.head_positions: n`` runs the LM head (for ``kl`` and ``lm``) on n positions per sequence,
 sampled without replacement from those that have a next token, instead of all T: an unbiased
@@ -38,7 +43,7 @@ from retrofit.surgery.lm_head import (
 
 __all__ = ["OBJECTIVES", "TERMS", "Objective", "heldout_nll", "layer_weights", "objective_weights"]
 
-TERMS = ("lm", "attention", "kl")
+TERMS = ("lm", "attention", "kl", "recall")
 OBJECTIVES = TERMS + ("mix",)
 
 
@@ -98,13 +103,15 @@ class Objective:
 
     def __init__(self, weights: dict[str, float], *, logit_budget: int = DEFAULT_LOGIT_BUDGET,
                  head_positions: int | None = None, sliced_head: bool = False,
-                 layer_weights: dict[int, float] | None = None):
+                 layer_weights: dict[int, float] | None = None, answer_weight: float = 1.0):
         """``sliced_head``: the lm-only objective, too, runs the head one slice of ``logit_budget``
         logits at a time (as kl and mix always do) instead of the model's own loss, whose
         ``(B, T, V)`` logits are 17 GB of fp32 for one 16K-token Gemma 3 sequence.
-        ``layer_weights``: ``{layer index: weight}`` of the attention term's per-layer losses (1 if absent)."""
+        ``layer_weights``: ``{layer index: weight}`` of the attention term's per-layer losses (1 if absent).
+        ``answer_weight``: the attention term's weight of the positions an answer mask marks (others 1)."""
         self.weights = dict(weights)
         self.layer_weights = dict(layer_weights or {})
+        self.answer_weight = float(answer_weight)
         self.logit_budget = int(logit_budget)
         self.head_positions = head_positions
         self.sliced_head = sliced_head
@@ -114,23 +121,28 @@ class Objective:
         return "+".join(f"{w:g}*{k}" if len(self.weights) > 1 else k for k, w in self.weights.items())
 
     def __call__(self, model: nn.Module, input_ids: torch.Tensor,
-                 position_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                 answer_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """``model``: what the training loop calls (the DeepSpeed engine or a plain module);
-        ``position_weights``: ``(B, T)`` weights of the attention term's positions (None: all 1),
-        e.g. recall answers weighted up (``data.recall.answer_weight``)."""
+        ``answer_mask``: ``(B, T)`` bool, the positions that predict a recall answer's value tokens
+        (``data.recall``; needed by the ``recall`` term and by ``answer_weight``)."""
+        if "recall" in self.weights and answer_mask is None:
+            raise SpecError("the recall objective term needs the recall answers' positions: set data.recall.share > 0")
         if self.weights == {"lm": 1.0} and not self.sliced_head:  # the model's own loss, bit for bit
             loss = model(input_ids=input_ids, labels=input_ids).loss
             return loss, {"lm": float(loss.detach())}
         causal_lm = unwrap_causal_lm(model)
         total, parts = None, {}
         if "attention" in self.weights:
+            position_weights = None
+            if answer_mask is not None and self.answer_weight != 1.0:
+                position_weights = 1.0 + (self.answer_weight - 1.0) * answer_mask.float()
             with distill_mode(causal_lm, "transfer", position_weights=position_weights) as modules:
                 model(input_ids=input_ids, logits_to_keep=1)  # decoder on teacher states; 1 head position
                 terms = [(int(m.layer_idx), m.transfer_loss) for m in modules if m.transfer_loss is not None]
             att = torch.stack([t * self.layer_weights.get(i, 1.0) if self.layer_weights else t for i, t in terms]).sum()
             parts["attention"] = float(att.detach())
             total = self.weights["attention"] * att
-        if "kl" in self.weights or "lm" in self.weights:
+        if "kl" in self.weights or "lm" in self.weights or "recall" in self.weights:
             teacher = None
             if "kl" in self.weights:
                 with torch.no_grad(), distill_mode(causal_lm, "teacher"), capture_final_hidden(causal_lm) as box:
@@ -139,17 +151,33 @@ class Objective:
             with capture_final_hidden(causal_lm) as box:
                 model(input_ids=input_ids, logits_to_keep=1)
             student = box[0]
-            targets = input_ids[:, 1:]
-            idx = self.sampled_positions(input_ids)
-            if idx is not None:
-                student, targets = student[:, idx], input_ids[:, idx + 1]
-                teacher = None if teacher is None else teacher[:, idx]
-            terms = sliced_head_terms(causal_lm, student, teacher, targets if "lm" in self.weights else None,
-                                      logit_budget=self.logit_budget)
+            terms = {}
+            if "recall" in self.weights:
+                terms["recall"] = self._recall_term(causal_lm, student, input_ids, answer_mask)
+            if "kl" in self.weights or "lm" in self.weights:
+                targets = input_ids[:, 1:]
+                idx = self.sampled_positions(input_ids)
+                if idx is not None:
+                    student, targets = student[:, idx], input_ids[:, idx + 1]
+                    teacher = None if teacher is None else teacher[:, idx]
+                terms.update(sliced_head_terms(causal_lm, student, teacher, targets if "lm" in self.weights else None,
+                                               logit_budget=self.logit_budget))
             for term, value in terms.items():
                 parts[term] = float(value.detach())
                 total = self.weights[term] * value if total is None else total + self.weights[term] * value
         return total, parts
+
+    def _recall_term(self, causal_lm: nn.Module, student: torch.Tensor, input_ids: torch.Tensor,
+                     answer_mask: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy over the ``answer_mask`` positions of ``student`` ``(B, T, D)``
+        (0, with a graph, for a batch without answers: every rank still runs the same backward)."""
+        T = input_ids.shape[1]
+        mask = answer_mask[:, : T - 1].to(student.device).bool()  # the last position has no next token
+        if not bool(mask.any()):
+            return student.sum() * 0.0
+        hidden = student[:, : T - 1][mask][None]  # (1, N, D)
+        targets = input_ids[:, 1:][mask][None]  # (1, N)
+        return sliced_head_terms(causal_lm, hidden, None, targets, logit_budget=self.logit_budget)["lm"]
 
     def sampled_positions(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         """Sorted positions ``(n,)`` the head runs on (``head_positions`` of the T-1 with a next token),

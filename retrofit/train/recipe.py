@@ -122,7 +122,7 @@ class TrainSection:
     betas: list = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     grad_clip: float = 1.0
-    objective: str = "lm"  # lm | attention | kl | mix (see retrofit.train.objectives)
+    objective: str = "lm"  # lm | attention | kl | recall | mix (see retrofit.train.objectives)
     objective_weights: dict = field(default_factory=dict)  # mix only: {lm: w, attention: w, kl: w}
     head_positions: int | None = None  # kl / lm terms: the LM head runs on this many sampled positions per sequence
     layer_weights: dict = field(default_factory=dict)  # attention term: {"13-29": 4.0} weighs those layers' losses (others 1)
@@ -257,6 +257,9 @@ class Recipe:
             raise SpecError(f"data.recall.answer_weight weighs the answers' positions in the attention term, but "
                             f"train.objective {t.objective!r} has none: set it to 1 here (a stage may override it) "
                             "or use objective attention / mix")
+        if "recall" in terms and not d.recall.share:
+            raise SpecError("train.objective's recall term trains on recall answers, but data.recall.share is 0 (no "
+                            "sequence has any): set data.recall.share > 0 (and facts, min_distance)")
         if d.recall.answer_weight != 1.0 and not d.recall.share:
             raise SpecError("data.recall.answer_weight weighs recall answers, but data.recall.share is 0 (no sequence "
                             "has any): set data.recall.share > 0 or drop answer_weight")

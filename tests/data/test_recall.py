@@ -189,6 +189,7 @@ def test_position_weights_mark_exactly_the_positions_that_predict_an_answers_val
         # each marked position's next token is a value token of an answer, and every answer value token is covered
         expected = sorted(p.answer_value - 1 + j for p in plan for j in range(len(p.value_ids)))
         assert marked.tolist() == expected
+        assert np.flatnonzero(ins.answer_mask(SEQ, index)).tolist() == expected
         for p in plan:
             assert out[p.answer_value:p.answer_value + len(p.value_ids)].tolist() == list(p.value_ids)
             assert p.answer_value - 1 >= p.fact_stop + 300 - 1  # read beyond min_distance
@@ -196,7 +197,7 @@ def test_position_weights_mark_exactly_the_positions_that_predict_an_answers_val
     assert np.array_equal(none.position_weights(SEQ, 0), np.ones(SEQ, dtype=np.float32))
 
 
-def test_a_weighted_stream_yields_the_same_ids_with_their_weights(tmp_path, tok):
+def test_a_marked_stream_yields_the_same_ids_with_their_answer_positions(tmp_path, tok):
     from retrofit.train.data import train_stream, data_files
 
     recall = {"share": 0.5, "facts": 3, "min_distance": 200, "seed": 3}
@@ -209,7 +210,14 @@ def test_a_weighted_stream_yields_the_same_ids_with_their_weights(tmp_path, tok)
         items = list(itertools.islice(iter(stream), 6))
         assert all(isinstance(item, tuple) and len(item) == 2 for item in items)
         assert all(torch.equal(ids, r) for (ids, _), r in zip(items, ref))
-        for i, (ids, w) in enumerate(items):
-            assert w.dtype == torch.float32 and w.shape == ids.shape
-            assert np.array_equal(w.numpy(), ins.position_weights(len(ids), i * world + rank))
-        assert any(bool((w > 1).any()) for _, w in items)
+        for i, (ids, mask) in enumerate(items):
+            assert mask.dtype == torch.bool and mask.shape == ids.shape
+            assert np.array_equal(mask.numpy(), ins.answer_mask(len(ids), i * world + rank))
+            assert np.array_equal(ins.position_weights(len(ids), i * world + rank), np.where(mask.numpy(), 8.0, 1.0))
+        assert any(bool(mask.any()) for _, mask in items)
+    # the recall term reads the same marks; an objective that reads neither gets plain ids
+    term = _recipe(tmp_path, **recall)
+    term.train.objective = "recall"
+    items = list(itertools.islice(iter(train_stream(term, tok, data_files(term), 0, 1)[0]), 3))
+    assert all(isinstance(item, tuple) for item in items)
+    assert all(isinstance(item, torch.Tensor) for item in itertools.islice(iter(train_stream(plain, tok, data_files(plain), 0, 1)[0]), 3))

@@ -328,9 +328,19 @@ def test_position_weights_weigh_each_positions_transfer_error_in_every_layer():
         assert plain[i] == pytest.approx(float(err.sum() / ref.sum()), rel=1e-5)
     assert weighted == pytest.approx(expected, rel=1e-5)
     assert weighted != pytest.approx(plain, rel=1e-3)  # the weights matter
-    _, ones = Objective({"attention": 1.0})(model, ids, position_weights=torch.ones(ids.shape))
+    mask = weights > 1
+    _, ones = Objective({"attention": 1.0})(model, ids, answer_mask=mask)  # answer_weight 1: unweighted
     assert ones["attention"] == pytest.approx(sum(plain), rel=1e-6)
-    _, through = Objective({"attention": 1.0})(model, ids, position_weights=weights)
+    weights[1, 5] = 50.0  # through the objective: answer_weight at every marked position
+    expected = [None] * len(expected)
+    for i, layer in enumerate(model.model.layers):
+        kw, teacher = captured[i]
+        kw = {k: v for k, v in kw.items() if k not in ("past_key_values", "cache")}
+        with torch.no_grad():
+            student, _ = layer.self_attn.forward(**kw)
+        err, ref = (student - teacher).pow(2).mean(-1), teacher.pow(2).mean(-1)
+        expected[i] = float((err * weights).sum() / (ref * weights).sum())
+    _, through = Objective({"attention": 1.0}, answer_weight=50.0)(model, ids, answer_mask=mask)
     assert through["attention"] == pytest.approx(sum(expected), rel=1e-5)
     assert all(layer.self_attn.transfer_position_weights is None for layer in model.model.layers)  # reset on exit
     with pytest.raises(SpecError, match="position_weights weigh the transfer loss"):
@@ -372,8 +382,8 @@ def test_layer_weights_naming_an_unconverted_layer_is_refused_before_training(co
 
 
 def test_the_trainer_hands_recall_answer_weights_to_the_attention_term(converted_dir, books, tmp_path, monkeypatch):
-    """data.recall.answer_weight: every micro-batch reaches the objective with its (B, T) position
-    weights, answer_weight at the answers' positions of the very ids it trains on."""
+    """data.recall.answer_weight: every micro-batch reaches the objective with its (B, T) answer
+    mask and the objective weighs those positions answer_weight times the others."""
     from retrofit.train import train
     from retrofit.train.recipe import recipe_from_dict
     from tests.train import tiny
@@ -381,9 +391,11 @@ def test_the_trainer_hands_recall_answer_weights_to_the_attention_term(converted
     seen = []
     real = Objective.__call__
 
-    def spy(self, model, input_ids, position_weights=None):
-        seen.append((input_ids.clone(), None if position_weights is None else position_weights.clone()))
-        return real(self, model, input_ids, position_weights=position_weights)
+    def spy(self, model, input_ids, answer_mask=None):
+        assert self.answer_weight == 20.0
+        weights = None if answer_mask is None else 1.0 + 19.0 * answer_mask.float()
+        seen.append((input_ids.clone(), weights))
+        return real(self, model, input_ids, answer_mask=answer_mask)
 
     monkeypatch.setattr(Objective, "__call__", spy)
     recall = {"share": 1.0, "facts": 2, "min_distance": 50, "answer_weight": 20.0}
@@ -396,4 +408,53 @@ def test_the_trainer_hands_recall_answer_weights_to_the_attention_term(converted
         assert w is not None and w.shape == ids.shape and w.dtype == torch.float32
         assert set(torch.unique(w).tolist()) == {1.0, 20.0}
         assert all(int((row == 20.0).sum()) >= 2 for row in w)  # at least one value token per fact, every row
+    assert (tmp_path / "out" / "final").is_dir()
+
+
+def test_recall_term_is_the_cross_entropy_of_the_marked_answers_only():
+    """objective recall: mean next-token CE over the answer-mask positions, end to end through the
+    converted model (no teacher); only the new weights learn; a batch without answers gives 0 with
+    a graph; no mask is a SpecError; in mix it adds to the other terms on the same forward."""
+    model = convert(tiny_model("llama"), ConversionSpec(window=6, latents=8, init_swa_share=0.5))
+    ids = _ids()
+    mask = torch.zeros(ids.shape, dtype=torch.bool)
+    mask[0, 25:29] = True
+    mask[1, 33:36] = True
+    mask[1, T - 1] = True  # the last position has no next token: ignored
+    loss, parts = Objective({"recall": 1.0})(model, ids, answer_mask=mask)
+    with torch.no_grad():
+        logp = model(input_ids=ids).logits.float().log_softmax(-1)
+    nll = -logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    expected = float(nll[mask[:, :-1]].mean())
+    assert parts["recall"] == pytest.approx(expected, rel=1e-5) and set(parts) == {"recall"}
+    assert abs(parts["recall"] - float(nll.mean())) > 1e-3  # not the plain LM loss
+    loss.backward()
+    grads = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert grads and all("latent_" in n for n in grads), grads
+    empty, parts0 = Objective({"recall": 1.0})(model, ids, answer_mask=torch.zeros_like(mask))
+    assert parts0["recall"] == 0.0 and empty.requires_grad
+    with pytest.raises(SpecError, match="recall objective term needs the recall answers"):
+        Objective({"recall": 1.0})(model, ids)
+    _, both = Objective({"recall": 1.0, "lm": 0.5})(model, ids, answer_mask=mask)
+    assert both["recall"] == pytest.approx(expected, rel=1e-5)
+    assert both["lm"] == pytest.approx(float(nll.mean()), rel=1e-5)
+
+
+def test_recall_objective_trains_through_the_trainer_and_needs_recall_facts(converted_dir, books, tmp_path):
+    import json
+
+    from retrofit.train import train
+    from retrofit.train.recipe import recipe_from_dict
+    from tests.train import tiny
+
+    with pytest.raises(SpecError, match="recall term trains on recall answers, but data.recall.share is 0"):
+        recipe_from_dict(tiny.recipe_dict(converted_dir, books, tmp_path / "x", train={"objective": "recall"}))
+    recall = {"share": 1.0, "facts": 2, "min_distance": 50}
+    recipe = recipe_from_dict(tiny.recipe_dict(converted_dir, books, tmp_path / "out", data={"seq_len": 512, "recall": recall},
+                                               train={"objective": "mix", "objective_weights": {"recall": 1.0, "kl": 0.5},
+                                                      "max_steps": 2}))
+    train(recipe)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss_recall" in r]
+    assert len(steps) == 2 and all(r["loss_recall"] > 0 and "loss_kl" in r for r in steps)
     assert (tmp_path / "out" / "final").is_dir()

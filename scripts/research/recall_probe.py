@@ -1,0 +1,120 @@
+"""Teacher-forced recall of facts placed beyond the window: a graded retrieval probe.
+
+Passkey accuracy is exact greedy generation of a whole key, 5 trials a cell: it reads 0 until a
+model nearly retrieves. This probe measures the step before that. Held-out text is cut into
+``--length``-token sequences; each gets ``--facts`` recall facts (``retrofit.data.recall``: "Note:
+the locker of Mr. Hale is number 48213." early, its question and answer at least
+``--min-distance`` tokens later, so beyond a window of that size). With the answer's tokens given
+(teacher forcing), it reports over every value token of every answer
+
+* ``acc``: top-1 accuracy of the next-token prediction,
+* ``first``: the same for the value's first token only (the one that needs the fact; later digits
+  may follow from the first),
+* ``nll``: the mean negative log-likelihood in nats,
+
+and ``text_nll``, the mean NLL of every other token of the same sequences (what training for
+retrieval must not cost),
+
+for the model as loaded and, for a Macchiato conversion, with its latent path closed (its window
+and sinks alone), on the same sequences.
+
+    python scripts/research/recall_probe.py smollm2-135m runs/gpu-kl/smollm2-delta \
+        --text ../shared/data/pg-books/jack-sheppard.txt --sequences 8 --length 2048 --out runs/recall_probe.json
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from retrofit.data.packing import make_tokenize
+from retrofit.data.recall import RecallConfig, RecallInserter
+from retrofit.data.text import read_text
+from retrofit.eval.loading import load_model
+from retrofit.fs.atomic import write_json_atomic
+from retrofit.surgery.distill import converted_modules
+
+
+def probe_sequences(tokenizer, text: str, *, sequences: int, length: int, facts: int, min_distance: int,
+                    seed: int) -> list[tuple[np.ndarray, list]]:
+    """``[(ids (length,), placed facts)]``: consecutive blocks of ``text`` with recall facts written in."""
+    ids = np.asarray(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"], dtype=np.int64)
+    inserter = RecallInserter(RecallConfig(share=1.0, facts=facts, min_distance=min_distance, seed=seed),
+                              make_tokenize(tokenizer, special_tokens=False))
+    out = []
+    for i in range(sequences):
+        block = ids[i * length:(i + 1) * length]
+        if len(block) < length:
+            break
+        plan = inserter.plan(length, i)
+        if plan:
+            out.append((inserter(block, i), plan))
+    return out
+
+
+@torch.no_grad()
+def score(model, seqs: list[tuple[np.ndarray, list]]) -> dict[str, float]:
+    """``acc``, ``first``, ``nll`` over every answer's value tokens, teacher-forced."""
+    hits, firsts, nlls, n_first, text = [], [], [], 0, []
+    for ids, plan in seqs:
+        x = torch.from_numpy(ids)[None]
+        logits = model(input_ids=x).logits[0].float()
+        logp = logits.log_softmax(-1)
+        token_nll = -logp[:-1].gather(-1, x[0, 1:, None]).squeeze(-1)
+        keep = torch.ones_like(token_nll, dtype=torch.bool)
+        for fact in plan:
+            keep[fact.answer_value - 1: fact.answer_value - 1 + len(fact.value_ids)] = False
+        text.append(token_nll[keep])
+        for fact in plan:
+            for j, tok in enumerate(fact.value_ids):
+                pos = fact.answer_value + j - 1  # the position that predicts this value token
+                hit = int(logits[pos].argmax()) == tok
+                hits.append(hit)
+                nlls.append(-float(logp[pos, tok]))
+                if j == 0:
+                    firsts.append(hit)
+                    n_first += 1
+    return {"acc": float(np.mean(hits)), "first": float(np.mean(firsts)), "nll": float(np.mean(nlls)),
+            "text_nll": float(torch.cat(text).mean()), "values": n_first, "value_tokens": len(hits)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("models", nargs="+", help="model names or folders (a Macchiato conversion is also scored closed)")
+    ap.add_argument("--text", required=True, help="held-out text file")
+    ap.add_argument("--sequences", type=int, default=8)
+    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--facts", type=int, default=4)
+    ap.add_argument("--min-distance", type=int, default=1100)
+    ap.add_argument("--seed", type=int, default=1234, help="recall seed (training uses 0 by default)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    rows, seqs = [], None
+    for name in args.models:
+        model, tokenizer = load_model(name, dtype="float32")
+        if seqs is None:
+            seqs = probe_sequences(tokenizer, read_text(args.text), sequences=args.sequences, length=args.length,
+                                   facts=args.facts, min_distance=args.min_distance, seed=args.seed)
+        modules = converted_modules(model)
+        rows.append({"model": name, "latent_path": "open" if modules else "-", **score(model, seqs)})
+        print(rows[-1], flush=True)
+        if modules and hasattr(modules[0], "latent_path_closed"):
+            for m in modules:
+                m.latent_path_closed = True
+            rows.append({"model": name, "latent_path": "closed", **score(model, seqs)})
+            print(rows[-1], flush=True)
+        del model
+    print(f"{'model':<40} {'latent':>7} {'acc':>6} {'first':>6} {'nll':>6} {'text nll':>8}")
+    for r in rows:
+        print(f"{r['model'][-40:]:<40} {r['latent_path']:>7} {r['acc']:>6.1%} {r['first']:>6.1%} {r['nll']:>6.3f} "
+              f"{r['text_nll']:>8.4f}")
+    if args.out:
+        write_json_atomic(args.out, {"text": args.text, "length": args.length, "facts": args.facts,
+                                     "min_distance": args.min_distance, "seed": args.seed, "rows": rows}, indent=1)
+
+
+if __name__ == "__main__":
+    main()
