@@ -61,11 +61,9 @@ def test_kl_is_zero_for_unconverted_pair_and_matches_dense_reference(family):
     assert parts["lm"] == pytest.approx(float(ce), rel=1e-5)
 
 
-def test_attention_transfer_matches_per_layer_reference_and_trains_only_new_weights():
-    model = convert(tiny_model("llama"), ConversionSpec(window=6, latents=8, init_swa_share=0.5))
-    ids = _ids()
-    loss, parts = Objective({"attention": 1.0})(model, ids)
-    # reference: the unconverted model's attention inputs/outputs, fed to each converted layer by hand
+def _layers_by_hand(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Reference for the transfer term: ``[(student, teacher)]`` per layer, each converted layer run
+    by hand on the unconverted (tiny llama) model's attention inputs, beside that model's output."""
     base = tiny_model("llama")
     captured = {}
     handles = [layer.self_attn.register_forward_hook(
@@ -75,13 +73,22 @@ def test_attention_transfer_matches_per_layer_reference_and_trains_only_new_weig
         base(input_ids=ids)
     for h in handles:
         h.remove()
-    expected = 0.0
+    out = []
     for i, layer in enumerate(model.model.layers):
         kw, teacher = captured[i]
         kw = {k: v for k, v in kw.items() if k not in ("past_key_values", "cache")}  # the base's filled cache
         with torch.no_grad():
             student, _ = layer.self_attn.forward(**kw)
-        expected += float(((student - teacher) ** 2).mean() / (teacher ** 2).mean())
+        out.append((student, teacher))
+    return out
+
+
+def test_attention_transfer_matches_per_layer_reference_and_trains_only_new_weights():
+    model = convert(tiny_model("llama"), ConversionSpec(window=6, latents=8, init_swa_share=0.5))
+    ids = _ids()
+    loss, parts = Objective({"attention": 1.0})(model, ids)
+    expected = sum(float(((student - teacher) ** 2).mean() / (teacher ** 2).mean())
+                   for student, teacher in _layers_by_hand(model, ids))
     assert parts["attention"] == pytest.approx(expected, rel=1e-5)
     loss.backward()
     grads = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
@@ -307,41 +314,21 @@ def test_position_weights_weigh_each_positions_transfer_error_in_every_layer():
     with torch.no_grad(), distill_mode(model, "transfer"):
         model(input_ids=ids, logits_to_keep=1)
         plain = [float(t) for t in transfer_losses(model)]
-    # reference: each converted layer run by hand on the unconverted model's attention inputs
-    base = tiny_model("llama")
-    captured = {}
-    hooks = [layer.self_attn.register_forward_hook(
-        lambda m, a, kw, out, i=i: captured.__setitem__(i, (kw, out[0])), with_kwargs=True)
-        for i, layer in enumerate(base.model.layers)]
-    with torch.no_grad():
-        base(input_ids=ids)
-    for h in hooks:
-        h.remove()
-    expected = []
-    for i, layer in enumerate(model.model.layers):
-        kw, teacher = captured[i]
-        kw = {k: v for k, v in kw.items() if k not in ("past_key_values", "cache")}
-        with torch.no_grad():
-            student, _ = layer.self_attn.forward(**kw)
-        err, ref = (student - teacher).pow(2).mean(-1), teacher.pow(2).mean(-1)
-        expected.append(float((err * weights).sum() / (ref * weights).sum()))
-        assert plain[i] == pytest.approx(float(err.sum() / ref.sum()), rel=1e-5)
+    pairs = _layers_by_hand(model, ids)
+
+    def weighted_reference(w: torch.Tensor) -> list[float]:
+        return [float(((s - t).pow(2).mean(-1) * w).sum() / (t.pow(2).mean(-1) * w).sum()) for s, t in pairs]
+
+    expected = weighted_reference(weights)
+    assert plain == pytest.approx(weighted_reference(torch.ones(ids.shape)), rel=1e-5)
     assert weighted == pytest.approx(expected, rel=1e-5)
     assert weighted != pytest.approx(plain, rel=1e-3)  # the weights matter
     mask = weights > 1
     _, ones = Objective({"attention": 1.0})(model, ids, answer_mask=mask)  # answer_weight 1: unweighted
     assert ones["attention"] == pytest.approx(sum(plain), rel=1e-6)
     weights[1, 5] = 50.0  # through the objective: answer_weight at every marked position
-    expected = [None] * len(expected)
-    for i, layer in enumerate(model.model.layers):
-        kw, teacher = captured[i]
-        kw = {k: v for k, v in kw.items() if k not in ("past_key_values", "cache")}
-        with torch.no_grad():
-            student, _ = layer.self_attn.forward(**kw)
-        err, ref = (student - teacher).pow(2).mean(-1), teacher.pow(2).mean(-1)
-        expected[i] = float((err * weights).sum() / (ref * weights).sum())
     _, through = Objective({"attention": 1.0}, answer_weight=50.0)(model, ids, answer_mask=mask)
-    assert through["attention"] == pytest.approx(sum(expected), rel=1e-5)
+    assert through["attention"] == pytest.approx(sum(weighted_reference(weights)), rel=1e-5)
     assert all(layer.self_attn.transfer_position_weights is None for layer in model.model.layers)  # reset on exit
     with pytest.raises(SpecError, match="position_weights weigh the transfer loss"):
         with distill_mode(model, "teacher", position_weights=weights):
