@@ -17,6 +17,18 @@ an uninterrupted run sees. A sequence too short for the snippets plus ``min_dist
 unchanged. The wording never uses the passkey evaluator's phrases (``FORBIDDEN``): passkey
 accuracy must measure transfer, not a memorised template.
 
+Eight question templates teach the latent states those templates: a model trained on them answers
+held-out facts in their wording and nothing else. ``style="repeats"`` writes the content-free form
+of the same skill (long-range induction): a short cue of the sequence's own text (3-10 tokens,
+left where it is) is followed by an inserted value, and at least ``min_distance`` tokens later the
+cue is written again, followed by the same value::
+
+    .. book: he went up the stair and found 48213 the door was locked .. (>= min_distance) ..
+    .. book .. went up the stair and found 48213 .. book
+
+Nothing in a repeat is worded by this module except the value, so no template can be memorised;
+``style="mixed"`` draws each snippet from either form with equal odds.
+
 A handful of answer tokens are a sliver of a sequence's positions, so uniform attention transfer
 spends almost none of its gradient on them. :meth:`RecallInserter.answer_mask` marks them; the
 training stream then yields ``(ids, mask)``, and the objective weighs them up in the attention
@@ -33,7 +45,7 @@ import numpy as np
 
 from retrofit.errors import SpecError
 
-__all__ = ["RecallConfig", "RecallFact", "RecallInserter", "FORBIDDEN", "TEMPLATES"]
+__all__ = ["RecallConfig", "RecallFact", "RecallInserter", "FORBIDDEN", "TEMPLATES", "STYLES"]
 
 FORBIDDEN = ("pass key", "passkey", "pass-key", "remember it")  # the passkey evaluator's wording
 
@@ -69,6 +81,9 @@ PLACES = ("Bristol", "the old mill", "Lisbon", "the harbour", "Canterbury", "the
 WORDS = ("amber", "heron", "juniper", "cobalt", "thistle", "walnut", "crimson", "falcon", "saffron",
          "marble", "willow", "copper", "raven", "indigo", "orchid", "granite", "sparrow", "ivory", "cedar",
          "scarlet", "badger", "olive", "silver", "magpie", "ochre", "hazel", "violet", "otter", "emerald")
+STYLES = ("facts", "repeats", "mixed")  # template facts | cue-and-value repeats of the text itself | either
+CUE_TOKENS = (3, 10)  # a repeat's cue: this many tokens of the sequence's own text (inclusive range)
+KEEP = -1  # in a snippet: a fact's "keep the sequence's token here"; an answer's "the fact's token here"
 COLOURS = ("crimson", "cobalt", "ochre", "ivory", "scarlet", "emerald", "amber", "violet", "olive", "silver")
 
 
@@ -77,12 +92,14 @@ class RecallConfig:
     """``share``: probability a sequence is rewritten (0 = off); ``facts`` per rewritten sequence;
     ``min_distance``: tokens from the end of a fact to the start of its answer's value; ``seed``;
     ``answer_weight``: the weight, in the attention-transfer loss, of the positions that predict an
-    answer's value tokens (every other position weighs 1; 1 = all alike; see :meth:`RecallInserter.position_weights`)."""
+    answer's value tokens (every other position weighs 1; 1 = all alike; see :meth:`RecallInserter.position_weights`);
+    ``style``: one of :data:`STYLES` (see the module docstring)."""
     share: float = 0.0
     facts: int = 4
     min_distance: int = 1024
     seed: int = 0
     answer_weight: float = 1.0
+    style: str = "facts"
 
     def check(self, where: str = "recall") -> "RecallConfig":
         """SpecError naming ``where.<field>`` for a value out of range."""
@@ -100,6 +117,9 @@ class RecallConfig:
         if isinstance(w, bool) or not (isinstance(w, (int, float)) and math.isfinite(w) and w >= 1.0):
             raise SpecError(f"{where}.answer_weight must be a finite number >= 1 (the answers' weight in the "
                             f"attention-transfer loss; 1 = every position alike), got {w}")
+        if self.style not in STYLES:
+            raise SpecError(f"{where}.style must be one of {', '.join(STYLES)} (template facts, repeats of the text's own "
+                            f"cues, or either), got {self.style!r}")
         return self
 
 
@@ -110,7 +130,7 @@ class RecallFact:
     fact_stop: int
     qa_start: int
     qa_stop: int
-    fact_value: int  # where the value's tokens start inside the fact snippet
+    fact_value: int  # where the value's tokens start (after the fact's wording, or a repeat's cue)
     answer_value: int  # where they start inside the answer (answer_value - fact_stop >= min_distance)
     value_ids: tuple[int, ...]
 
@@ -132,10 +152,14 @@ class RecallInserter:
         return np.random.default_rng([self.config.seed, int(index)])
 
     def _snippets(self, rng: np.random.Generator) -> list[tuple[list[int], int, list[int], int, list[int]]]:
-        """``[(fact ids, value offset, question+answer ids, value offset, value ids)]``, one per fact."""
-        k = self.config.facts
+        """``[(fact ids, value offset, question+answer ids, value offset, value ids)]``, one per fact;
+        a repeat's cue is :data:`KEEP` in both (filled in from the sequence by :meth:`__call__`)."""
+        k, style = self.config.facts, self.config.style
         out = []
         for name in rng.choice(len(NAMES), size=k, replace=k > len(NAMES)).tolist():
+            if style == "repeats" or (style == "mixed" and rng.random() < 0.5):
+                out.append(self._repeat(rng))
+                continue
             pre, post, question, a_pre, a_post, kind = TEMPLATES[int(rng.integers(len(TEMPLATES)))]
             slots = {"name": NAMES[name], "thing": THINGS[int(rng.integers(len(THINGS)))],
                      "place": PLACES[int(rng.integers(len(PLACES)))]}
@@ -143,8 +167,7 @@ class RecallInserter:
                 pool = COLOURS if "colour" in question else WORDS
                 value = pool[int(rng.integers(len(pool)))]
             else:
-                digits = int(rng.integers(3, 8))
-                value = str(int(rng.integers(10 ** (digits - 1), 10 ** digits)))
+                value = _number(rng)
             value_ids = self.encode(" " + value)
             head = self.encode("\n" + pre.format(**slots))
             fact = head + value_ids + self.encode(_spaced(post.format(**slots)) + "\n")
@@ -152,6 +175,14 @@ class RecallInserter:
             qa = ask + value_ids + self.encode(_spaced(a_post.format(**slots)) + "\n")
             out.append((fact, len(head), qa, len(ask), value_ids))
         return out
+
+    def _repeat(self, rng: np.random.Generator) -> tuple[list[int], int, list[int], int, list[int]]:
+        """A cue of the text's own tokens, then a number (two in three) or a word; written twice."""
+        cue = int(rng.integers(CUE_TOKENS[0], CUE_TOKENS[1] + 1))
+        value = WORDS[int(rng.integers(len(WORDS)))] if rng.random() < 1 / 3 else _number(rng)
+        value_ids = self.encode(" " + value)
+        snippet = [KEEP] * cue + value_ids
+        return snippet, cue, list(snippet), cue, value_ids
 
     def _layout(self, length: int, index: int) -> list[tuple[RecallFact, list[int], list[int]]] | None:
         """``[(placement, fact ids, question+answer ids)]`` of sequence ``index``, or None (not rewritten)."""
@@ -212,9 +243,18 @@ class RecallInserter:
             return ids
         out = ids.copy()
         for p, fact, qa in layout:
-            out[p.fact_start:p.fact_stop] = fact
+            fact, qa = np.asarray(fact), np.asarray(qa)
+            out[p.fact_start:p.fact_stop] = np.where(fact == KEEP, ids[p.fact_start:p.fact_stop], fact)
+            cue = np.flatnonzero(qa == KEEP)  # an answer's KEEP at j: the fact's token j (a repeat's cue)
+            qa[cue] = out[p.fact_start + cue]
             out[p.qa_start:p.qa_stop] = qa
         return out
+
+
+def _number(rng: np.random.Generator) -> str:
+    """3 to 7 digits, no leading zero."""
+    digits = int(rng.integers(3, 8))
+    return str(int(rng.integers(10 ** (digits - 1), 10 ** digits)))
 
 
 def _spaced(text: str) -> str:

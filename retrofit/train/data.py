@@ -103,7 +103,8 @@ def train_stream(recipe: Recipe, tokenizer: Any, files: DataFiles, rank: int,
     if recall.share > 0:
         marks = recall.answer_weight != 1.0 or "recall" in objective_weights(recipe.train.objective,
                                                                              recipe.train.objective_weights)
-        desc += (f"; recall facts in {recall.share:.0%} of the sequences ({recall.facts} facts, answers "
+        kind = {"facts": "facts", "repeats": "repeated cues", "mixed": "facts or repeated cues"}[recall.style]
+        desc += (f"; recall {kind} in {recall.share:.0%} of the sequences ({recall.facts} each, answers "
                  f">= {recall.min_distance} tokens later"
                  + (f", weighted x{recall.answer_weight:g} in the attention term)" if recall.answer_weight != 1.0 else ")"))
         inserter = RecallInserter(recall, make_tokenize(tokenizer, special_tokens=False))

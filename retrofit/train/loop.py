@@ -114,8 +114,9 @@ def _fingerprint(recipe: Recipe) -> dict:
             "batch_size": d["train"]["batch_size"], "micro_batch_size": d["train"]["micro_batch_size"]}
     if d["data"]["recall"]["share"]:  # recall off: older checkpoints keep their hash
         data_keys["recall"] = dict(d["data"]["recall"])
-        if data_keys["recall"].get("answer_weight") == 1.0:  # unweighted: as before the key existed
-            del data_keys["recall"]["answer_weight"]
+        for key, before in (("answer_weight", 1.0), ("style", "facts")):  # as before these keys existed
+            if data_keys["recall"].get(key) == before:
+                del data_keys["recall"][key]
     if d["train"]["objective"] != "lm":  # older checkpoints (lm only) keep their hash
         same["objective"] = {"objective": d["train"]["objective"], "weights": d["train"]["objective_weights"]}
         if d["train"].get("head_positions"):

@@ -79,6 +79,7 @@ class RecallSection:
     min_distance: int = RecallConfig.min_distance  # tokens from a fact to its answer (at least)
     seed: int = RecallConfig.seed  # the rewrite of sequence i is a function of (seed, i) only
     answer_weight: float = RecallConfig.answer_weight  # attention term: weight of the answer positions (others 1)
+    style: str = RecallConfig.style  # facts (worded templates) | repeats (cue of the text's own tokens + value) | mixed
 
 
 @dataclass

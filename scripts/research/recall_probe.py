@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from retrofit.data.packing import make_tokenize
-from retrofit.data.recall import RecallConfig, RecallInserter
+from retrofit.data.recall import STYLES, RecallConfig, RecallInserter
 from retrofit.data.text import read_text
 from retrofit.eval.loading import load_model
 from retrofit.fs.atomic import write_json_atomic
@@ -38,10 +38,10 @@ from retrofit.surgery.distill import converted_modules
 
 
 def probe_sequences(tokenizer, text: str, *, sequences: int, length: int, facts: int, min_distance: int,
-                    seed: int) -> list[tuple[np.ndarray, list]]:
+                    seed: int, style: str = "facts") -> list[tuple[np.ndarray, list]]:
     """``[(ids (length,), placed facts)]``: consecutive blocks of ``text`` with recall facts written in."""
     ids = np.asarray(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"], dtype=np.int64)
-    inserter = RecallInserter(RecallConfig(share=1.0, facts=facts, min_distance=min_distance, seed=seed),
+    inserter = RecallInserter(RecallConfig(share=1.0, facts=facts, min_distance=min_distance, seed=seed, style=style),
                               make_tokenize(tokenizer, special_tokens=False))
     out = []
     for i in range(sequences):
@@ -89,6 +89,8 @@ def main() -> None:
     ap.add_argument("--facts", type=int, default=4)
     ap.add_argument("--min-distance", type=int, default=1100)
     ap.add_argument("--seed", type=int, default=1234, help="recall seed (training uses 0 by default)")
+    ap.add_argument("--style", default="facts", choices=STYLES, help="facts: worded templates; repeats: a cue of the "
+                    "text's own tokens and a value, written again later")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_grad_enabled(False)
@@ -97,7 +99,8 @@ def main() -> None:
         model, tokenizer = load_model(name, dtype="float32")
         if seqs is None:
             seqs = probe_sequences(tokenizer, read_text(args.text), sequences=args.sequences, length=args.length,
-                                   facts=args.facts, min_distance=args.min_distance, seed=args.seed)
+                                   facts=args.facts, min_distance=args.min_distance, seed=args.seed,
+                                   style=args.style)
         modules = converted_modules(model)
         rows.append({"model": name, "latent_path": "open" if modules else "-", **score(model, seqs)})
         print(rows[-1], flush=True)
@@ -113,7 +116,8 @@ def main() -> None:
               f"{r['text_nll']:>8.4f}")
     if args.out:
         write_json_atomic(args.out, {"text": args.text, "length": args.length, "facts": args.facts,
-                                     "min_distance": args.min_distance, "seed": args.seed, "rows": rows}, indent=1)
+                                     "min_distance": args.min_distance, "seed": args.seed, "style": args.style,
+                                     "rows": rows}, indent=1)
 
 
 if __name__ == "__main__":

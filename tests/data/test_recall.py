@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from retrofit.data.packing import make_tokenize
-from retrofit.data.recall import (COLOURS, FORBIDDEN, NAMES, PLACES, TEMPLATES, THINGS, WORDS, RecallConfig,
-                                  RecallInserter)
+from retrofit.data.recall import (COLOURS, CUE_TOKENS, FORBIDDEN, NAMES, PLACES, TEMPLATES, THINGS, WORDS,
+                                  RecallConfig, RecallInserter)
 from retrofit.errors import SpecError
 from tests.train import tiny
 
@@ -35,8 +35,9 @@ def _inserter(tok, **kw) -> RecallInserter:
     return RecallInserter(RecallConfig(**{"share": 1.0, "facts": 4, "min_distance": 300, **kw}), make_tokenize(tok, special_tokens=False))
 
 
-def test_length_dtype_and_first_token_are_kept_and_only_snippets_change(tok, book):
-    ins = _inserter(tok)
+@pytest.mark.parametrize("style", ["facts", "repeats", "mixed"])
+def test_length_dtype_and_first_token_are_kept_and_only_snippets_change(tok, book, style):
+    ins = _inserter(tok, style=style)
     for index in range(40):
         out = ins(book, index)
         assert out.shape == book.shape and out.dtype == book.dtype and out[0] == book[0]
@@ -66,6 +67,35 @@ def test_facts_precede_their_answers_by_min_distance_and_never_overlap(tok, book
             assert value in tok.decode(out[p.fact_start:p.fact_stop].tolist())
             question, answer = tok.decode(out[p.qa_start:p.qa_stop].tolist()).split("?", 1)
             assert value in answer and value not in question
+
+
+def test_a_repeat_is_the_texts_own_cue_then_a_value_written_again_beyond_min_distance(tok, book):
+    ins = _inserter(tok, facts=5, min_distance=400, style="repeats")
+    values = set()
+    for index in range(60):
+        out, plan = ins(book, index), ins.plan(SEQ, index)
+        assert len(plan) == 5
+        spans = sorted([(p.fact_start, p.fact_stop) for p in plan] + [(p.qa_start, p.qa_stop) for p in plan])
+        assert spans[0][0] >= 1 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+        for p in plan:
+            n, cue = len(p.value_ids), p.fact_value - p.fact_start
+            assert CUE_TOKENS[0] <= cue <= CUE_TOKENS[1] and p.fact_stop == p.fact_value + n
+            assert out[p.fact_start:p.fact_value].tolist() == book[p.fact_start:p.fact_value].tolist()  # left as is
+            assert out[p.fact_value:p.fact_stop].tolist() == list(p.value_ids)
+            # the answer is the same cue, then the same value, and nothing else
+            assert out[p.qa_start:p.qa_stop].tolist() == out[p.fact_start:p.fact_stop].tolist()
+            assert p.answer_value == p.qa_start + cue and p.answer_value - p.fact_stop >= 400
+            values.add(tok.decode(list(p.value_ids)).strip())
+    assert any(v.isdigit() for v in values) and any(v in WORDS for v in values)
+    assert all(v.isdigit() or v in WORDS for v in values)  # the only words a repeat adds: values
+
+
+def test_mixed_draws_both_forms_and_facts_are_unchanged_by_the_option(tok, book):
+    mixed = _inserter(tok, facts=6, style="mixed")
+    forms = [out[p.qa_start:p.qa_stop].tolist() == out[p.fact_start:p.fact_stop].tolist()
+             for index in range(40) for out in [mixed(book, index)] for p in mixed.plan(SEQ, index)]
+    assert 0.3 < np.mean(forms) < 0.7
+    assert np.array_equal(_inserter(tok, style="facts")(book, 11), _inserter(tok)(book, 11))
 
 
 def test_a_sequence_is_a_pure_function_of_seed_and_index(tok, book):
@@ -110,7 +140,8 @@ def test_no_passkey_wording_in_the_word_lists_or_in_generated_snippets(tok, book
 @pytest.mark.parametrize("bad,message", [({"share": 1.5}, "recall.share"), ({"facts": 0}, "recall.facts"),
                                          ({"min_distance": 0}, "recall.min_distance"), ({"seed": -1}, "recall.seed"),
                                          ({"answer_weight": 0.0}, "recall.answer_weight"),
-                                         ({"answer_weight": float("inf")}, "recall.answer_weight")])
+                                         ({"answer_weight": float("inf")}, "recall.answer_weight"),
+                                         ({"style": "passkey"}, "recall.style")])
 def test_out_of_range_config_is_a_spec_error(bad, message):
     with pytest.raises(SpecError, match=message):
         RecallConfig(**bad).check()
@@ -173,14 +204,18 @@ def test_recall_off_is_the_plain_stream_and_eval_is_never_rewritten(tmp_path, to
     assert _fingerprint(off)["hash"] != _fingerprint(on)["hash"]
     assert "recall" not in _fingerprint(off)["data"]  # recall off: checkpoints written before it still resume
     assert "answer_weight" not in _fingerprint(on)["data"]["recall"]  # unweighted: the hash from before the key
+    assert "style" not in _fingerprint(on)["data"]["recall"]  # template facts: the hash from before the key
+    repeats = _recipe(tmp_path, share=1.0, facts=2, min_distance=100, style="repeats")
+    assert _fingerprint(repeats)["hash"] != _fingerprint(on)["hash"]
     weighted = _recipe(tmp_path, share=1.0, facts=2, min_distance=100, answer_weight=5.0)
     before = _fingerprint(weighted)["hash"]
     weighted.data.recall.answer_weight = 1.0  # the same recipe, unweighted: a run of one cannot resume the other
     assert _fingerprint(weighted)["hash"] != before
 
 
-def test_position_weights_mark_exactly_the_positions_that_predict_an_answers_value(tok, book):
-    ins = _inserter(tok, facts=3, min_distance=300, answer_weight=25.0)
+@pytest.mark.parametrize("style", ["facts", "repeats"])
+def test_position_weights_mark_exactly_the_positions_that_predict_an_answers_value(tok, book, style):
+    ins = _inserter(tok, facts=3, min_distance=300, answer_weight=25.0, style=style)
     for index in range(20):
         out, plan, w = ins(book, index), ins.plan(SEQ, index), ins.position_weights(SEQ, index)
         assert w.shape == (SEQ,) and w.dtype == np.float32
