@@ -8,12 +8,18 @@ the locker of Mr. Hale is number 48213." early, its question and answer at least
 (teacher forcing), it reports over every value token of every answer
 
 * ``acc``: top-1 accuracy of the next-token prediction,
-* ``first``: the same for the value's first token only (the one that needs the fact; later digits
-  may follow from the first),
+* ``first``: the same for the value's first token only. SmolLM2's tokenizer writes " 48213" as
+  " ", "4", "8", ...: for a number that first token is the space, which says only that a number
+  follows, not which one,
+* ``lead``: the same for the value's first token that is not whitespace (a number's first digit,
+  a word's token): the one that needs the fact (later digits may follow from it),
 * ``nll``: the mean negative log-likelihood in nats,
 
 and ``text_nll``, the mean NLL of every other token of the same sequences (what training for
-retrieval must not cost),
+retrieval must not cost). With ``--passkey N`` it also scores N passkey prompts of ``--length``
+tokens, the needle at depth 0 (beyond the window), teacher-forced the same way: ``pk_acc`` /
+``pk_first`` / ``pk_lead`` / ``pk_nll`` over the key's tokens after ``The pass key is`` (plain text, the
+evaluator's prompt and haystack).
 
 for the model as loaded and, for a Macchiato conversion, with its latent path closed (its window
 and sinks alone), on the same sequences.
@@ -54,10 +60,15 @@ def probe_sequences(tokenizer, text: str, *, sequences: int, length: int, facts:
     return out
 
 
+def lead_index(tokenizer, value_ids) -> int:
+    """Index of the first of ``value_ids`` whose text is not whitespace."""
+    return next((j for j, t in enumerate(value_ids) if tokenizer.decode([t]).strip()), 0)
+
+
 @torch.no_grad()
-def score(model, seqs: list[tuple[np.ndarray, list]]) -> dict[str, float]:
-    """``acc``, ``first``, ``nll`` over every answer's value tokens, teacher-forced."""
-    hits, firsts, nlls, n_first, text = [], [], [], 0, []
+def score(model, tokenizer, seqs: list[tuple[np.ndarray, list]]) -> dict[str, float]:
+    """``acc``, ``first``, ``lead``, ``nll`` over every answer's value tokens, teacher-forced."""
+    hits, firsts, leads, nlls, n_first, text = [], [], [], [], 0, []
     for ids, plan in seqs:
         x = torch.from_numpy(ids)[None]
         logits = model(input_ids=x).logits[0].float()
@@ -68,6 +79,7 @@ def score(model, seqs: list[tuple[np.ndarray, list]]) -> dict[str, float]:
             keep[fact.answer_value - 1: fact.answer_value - 1 + len(fact.value_ids)] = False
         text.append(token_nll[keep])
         for fact in plan:
+            lead = lead_index(tokenizer, fact.value_ids)
             for j, tok in enumerate(fact.value_ids):
                 pos = fact.answer_value + j - 1  # the position that predicts this value token
                 hit = int(logits[pos].argmax()) == tok
@@ -76,8 +88,50 @@ def score(model, seqs: list[tuple[np.ndarray, list]]) -> dict[str, float]:
                 if j == 0:
                     firsts.append(hit)
                     n_first += 1
-    return {"acc": float(np.mean(hits)), "first": float(np.mean(firsts)), "nll": float(np.mean(nlls)),
+                if j == lead:
+                    leads.append(hit)
+    return {"acc": float(np.mean(hits)), "first": float(np.mean(firsts)), "lead": float(np.mean(leads)),
+            "nll": float(np.mean(nlls)),
             "text_nll": float(torch.cat(text).mean()), "values": n_first, "value_tokens": len(hits)}
+
+
+def passkey_prompts(tokenizer, *, trials: int, length: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """``[(prompt ids + the key's ids, the key's ids)]``: ``eval.passkey``'s plain prompts, depth 0."""
+    import random
+
+    from retrofit.eval.passkey import build_prompt, haystack_tokens
+    from retrofit.eval.windows import encode
+
+    stride, rng = 7919, random.Random(seed)
+    stream = haystack_tokens(tokenizer, "pg-books", need=length + stride * trials)
+    out = []
+    for t in range(trials):
+        key = str(rng.randrange(10_000, 100_000))
+        off = (t * stride) % len(stream)
+        ids, _ = build_prompt(tokenizer, (stream[off:] + stream[:off])[:length], length - 8, 0.0, key, bos_id=None)
+        key_ids = encode(tokenizer, " " + key)
+        out.append((ids + key_ids, key_ids))
+    return out
+
+
+@torch.no_grad()
+def score_passkey(model, tokenizer, prompts: list[tuple[list[int], list[int]]]) -> dict[str, float]:
+    """``pk_acc``, ``pk_first``, ``pk_lead``, ``pk_nll`` over the keys' tokens, teacher-forced."""
+    hits, firsts, leads, nlls = [], [], [], []
+    for ids, key_ids in prompts:
+        lead = lead_index(tokenizer, key_ids)
+        logp = model(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)
+        for j, tok in enumerate(key_ids):
+            pos = len(ids) - len(key_ids) + j - 1
+            hit = int(logp[pos].argmax()) == tok
+            hits.append(hit)
+            nlls.append(-float(logp[pos, tok]))
+            if j == 0:
+                firsts.append(hit)
+            if j == lead:
+                leads.append(hit)
+    return {"pk_acc": float(np.mean(hits)), "pk_first": float(np.mean(firsts)), "pk_lead": float(np.mean(leads)),
+            "pk_nll": float(np.mean(nlls))}
 
 
 def main() -> None:
@@ -91,32 +145,40 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1234, help="recall seed (training uses 0 by default)")
     ap.add_argument("--style", default="facts", choices=STYLES, help="facts: worded templates; repeats: a cue of the "
                     "text's own tokens and a value, written again later")
+    ap.add_argument("--passkey", type=int, default=0, metavar="N", help="also score N passkey prompts (depth 0)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_grad_enabled(False)
-    rows, seqs = [], None
+    rows, seqs, prompts = [], None, None
     for name in args.models:
         model, tokenizer = load_model(name, dtype="float32")
         if seqs is None:
             seqs = probe_sequences(tokenizer, read_text(args.text), sequences=args.sequences, length=args.length,
                                    facts=args.facts, min_distance=args.min_distance, seed=args.seed,
                                    style=args.style)
+            prompts = passkey_prompts(tokenizer, trials=args.passkey, length=args.length) if args.passkey else []
+
+        def scores() -> dict[str, float]:
+            return {**score(model, tokenizer, seqs), **(score_passkey(model, tokenizer, prompts) if prompts else {})}
+
         modules = converted_modules(model)
-        rows.append({"model": name, "latent_path": "open" if modules else "-", **score(model, seqs)})
+        rows.append({"model": name, "latent_path": "open" if modules else "-", **scores()})
         print(rows[-1], flush=True)
         if modules and hasattr(modules[0], "latent_path_closed"):
             for m in modules:
                 m.latent_path_closed = True
-            rows.append({"model": name, "latent_path": "closed", **score(model, seqs)})
+            rows.append({"model": name, "latent_path": "closed", **scores()})
             print(rows[-1], flush=True)
         del model
-    print(f"{'model':<40} {'latent':>7} {'acc':>6} {'first':>6} {'nll':>6} {'text nll':>8}")
+    pk = f" {'pk acc':>6} {'pk 1st':>6} {'pk lead':>7} {'pk nll':>6}" if prompts else ""
+    print(f"{'model':<40} {'latent':>7} {'acc':>6} {'first':>6} {'lead':>6} {'nll':>6} {'text nll':>8}{pk}")
     for r in rows:
-        print(f"{r['model'][-40:]:<40} {r['latent_path']:>7} {r['acc']:>6.1%} {r['first']:>6.1%} {r['nll']:>6.3f} "
-              f"{r['text_nll']:>8.4f}")
+        pk = f" {r['pk_acc']:>6.1%} {r['pk_first']:>6.1%} {r['pk_lead']:>7.1%} {r['pk_nll']:>6.3f}" if prompts else ""
+        print(f"{r['model'][-40:]:<40} {r['latent_path']:>7} {r['acc']:>6.1%} {r['first']:>6.1%} {r['lead']:>6.1%} {r['nll']:>6.3f} "
+              f"{r['text_nll']:>8.4f}{pk}")
     if args.out:
         write_json_atomic(args.out, {"text": args.text, "length": args.length, "facts": args.facts,
-                                     "min_distance": args.min_distance, "seed": args.seed, "style": args.style,
+                                     "min_distance": args.min_distance, "seed": args.seed, "style": args.style, "passkey": args.passkey,
                                      "rows": rows}, indent=1)
 
 

@@ -43,13 +43,13 @@ from recall_probe import probe_sequences, score  # noqa: E402  (same folder)
 BOOKS = ("pride-and-prejudice", "moby-dick", "news-from-nowhere", "devils-dictionary")
 
 
-def probe(model, seqs) -> dict:
+def probe(model, tokenizer, seqs) -> dict:
     modules = converted_modules(model)
-    out = {"open": score(model, seqs)}
+    out = {"open": score(model, tokenizer, seqs)}
     for m in modules:
         m.latent_path_closed = True
     try:
-        out["closed"] = score(model, seqs)
+        out["closed"] = score(model, tokenizer, seqs)
     finally:
         for m in modules:
             m.latent_path_closed = False
@@ -110,7 +110,7 @@ def main() -> None:
     log = []
     model.eval()
     with torch.no_grad():
-        log.append({"step": 0, "minutes": 0.0, **probe(model, heldout)})
+        log.append({"step": 0, "minutes": 0.0, **probe(model, tokenizer, heldout)})
     print(json.dumps(log[-1]), flush=True)
     start, step = time.time(), 0
     while step < args.max_steps and (time.time() - start) / 60 < args.max_minutes:
@@ -138,12 +138,12 @@ def main() -> None:
         if step % args.probe_every == 0:
             with torch.no_grad():
                 log.append({"step": step, "minutes": (time.time() - start) / 60, "loss": float(loss.detach()),
-                            **probe(model, heldout)})
+                            **probe(model, tokenizer, heldout)})
             print(json.dumps(log[-1]), flush=True)
             write_json_atomic(args.out / "log.json", {"args": vars(args) | {"out": str(args.out)}, "log": log}, indent=1)
     if step % args.probe_every:
         with torch.no_grad():
-            log.append({"step": step, "minutes": (time.time() - start) / 60, **probe(model, heldout)})
+            log.append({"step": step, "minutes": (time.time() - start) / 60, **probe(model, tokenizer, heldout)})
         print(json.dumps(log[-1]), flush=True)
     write_json_atomic(args.out / "log.json", {"args": vars(args) | {"out": str(args.out)}, "log": log}, indent=1)
     save_delta(model, args.out / "delta", overwrite=True)  # retrofit.load-able, bound to the base by fingerprint
