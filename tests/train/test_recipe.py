@@ -96,6 +96,36 @@ def test_data_path_env_override(tmp_path, monkeypatch):
     assert resolve_files(r.data.files, r.base_dir) == [tmp_path / n for n in names]
 
 
+@pytest.mark.parametrize("name", ["smollm2-135m-macchiato-cpu.yaml", "smollm2-135m-macchiato-gpu.yaml",
+                                  "smollm2-135m-macchiato-gpu-kl.yaml", "smollm2-135m-macchiato-gpu-16k.yaml"])
+def test_smollm2_recipes_conversion_on_a_smollm2_shaped_llama(name):
+    """The recipe's own conversion section on a LLaMA with SmolLM2's head layout (9 query / 3 KV heads):
+    every layer converted, 16 latent states per query head, and with the latent path closed the model is
+    the base run with the recipe's window and sinks, on a sequence longer than the window."""
+    import torch
+
+    from retrofit.surgery import convert
+    from retrofit.surgery.probe import closed_latent_path
+    from tests.surgery.tiny import band_reference, tiny_model
+
+    spec = ConversionSpec.from_dict(load_recipe(CONFIGS / name).conversion)
+    assert (spec.method, spec.layers, spec.window, spec.latents, spec.sinks) == ("macchiato", "all", 1024, 144, 4)
+    model = tiny_model("llama", hidden_size=72, num_attention_heads=9, num_key_value_heads=3, num_hidden_layers=3)
+    ids = torch.randint(3, 256, (1, spec.window + 96), generator=torch.Generator().manual_seed(0))
+    ids[0, 0] = 1  # BOS: the first sink
+    with torch.no_grad():
+        reference = band_reference(model, spec.window, sinks=spec.sinks)(ids).logits
+        convert(model, spec)
+        layers = [m for m in model.modules() if getattr(m, "is_retrofit_attention", False)]
+        assert len(layers) == 3
+        assert all(m.latent_k.out_features == 16 * model.config.num_attention_heads for m in layers)
+        with closed_latent_path(model):
+            closed = model(ids).logits
+        opened = model(ids).logits
+    torch.testing.assert_close(closed, reference, atol=2e-4, rtol=1e-4)
+    assert (opened - closed).abs().max() > 1e-3  # the latent path, once open, is part of the output
+
+
 def test_data_recall_is_off_by_default_and_checked_by_override():
     assert load_recipe(CONFIGS / "smollm2-135m-macchiato-cpu.yaml").data.recall.share == 0.0
     r = load_recipe(CONFIGS / "smollm2-135m-macchiato-cpu.yaml", ["data.recall.share=0.25", "data.recall.facts=2",
