@@ -105,6 +105,36 @@ def build_prompt(
     return ids, len(prefix) + len(intro) + k
 
 
+def prompt_grid(
+    tokenizer,
+    lengths: list[int],
+    depths: list[float],
+    *,
+    trials: int,
+    haystack: str = "pg-books",
+    key_digits: int = 5,
+    seed: int = 0,
+    bos_id: int | None = None,
+    frame: prompting.Frame | None = None,
+) -> list[dict]:
+    """The prompts of a (length x depth x trial) grid, in that order: ``{"length", "depth", "trial",
+    "key", "needle_at", "ids"}`` each. A function of its arguments only, so every model (and every
+    script that scores the evaluator's prompts another way) sees the same keys and filler."""
+    stride = 7919  # filler offset between trials (a prime: stretches do not line up with books)
+    stream = haystack_tokens(tokenizer, haystack, need=max(lengths) + stride * trials)
+    rng = random.Random(seed)
+    prompts: list[dict] = []
+    for L in lengths:
+        for d in depths:
+            for t in range(trials):
+                key = str(rng.randrange(10 ** (key_digits - 1), 10**key_digits))
+                off = (t * stride) % len(stream)
+                filler = (stream[off:] + stream[:off])[:L]
+                ids, pos = build_prompt(tokenizer, filler, L, d, key, bos_id=bos_id, frame=frame)
+                prompts.append({"length": L, "depth": d, "trial": t, "key": key, "needle_at": pos, "ids": ids})
+    return prompts
+
+
 def parse_answer(text: str) -> str | None:
     """The first run of digits in the model's continuation, or None."""
     m = _NUMBER.search(text)
@@ -161,18 +191,8 @@ def run_passkey(
     chat = prompting.use_chat_template(tok, chat_template)
     frame = prompting.build_frame(tok, chat=chat, bos_id=bos_id)
 
-    stride = 7919  # filler offset between trials (a prime: stretches do not line up with books)
-    stream = haystack_tokens(tok, haystack, need=max(lengths) + stride * trials)
-    rng = random.Random(seed)
-    prompts: list[dict] = []
-    for L in lengths:
-        for d in depths:
-            for t in range(trials):
-                key = str(rng.randrange(10 ** (key_digits - 1), 10**key_digits))
-                off = (t * stride) % len(stream)
-                filler = (stream[off:] + stream[:off])[:L]
-                ids, pos = build_prompt(tok, filler, L, d, key, bos_id=bos_id, frame=frame)
-                prompts.append({"length": L, "depth": d, "trial": t, "key": key, "needle_at": pos, "ids": ids})
+    prompts = prompt_grid(tok, lengths, depths, trials=trials, haystack=haystack, key_digits=key_digits,
+                          seed=seed, bos_id=bos_id, frame=frame)
 
     results: dict[str, dict] = {}
     attention: dict[str, str | None] = {}

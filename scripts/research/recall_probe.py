@@ -65,73 +65,70 @@ def lead_index(tokenizer, value_ids) -> int:
     return next((j for j, t in enumerate(value_ids) if tokenizer.decode([t]).strip()), 0)
 
 
+class _Tally:
+    """Teacher-forced scores of value tokens: top-1 over all, over each value's first token and over
+    its lead token, and the mean NLL."""
+
+    def __init__(self):
+        self.hits, self.firsts, self.leads, self.nlls = [], [], [], []
+
+    def add(self, logp: torch.Tensor, start: int, value_ids, tokenizer) -> None:
+        """``logp``: ``(T, V)`` log-probabilities; the value's tokens sit at ``start`` onwards."""
+        lead = lead_index(tokenizer, value_ids)
+        for j, tok in enumerate(value_ids):
+            pos = start + j - 1  # the position that predicts this value token
+            hit = int(logp[pos].argmax()) == tok
+            self.hits.append(hit)
+            self.nlls.append(-float(logp[pos, tok]))
+            if j == 0:
+                self.firsts.append(hit)
+            if j == lead:
+                self.leads.append(hit)
+
+    def scores(self, prefix: str = "") -> dict[str, float]:
+        return {f"{prefix}acc": float(np.mean(self.hits)), f"{prefix}first": float(np.mean(self.firsts)),
+                f"{prefix}lead": float(np.mean(self.leads)), f"{prefix}nll": float(np.mean(self.nlls))}
+
+
 @torch.no_grad()
 def score(model, tokenizer, seqs: list[tuple[np.ndarray, list]]) -> dict[str, float]:
-    """``acc``, ``first``, ``lead``, ``nll`` over every answer's value tokens, teacher-forced."""
-    hits, firsts, leads, nlls, n_first, text = [], [], [], [], 0, []
+    """``acc``, ``first``, ``lead``, ``nll`` over every answer's value tokens, teacher-forced, and
+    ``text_nll`` over every other token."""
+    tally, text = _Tally(), []
     for ids, plan in seqs:
         x = torch.from_numpy(ids)[None]
-        logits = model(input_ids=x).logits[0].float()
-        logp = logits.log_softmax(-1)
+        logp = model(input_ids=x).logits[0].float().log_softmax(-1)
         token_nll = -logp[:-1].gather(-1, x[0, 1:, None]).squeeze(-1)
         keep = torch.ones_like(token_nll, dtype=torch.bool)
         for fact in plan:
             keep[fact.answer_value - 1: fact.answer_value - 1 + len(fact.value_ids)] = False
+            tally.add(logp, fact.answer_value, fact.value_ids, tokenizer)
         text.append(token_nll[keep])
-        for fact in plan:
-            lead = lead_index(tokenizer, fact.value_ids)
-            for j, tok in enumerate(fact.value_ids):
-                pos = fact.answer_value + j - 1  # the position that predicts this value token
-                hit = int(logits[pos].argmax()) == tok
-                hits.append(hit)
-                nlls.append(-float(logp[pos, tok]))
-                if j == 0:
-                    firsts.append(hit)
-                    n_first += 1
-                if j == lead:
-                    leads.append(hit)
-    return {"acc": float(np.mean(hits)), "first": float(np.mean(firsts)), "lead": float(np.mean(leads)),
-            "nll": float(np.mean(nlls)),
-            "text_nll": float(torch.cat(text).mean()), "values": n_first, "value_tokens": len(hits)}
+    return {**tally.scores(), "text_nll": float(torch.cat(text).mean()), "values": len(tally.firsts),
+            "value_tokens": len(tally.hits)}
 
 
 def passkey_prompts(tokenizer, *, trials: int, length: int, seed: int = 0) -> list[tuple[list[int], list[int]]]:
-    """``[(prompt ids + the key's ids, the key's ids)]``: ``eval.passkey``'s plain prompts, depth 0."""
-    import random
-
-    from retrofit.eval.passkey import build_prompt, haystack_tokens
+    """``[(prompt ids + the key's ids, the key's ids)]``: ``eval.passkey``'s plain prompts at depth 0
+    (the evaluator's own grid, so its keys and filler), 8 tokens short of ``length`` for the key."""
+    from retrofit.eval.passkey import prompt_grid
     from retrofit.eval.windows import encode
 
-    stride, rng = 7919, random.Random(seed)
-    stream = haystack_tokens(tokenizer, "pg-books", need=length + stride * trials)
     out = []
-    for t in range(trials):
-        key = str(rng.randrange(10_000, 100_000))
-        off = (t * stride) % len(stream)
-        ids, _ = build_prompt(tokenizer, (stream[off:] + stream[:off])[:length], length - 8, 0.0, key, bos_id=None)
-        key_ids = encode(tokenizer, " " + key)
-        out.append((ids + key_ids, key_ids))
+    for p in prompt_grid(tokenizer, [length - 8], [0.0], trials=trials, seed=seed):
+        key_ids = encode(tokenizer, " " + p["key"])
+        out.append((p["ids"] + key_ids, key_ids))
     return out
 
 
 @torch.no_grad()
 def score_passkey(model, tokenizer, prompts: list[tuple[list[int], list[int]]]) -> dict[str, float]:
     """``pk_acc``, ``pk_first``, ``pk_lead``, ``pk_nll`` over the keys' tokens, teacher-forced."""
-    hits, firsts, leads, nlls = [], [], [], []
+    tally = _Tally()
     for ids, key_ids in prompts:
-        lead = lead_index(tokenizer, key_ids)
         logp = model(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)
-        for j, tok in enumerate(key_ids):
-            pos = len(ids) - len(key_ids) + j - 1
-            hit = int(logp[pos].argmax()) == tok
-            hits.append(hit)
-            nlls.append(-float(logp[pos, tok]))
-            if j == 0:
-                firsts.append(hit)
-            if j == lead:
-                leads.append(hit)
-    return {"pk_acc": float(np.mean(hits)), "pk_first": float(np.mean(firsts)), "pk_lead": float(np.mean(leads)),
-            "pk_nll": float(np.mean(nlls))}
+        tally.add(logp, len(ids) - len(key_ids), key_ids, tokenizer)
+    return tally.scores("pk_")
 
 
 def main() -> None:
