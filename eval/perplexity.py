@@ -127,6 +127,10 @@ def score_windows(
     return entry
 
 
+# what a copied entry keeps of its source's (time and throughput belong to the run that made them)
+_COPIED = ("ppl", "nll_sum", "tokens", "windows", "window_ppl")
+
+
 def _peak_rss_mib() -> float | None:
     """Peak resident memory of this process so far (Linux/macOS), in MiB."""
     try:
@@ -227,12 +231,15 @@ def run_perplexity(
     n_total = sum(len(w) for per in all_windows.values() for w in per.values()) * len(roles)
     bar = tqdm(total=n_total, desc="perplexity", unit="window", disable=not progress)
     attention: dict[str, str | None] = {}
-    for role, (mdl, label, chunk) in roles.items():
+    copied = variants_mod.copied_roles(resolved)
+    for role in variants_mod.scoring_order(resolved):
+        mdl, label, chunk = roles[role]
         with loading.scoring_attention(mdl) as attention[role]:
             variant = variants_mod.variant_of(role)
             _score_role(
                 role, mdl, label, chunk, datasets, lengths, all_windows, results, logit_budget=logit_budget,
                 reuse_prefixes=reuse_prefixes and not (variant is not None and variant.length_dependent), bar=bar,
+                same_as=copied.get(role),
             )
     bar.close()
 
@@ -279,8 +286,13 @@ def _score_role(
     logit_budget: int,
     reuse_prefixes: bool,
     bar: Any,
+    same_as: tuple[str, int] | None = None,
 ) -> None:
-    """Score every window of every dataset for one model; fills ``results[ds][L][role]``."""
+    """Score every window of every dataset for one model; fills ``results[ds][L][role]``.
+
+    same_as: ``(source role, tokens)``: lengths of at most ``tokens`` are the source's results,
+    copied (:func:`retrofit.eval.variants.copied_roles`), not run.
+    """
     slice_tokens = nll.slice_tokens_for(mdl.get_output_embeddings().weight.shape[0], logit_budget)
     probe = next((w.input_ids for per in all_windows.values() for ws in per.values() for w in ws), None)
     sliced = nll.check_sliced_head(mdl, probe) if probe is not None else True
@@ -293,6 +305,11 @@ def _score_role(
             bar.set_postfix_str(f"{label} {ds} {report.fmt_length(L)}")
             if not wins:
                 results[ds][str(L)][role] = {"ppl": None, "windows": 0, "error": "no windows"}
+                continue
+            source = results[ds][str(L)].get(same_as[0]) if same_as is not None and L <= same_as[1] else None
+            if source is not None and source.get("ppl") is not None:
+                results[ds][str(L)][role] = {**{k: source[k] for k in _COPIED if k in source}, "same_as": same_as[0]}
+                bar.update(len(wins))
                 continue
             if oom:  # a longer window will not fit either
                 results[ds][str(L)][role] = {"ppl": None, "windows": len(wins), "error": "OOM"}
@@ -319,6 +336,10 @@ def describe(res: dict) -> str:
                  for roles in per_len.values() for e in roles.values())
     note = (" A window that begins a longer scored window takes its per-token NLLs from that window's "
             "forward (causal models; --no-reuse-prefixes runs it alone).") if reused else ""
+    if any(e.get("same_as") for per_len in res["results"].values() for roles in per_len.values() for e in roles.values()):
+        note += (" '= base': a zero-shot variant that computes exactly what the base does at that length (a RoPE "
+                 "cap N below N + 1 tokens, dynamic NTK within the pretraining context) has the base's "
+                 "numbers, not run again.")
     return (
         f"Perplexity (lower is better) on exactly-L-token windows, {bos}; the model and the baseline "
         f"score the same windows. Datasets: " + "; ".join(parts) + "." + note
@@ -332,6 +353,8 @@ def table_markdown(res: dict) -> str:
     roles = report.role_order(res["models"])
 
     def cell(e: dict) -> str:
+        if e.get("same_as"):
+            return "= base"
         return e.get("error") if e.get("ppl") is None and e.get("error") else report.fmt_num(e.get("ppl"))
 
     if len(roles) > 2:

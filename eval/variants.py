@@ -25,8 +25,8 @@ from typing import Any
 from retrofit.errors import RetrofitError
 from retrofit.eval import loading
 
-__all__ = ["KINDS", "Variant", "apply_variant", "parse_variant", "parse_variants", "resolve_roles", "takes_zero_shot",
-           "variant_of"]
+__all__ = ["KINDS", "Variant", "apply_variant", "copied_roles", "parse_variant", "parse_variants", "resolve_roles",
+           "scoring_order", "takes_zero_shot", "variant_of"]
 
 # kind -> (applies to, label template, takes a value)
 KINDS: dict[str, tuple[str, str, bool]] = {
@@ -65,6 +65,24 @@ class Variant:
 
     def label(self, base_label: str) -> str:
         return KINDS[self.kind][1].format(label=base_label, value=self.value)
+
+    def same_as_base_up_to(self, base: Any) -> int:
+        """The longest sequence (tokens, prompt and generated ones together) on which this variant of
+        ``base`` computes what ``base`` itself does, by construction; 0 when none is.
+
+        A RoPE cap N changes no distance below N + 1 tokens; dynamic NTK changes no frequency within
+        the pretraining context (transformers rescales only past ``max_position_embeddings``). YaRN,
+        linear interpolation and a closed latent path change every position.
+        """
+        if self.kind == "cap":
+            from retrofit.surgery.rope_cap import capped_layers
+
+            # a base already capped (--rope-cap) differs from this cap past the smaller of the two
+            return min([int(self.value), *capped_layers(base).values()]) + 1
+        if self.kind == "dynamic":
+            config = base.config.get_text_config() if hasattr(base.config, "get_text_config") else base.config
+            return int(getattr(config, "max_position_embeddings", 0) or 0)
+        return 0
 
 
 def parse_variant(text: str) -> Variant:
@@ -170,6 +188,32 @@ def resolve_roles(
             roles[f"model:{v.spec}"] = (apply_variant(fresh, v).eval(), tok, v.label(m_label))
     roles["model"] = (m, tok, m_label)
     return roles
+
+
+def copied_roles(roles: dict[str, tuple[Any, Any, str]]) -> dict[str, tuple[str, int]]:
+    """``{variant role: (source role, tokens)}`` for the roles of :func:`resolve_roles` that equal the
+    model they change on sequences of at most ``tokens`` (:meth:`Variant.same_as_base_up_to`).
+
+    An evaluator copies those sequences' results from the source role (scored first) instead of
+    running them: the cells README and BENCHMARKS mark "= base". The source is ``baseline``, or
+    ``model`` for an unconverted model scored without one (role ``model:cap:8191``).
+    """
+    out: dict[str, tuple[str, int]] = {}
+    for role in roles:
+        variant = variant_of(role)
+        if variant is None or variant.applies_to != "baseline":
+            continue
+        source = "baseline" if "baseline" in roles else "model"
+        tokens = variant.same_as_base_up_to(roles[source][0])
+        if tokens > 0:
+            out[role] = (source, tokens)
+    return out
+
+
+def scoring_order(roles: dict[str, Any]) -> list[str]:
+    """The roles in the order to score them: every source of :func:`copied_roles` before its copies."""
+    copied = copied_roles(roles)
+    return sorted(roles, key=lambda role: role in copied)
 
 
 def variant_of(role: str) -> Variant | None:

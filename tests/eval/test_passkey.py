@@ -62,6 +62,22 @@ def test_run_passkey_converted_vs_base(converted_dir, base_dir, tmp_path):
     assert "tiny-base + macchiato (2/2 layers, w 16, L 8), untrained" in res["table"] and "mean" in res["table"]
 
 
+def test_a_cap_variant_takes_the_base_answers_where_it_is_the_base(converted_dir, base_dir):
+    """cap:300: a 256-token prompt and its answer stay within 301 tokens, so the capped base is the base
+    there (its answers copied, '= base' in the table); 320-token prompts are run."""
+    res = passkey.run_passkey(str(converted_dir), baseline=str(base_dir), lengths=[256, 320], depths=[0.0, 1.0],
+                              trials=2, zero_shot=["cap:300"], progress=False)
+    base, capped = res["results"]["baseline"]["trials"], res["results"]["baseline:cap:300"]["trials"]
+    for b, c in zip(base, capped):
+        assert (c.get("same_as") == "baseline") == (c["length"] == 256)
+        if c["length"] == 256:
+            assert (c["answer"], c["output"], c["correct"]) == (b["answer"], b["output"], b["correct"])
+    assert set(res["results"]["baseline:cap:300"]["seconds_per_length"]) == {"320"}
+    row = next(line for line in res["table"].splitlines() if "RoPE cap 300" in line)
+    assert row.split("|")[3].strip() == "= base" and row.split("|")[4].strip() != "= base"
+    assert "'= base'" in res["description"]
+
+
 @pytest.mark.parametrize("which", ["base", "converted", "capped"])
 def test_chunked_prefill_generates_the_same_tokens(which, converted_dir, base_dir, tokenizer):
     """A prompt prefilled through the cache in chunks continues exactly as one prefill does:

@@ -122,10 +122,88 @@ def test_variant_numbers_are_those_of_the_variant_model(sweep, converted_dir, ba
     assert all(math.isfinite(e["ppl"]) for e in cell.values())
 
 
-def test_dynamic_ntk_never_reuses_a_longer_window(sweep):
-    short = sweep["results"]["pg-books-heldout"]["64"]
-    assert "reused_windows" not in short["baseline:dynamic:4"]
+def test_dynamic_ntk_never_reuses_a_longer_window(tokenizer):
+    base = tiny_llama(len(tokenizer), max_position_embeddings=32)  # both lengths past the context: both run
+    res = run_perplexity(base, tokenizer=tokenizer, baseline=copy.deepcopy(base), baseline_tokenizer=tokenizer,
+                         datasets=["pg-books-heldout"], lengths=[64, 128], max_windows=1, zero_shot=["dynamic:4"],
+                         progress=False)
+    short = res["results"]["pg-books-heldout"]["64"]
+    assert "reused_windows" not in short["baseline:dynamic:4"] and "same_as" not in short["baseline:dynamic:4"]
     assert short["baseline"].get("reused_windows") == 1  # the others take window 0 from the 128-token pass
+
+
+def test_the_sweep_copies_dynamic_ntk_inside_the_context(sweep):
+    """The base's context is 4096: at 64 and 128 tokens dynamic NTK is the base, its cells copied."""
+    for L in ("64", "128"):
+        cell = sweep["results"]["pg-books-heldout"][L]
+        assert cell["baseline:dynamic:4"]["same_as"] == "baseline"
+        assert cell["baseline:dynamic:4"]["ppl"] == cell["baseline"]["ppl"]
+        assert "same_as" not in cell["baseline:cap:16"] and "same_as" not in cell["baseline:yarn:4"]
+    row = next(line for line in sweep["table"].splitlines() if "dynamic NTK" in line)
+    assert row.count("= base") == 2
+    assert "'= base'" in sweep["description"]
+
+
+@pytest.mark.parametrize("model_kind", ["llama", "gemma3"])
+def test_same_as_base_up_to_is_exact_at_its_bound(model_kind):
+    """A RoPE cap N computes the base's logits on N + 1 tokens and not on N + 2; dynamic NTK the base's
+    within the pretraining context and not one token past it. The bound is what lets an evaluator copy
+    the base's cells, so it is checked at its edge, both ways."""
+    from retrofit.eval.variants import apply_variant
+
+    base = (tiny_llama(96, max_position_embeddings=24) if model_kind == "llama"
+            else tiny_gemma3(96, max_position_embeddings=24, sliding_window=4))
+    ids = _ids(96, 40)
+    for spec in ("cap:11", "dynamic:4"):
+        v = parse_variant(spec)
+        variant = apply_variant(copy.deepcopy(base), v).eval()
+        bound = v.same_as_base_up_to(base)
+        assert bound == (12 if spec == "cap:11" else 24)
+        with torch.no_grad():
+            inside = variant(ids[:, :bound]).logits, base(ids[:, :bound]).logits
+            past = variant(ids[:, :bound + 1]).logits, base(ids[:, :bound + 1]).logits
+        torch.testing.assert_close(*inside, rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(past[0][:, -1], past[1][:, -1], atol=1e-4), spec
+    for spec in ("yarn:4", "linear:4", "closed"):
+        assert parse_variant(spec).same_as_base_up_to(base) == 0
+
+
+def test_a_cap_on_a_capped_base_is_bounded_by_the_smaller_cap():
+    from retrofit.surgery.rope_cap import cap_rope
+
+    base = tiny_llama(96)
+    assert parse_variant("cap:100").same_as_base_up_to(base) == 101
+    cap_rope(base, 40)
+    assert parse_variant("cap:100").same_as_base_up_to(base) == 41
+    assert parse_variant("cap:20").same_as_base_up_to(base) == 21
+
+
+def test_a_variant_equal_to_the_base_is_not_run(tokenizer):
+    """Lengths within the bound take the base's numbers and never call the variant's model; longer ones
+    run it (and differ from the base)."""
+    base = tiny_llama(len(tokenizer))
+    called = set()
+
+    def record(module, args, kwargs):  # windows only: a 16-token probe checks every model's head path
+        if kwargs["input_ids"].shape[1] > 16:
+            called.add(id(module))
+
+    base.model.register_forward_pre_hook(record, with_kwargs=True)
+    baseline = copy.deepcopy(base)  # the variant is a deep copy of this one, hook included
+    res = run_perplexity(base, tokenizer=tokenizer, baseline=baseline, baseline_tokenizer=tokenizer,
+                         datasets=["pg-books-heldout"], lengths=[48, 64], max_windows=1, zero_shot=["cap:47"],
+                         progress=False, reuse_prefixes=False)
+    assert len(called) == 3  # model, baseline and the capped copy: 64 tokens run the cap
+    short, long = (res["results"]["pg-books-heldout"][L] for L in ("48", "64"))
+    assert short["baseline:cap:47"] == {**{k: short["baseline"][k] for k in ("ppl", "nll_sum", "tokens", "windows",
+                                                                              "window_ppl")}, "same_as": "baseline"}
+    assert "same_as" not in long["baseline:cap:47"] and long["baseline:cap:47"]["ppl"] != long["baseline"]["ppl"]
+    called.clear()
+    res = run_perplexity(base, tokenizer=tokenizer, baseline=baseline, baseline_tokenizer=tokenizer,
+                         datasets=["pg-books-heldout"], lengths=[48], max_windows=1, zero_shot=["cap:47"],
+                         progress=False)
+    assert len(called) == 2  # the model and the baseline only
+    assert res["results"]["pg-books-heldout"]["48"]["baseline:cap:47"]["same_as"] == "baseline"
 
 
 def _dynamic(base):
