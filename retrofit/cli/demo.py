@@ -5,6 +5,8 @@ import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
+    from retrofit.eval.evaluators import length_arg
+
     p = sub.add_parser(
         "demo", help=help_text, description=help_text + ". Writes everything under --out and prints the report path.",
     )
@@ -19,7 +21,9 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
                         "default: closed, plus cap:<base context - 1> when a length goes past the base's context)")
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (overrides the preset)")
     p.add_argument("--seq-len", type=int, default=None, help="training sequence length (overrides the preset)")
-    p.add_argument("--lengths", type=int, nargs="+", default=None, help="perplexity lengths (overrides the preset)")
+    p.add_argument("--lengths", type=length_arg, nargs="+", default=None, metavar="L",
+                   help="perplexity lengths, e.g. 1K 4K 32K 64K (default: 1K 4K 8K 16K 32K; --quick: 512 1K); "
+                        "a length past the base's context adds the capped base")
     p.add_argument("--eval-dtype", choices=["auto", "float32", "bfloat16"], default=None,
                    help="dtype both models are scored in (default: auto = bfloat16 where the CPU/GPU has native "
                         "bf16 matmuls, else float32)")
