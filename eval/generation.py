@@ -102,28 +102,40 @@ def run_prompts(
 ) -> tuple[dict[str, list[dict]], dict[str, dict[str, float]], dict[str, str | None]]:
     """Answer every prompt with every model, greedily, and score the answers.
 
+    roles: :func:`retrofit.eval.variants.resolve_roles`' ``{role: (model, tokenizer, label)}``.
     prompts: dicts with ``ids`` (the prompt's token ids), ``length`` and the fields named in
     ``keep`` (copied into each record). score(prompt, text) -> [0, 1]; max_new_tokens(prompt,
     tokenizer) -> the generation bound. Once a length runs out of memory, that length and longer
-    ones are recorded as ``OOM`` (score None) for that model.
+    ones are recorded as ``OOM`` (score None) for that model. A zero-shot variant that computes
+    exactly what its base does on a prompt and its answer (:func:`retrofit.eval.variants.copied_roles`)
+    takes the base's record, marked ``"same_as"``, instead of running.
     Returns ``(records per role, seconds per length per role, attention implementation per role)``.
     """
     from tqdm.auto import tqdm
 
+    from retrofit.eval import variants
+
     records: dict[str, list[dict]] = {}
     seconds: dict[str, dict[str, float]] = {}
     attention: dict[str, str | None] = {}
+    copied = variants.copied_roles(roles)
     bar = tqdm(total=len(prompts) * len(roles), desc=desc, unit="prompt", disable=not progress)
-    for role, (mdl, mtok, label) in roles.items():
+    for role in variants.scoring_order(roles):
+        mdl, mtok, label = roles[role]
+        source, same_up_to = copied.get(role, (None, 0))
         out: list[dict] = []
         oom_from: int | None = None
         secs: dict[str, float] = {}
         with loading.scoring_attention(mdl) as attention[role]:
-            for p in prompts:
+            for i, p in enumerate(prompts):
                 L = p["length"]
                 bar.set_postfix_str(f"{label} {report.fmt_length(L)}")
                 rec = {k: p[k] for k in ("length", *keep) if k in p}
-                if oom_from is not None and L >= oom_from:
+                same = (records[source][i] if source is not None and len(p["ids"]) + max_new_tokens(p, mtok) <= same_up_to
+                        else None)
+                if same is not None and same.get("error") is None:
+                    rec.update(output=same["output"], score=same["score"], same_as=source)
+                elif oom_from is not None and L >= oom_from:
                     rec.update(output=None, score=None, error="OOM")
                 else:
                     t0 = time.perf_counter()
@@ -141,7 +153,16 @@ def run_prompts(
                 bar.update(1)
         records[role], seconds[role] = out, secs
     bar.close()
-    return records, seconds, attention
+    return {role: records[role] for role in roles}, {role: seconds[role] for role in roles}, attention
+
+
+def copied_note(records: dict[str, list[dict]]) -> str:
+    """The sentence a generation-scored table adds when some of its cells are a base's, copied; else ''."""
+    if not any(r.get("same_as") for recs in records.values() for r in recs):
+        return ""
+    return (" '= base': a zero-shot variant that computes exactly what the base does on those prompts (a RoPE cap "
+            "N on prompts and answers within N + 1 tokens, dynamic NTK within the pretraining context) has the "
+            "base's answers, not run again.")
 
 
 def mean_or_none(values: Sequence[float | None]) -> float | None:

@@ -29,7 +29,7 @@ from typing import Any
 
 from retrofit.errors import DataError
 from retrofit.eval import essays, loading, prompting, report, variants
-from retrofit.eval.generation import check_prefill_chunk, mean_or_none, recall, run_prompts
+from retrofit.eval.generation import check_prefill_chunk, copied_note, mean_or_none, recall, run_prompts
 from retrofit.eval.passkey import haystack_tokens
 from retrofit.eval.windows import encode
 
@@ -190,7 +190,7 @@ def run_niah(
         f"prompt length in tokens. Haystack: {hay.name}"
         f"{' (fallback: the essays are not installed)' if hay.fallback else ''}. "
         f"Chat template: {'on' if chat else 'off'}."
-    )
+    ) + copied_note(records)
     res["table"] = table_markdown(res)
     return report.finish_results(res, out, plot_heatmap, "niah.png")
 

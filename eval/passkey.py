@@ -24,15 +24,12 @@ from __future__ import annotations
 
 import random
 import re
-import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from retrofit.errors import DataError
 from retrofit.eval import corpora, loading, prompting, report, variants
-from retrofit.eval.generation import check_prefill_chunk
+from retrofit.eval.generation import check_prefill_chunk, copied_note, run_prompts
 from retrofit.eval.generation import generate_answer, prefill  # noqa: F401  (their former home)
 from retrofit.eval.windows import encode, encode_prefix
 
@@ -175,7 +172,6 @@ def run_passkey(
         ``cap:8191``, ``closed``.
     Returns the results dict; with ``out``, writes results.json, table.md, passkey.png.
     """
-    from tqdm.auto import tqdm
 
     lengths = sorted(set(int(x) for x in lengths))
     depths = [float(d) for d in depths]
@@ -185,7 +181,7 @@ def run_passkey(
     roles = variants.resolve_roles(model, tokenizer, baseline, baseline_tokenizer,
                                    variants=variants.parse_variants(zero_shot), device=device, dtype=dtype,
                                    rope_cap=rope_cap)
-    m, tok, m_label = roles["model"]
+    m, tok, _ = roles["model"]
     use_bos = loading.needs_bos(m, tok, bos)
     bos_id = tok.bos_token_id if use_bos else None
     chat = prompting.use_chat_template(tok, chat_template)
@@ -194,45 +190,14 @@ def run_passkey(
     prompts = prompt_grid(tok, lengths, depths, trials=trials, haystack=haystack, key_digits=key_digits,
                           seed=seed, bos_id=bos_id, frame=frame)
 
+    records, seconds, attention = run_prompts(
+        roles, prompts, score=lambda p, text: float(parse_answer(text) == p["key"]),
+        max_new_tokens=lambda p, mtok: len(encode(mtok, " " + p["key"])) + 2, prefill_chunk=prefill_chunk,
+        desc="passkey", progress=progress, keep=("depth", "trial", "key", "needle_at"),
+    )
     results: dict[str, dict] = {}
-    attention: dict[str, str | None] = {}
-    bar = tqdm(total=len(prompts) * len(roles), desc="passkey", unit="prompt", disable=not progress)
-    copied = variants.copied_roles(roles)
-    for role in variants.scoring_order(roles):
-        mdl, mtok, label = roles[role]
-        source, same_up_to = copied.get(role, (None, 0))
-        trials_out = []
-        oom_from: int | None = None
-        seconds: dict[str, float] = {}
-        with loading.scoring_attention(mdl) as attention[role]:  # once per model, restored after
-            for i, p in enumerate(prompts):
-                L = p["length"]
-                bar.set_postfix_str(f"{label} {report.fmt_length(L)} depth {p['depth']:g}")
-                rec = {k: p[k] for k in ("length", "depth", "trial", "key", "needle_at")}
-                max_new = len(encode(mtok, " " + p["key"])) + 2
-                same = results[source]["trials"][i] if source and len(p["ids"]) + max_new <= same_up_to else None
-                if same is not None and same.get("error") is None:
-                    # the variant computes what its source does on this prompt: the source's answer
-                    rec.update(answer=same["answer"], output=same["output"], correct=same["correct"], same_as=source)
-                elif oom_from is not None and L >= oom_from:
-                    rec.update(answer=None, output=None, correct=None, error="OOM")
-                else:
-                    t0 = time.perf_counter()
-                    try:
-                        text = generate_answer(mdl, mtok, p["ids"], max_new, chunk_size=prefill_chunk)
-                    except Exception as exc:
-                        msg = str(exc).lower()
-                        if not (isinstance(exc, torch.OutOfMemoryError) or "out of memory" in msg
-                                or "not enough memory" in msg):
-                            raise
-                        oom_from = L
-                        rec.update(answer=None, output=None, correct=None, error="OOM")
-                    else:
-                        seconds[str(L)] = seconds.get(str(L), 0.0) + time.perf_counter() - t0
-                        ans = parse_answer(text)
-                        rec.update(answer=ans, output=text[:80], correct=ans == p["key"])
-                trials_out.append(rec)
-                bar.update(1)
+    for role, recs in records.items():
+        trials_out = [_trial(r) for r in recs]
         grid: dict[str, dict[str, float | None]] = {}
         for L in lengths:
             grid[str(L)] = {}
@@ -245,9 +210,8 @@ def run_passkey(
             "accuracy": grid,
             "mean_accuracy": (sum(scored) / len(scored)) if scored else None,
             "trials": trials_out,
-            "seconds_per_length": seconds,
+            "seconds_per_length": seconds[role],
         }
-    bar.close()
 
     res = {
         "kind": "passkey",
@@ -268,12 +232,18 @@ def run_passkey(
         f"columns: prompt length in tokens. Haystack: {haystack}. "
         f"Chat template: {'on' if chat else 'off'}."
     )
-    if any(r.get("same_as") for out in results.values() for r in out["trials"]):
-        res["description"] += (" '= base': a zero-shot variant that computes exactly what the base does on "
-                               "those prompts (a RoPE cap N on prompts under N + 1 tokens, dynamic NTK within the "
-                               "pretraining context) has the base's answers, not run again.")
+    res["description"] += copied_note(records)
     res["table"] = table_markdown(res)
     return report.finish_results(res, out, plot_heatmap, "passkey.png")
+
+
+def _trial(record: dict) -> dict:
+    """A :func:`run_prompts` record as a passkey trial: the number the model wrote and whether it is the key."""
+    out = {k: v for k, v in record.items() if k not in ("output", "score")}
+    text = record.get("output")
+    out.update(answer=None if text is None else parse_answer(text), output=None if text is None else text[:80],
+               correct=None if record.get("score") is None else record["score"] == 1.0)
+    return out
 
 
 def table_markdown(res: dict) -> str:

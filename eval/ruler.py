@@ -15,7 +15,7 @@ from typing import Any
 
 from retrofit.errors import DataError
 from retrofit.eval import essays, loading, prompting, report, variants
-from retrofit.eval.generation import check_prefill_chunk, mean_or_none, recall, run_prompts
+from retrofit.eval.generation import check_prefill_chunk, copied_note, mean_or_none, recall, run_prompts
 from retrofit.eval.ruler_tasks import TASKS, EssayUnits, get_task, make_sample
 
 DEFAULT_TASKS = tuple(TASKS)
@@ -127,7 +127,7 @@ def run_ruler(
         f"RULER-style synthetic tasks (score %, recall of the expected strings in the greedy answer, "
         f"{samples} sample(s) per cell); rows: tasks; columns: sequence length in tokens (prompt + "
         f"answer budget, as RULER counts it). Chat template: {'on' if chat else 'off'}.{hay_text}"
-    )
+    ) + copied_note(records)
     res["table"] = table_markdown(res)
     return report.finish_results(res, out, plot_heatmap, "ruler.png")
 
