@@ -264,6 +264,23 @@ def run_demo(out: str | Path = "runs/demo", settings: DemoSettings | None = None
     return report
 
 
+def _zero_shot_note(specs: list[str]) -> str:
+    """What the report's zero-shot rows are, for the variants it has."""
+    rows = []
+    if any(v.startswith("cap:") for v in specs):
+        rows.append("`+ RoPE cap N` is the base with its RoPE distances capped at N (ReRoPE-style, no training; "
+                    "'= base' where no distance reaches N). Past the base's pretraining context the capped base, not "
+                    "the raw one, is the baseline to beat (BENCHMARKS.md, \"Past the pretraining context, beside "
+                    "zero-shot baselines\")")
+    if "closed" in specs:
+        rows.append("`latent path closed` is the converted model with only its frozen window and sinks "
+                    "(StreamingLLM): what the trained latent path adds is the gap between it and the model")
+    others = [v for v in specs if not v.startswith("cap:") and v != "closed"]
+    if others:
+        rows.append(f"the others ({', '.join(others)}) are the base with transformers' RoPE scaling")
+    return "Zero-shot rows: " + "; ".join(rows) + "."
+
+
 def _write_report(out: Path, s: DemoSettings, conversion: dict, result: Any, curve: Path | None,
                   ppl: dict, keys: dict, sample: dict, held_out: list[Path], times: dict) -> Path:
     counts = result.counts
@@ -294,11 +311,7 @@ def _write_report(out: Path, s: DemoSettings, conversion: dict, result: Any, cur
         table = out / folder / "table.md"
         lines.append(table.read_text().strip() if table.is_file() else "```\n" + json.dumps(res, indent=1)[:2000] + "\n```")
         if folder == "eval/ppl" and res["settings"].get("zero_shot"):
-            lines += ["", "Zero-shot rows: `+ RoPE cap N` is the base with its RoPE distances capped at N "
-                      "(ReRoPE-style, no training), `latent path closed` the converted model with only its frozen "
-                      "window and sinks (StreamingLLM). Past the base's pretraining context the capped base, not the "
-                      "raw one, is the baseline to beat (BENCHMARKS.md, \"Past the pretraining context, beside "
-                      "zero-shot baselines\")."]
+            lines += ["", _zero_shot_note(res["settings"]["zero_shot"])]
         for png in sorted((out / folder).glob("*.png")):
             lines += ["", f"![{png.stem}]({png.relative_to(out)})"]
     cache = "constant memory per converted layer"

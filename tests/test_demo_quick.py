@@ -41,6 +41,9 @@ def test_quick_demo_end_to_end(tmp_path):
     assert len(evals) >= 2 and all(e["loss"] == e["loss"] for e in evals)  # finite, before and after
     assert evals[-1]["loss"] != evals[0]["loss"]  # sequences reach past the quick preset's window: training trains
     assert "model:closed" in results["perplexity"]["models"]  # the latent path closed, scored beside
+    # lengths within the base's context: no capped base, and the report explains only the rows it has
+    assert not any(r.startswith("baseline:cap") for r in results["perplexity"]["models"])
+    assert "`latent path closed` is the converted model" in report and "RoPE cap" not in report
     assert results["conversion"]["new_parameters"] > 0
     from retrofit.precision import auto_dtype_name  # both models scored in the auto eval dtype
 
