@@ -52,6 +52,25 @@ def _random_context(model, T: int, batch: int, seed: int, device) -> torch.Tenso
     return torch.randint(3, int(model.config.vocab_size), (batch, T), generator=g).to(device)
 
 
+@torch.no_grad()
+def _timed_prefill(model, ids: torch.Tensor, cache: Any, prefill_chunk: int, device, *,
+                   positions: bool = False) -> tuple[Any, Any, float]:
+    """Feed ``ids`` [B, T] into ``cache`` ``prefill_chunk`` tokens at a time; returns the last output,
+    the filled cache and the seconds it took. ``positions``: pass each chunk's ``cache_position``
+    (a ``StaticCache`` needs them; a dynamic cache counts its own)."""
+    keyword, kw = cache_keyword(model.forward), forward_kwargs(model)
+    sync(device)
+    t0 = time.perf_counter()
+    out = None
+    for i in range(0, ids.shape[1], prefill_chunk):
+        chunk = ids[:, i : i + prefill_chunk]
+        at = {"cache_position": torch.arange(i, i + chunk.shape[1], device=device)} if positions else {}
+        out = model(input_ids=chunk, use_cache=True, **{keyword: cache}, **at, **kw)
+        cache = output_cache(out)
+    sync(device)
+    return out, cache, time.perf_counter() - t0
+
+
 class _Decoder:
     """One model's decoding run at one context: prefill, then timed single-token steps."""
 
@@ -60,18 +79,10 @@ class _Decoder:
         from transformers import DynamicCache
 
         self.model, self.device = model, device
-        ids = _random_context(model, T, batch, seed, device)
-        self.cache = DynamicCache(config=model.config)
         self.keyword = cache_keyword(model.forward)
-        kw = forward_kwargs(model)
-        sync(device)
-        t0 = time.perf_counter()
-        out = None
-        for i in range(0, T, prefill_chunk):
-            out = model(input_ids=ids[:, i : i + prefill_chunk], use_cache=True, **{self.keyword: self.cache}, **kw)
-            self.cache = output_cache(out)
-        sync(device)
-        self.prefill_s = time.perf_counter() - t0
+        ids = _random_context(model, T, batch, seed, device)
+        out, self.cache, self.prefill_s = _timed_prefill(model, ids, DynamicCache(config=model.config), prefill_chunk,
+                                                         device)
         self.context_bytes = cache_bytes(self.cache)
         self.nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         self.T, self.batch, self.steps = T, batch, []
@@ -154,17 +165,8 @@ class _CompiledBaseDecoder(_Decoder):
 
         self.model, self.device = model, device
         ids = _random_context(model, T, batch, seed, device)
-        self.cache = StaticCache(config=model.config, max_cache_len=T + steps + 1)
-        kw = forward_kwargs(model)
-        sync(device)
-        t0 = time.perf_counter()
-        out = None
-        for i in range(0, T, prefill_chunk):
-            chunk = ids[:, i : i + prefill_chunk]
-            out = model(input_ids=chunk, past_key_values=self.cache, use_cache=True,
-                        cache_position=torch.arange(i, i + chunk.shape[1], device=device), **kw)
-        sync(device)
-        self.prefill_s = time.perf_counter() - t0
+        cache = StaticCache(config=model.config, max_cache_len=T + steps + 1)
+        out, self.cache, self.prefill_s = _timed_prefill(model, ids, cache, prefill_chunk, device, positions=True)
         self.context_bytes = cache_bytes(self.cache)
         if model not in _COMPILED:
             _COMPILED[model] = torch.compile(model.forward, fullgraph=True, dynamic=False)
