@@ -38,7 +38,7 @@ class DemoSettings:
     batch_size: int | None = None
     # up to Gemma 3's 32K context: the longest forward gives every shorter length for free (prefix
     # reuse). Past it (--lengths ... 65536, adding the capped base) four models' 64K windows take
-    # ~20 minutes more of this CPU than the job's 30-minute budget has (README, "The main job").
+    # ~20 minutes of a 2-core CPU, more than the job's 30-minute budget leaves (README, "The main job")
     ppl_lengths: list[int] = field(default_factory=lambda: [1024, 4096, 8192, 16384, 32768])
     ppl_windows: int = 1
     ppl_chunk_size: int = 4096  # both models run long windows through their cache, chunk by chunk
