@@ -333,3 +333,64 @@ def test_cuda_masked_form_runs_on_a_fused_sdpa_kernel(dtype, pads):
     ref = _loop_reference(q.double(), k.double(), v.double(), w, 0.125, None, mask, 0)
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err < (5e-3 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 5e-5), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("Tq, window, num_past, heads, pads, scale", [
+    (24, 24, 0, (4, 4), None, 1.0),         # the whole call inside one window: causal attention
+    (20, 24, 9, (6, 2), [12, 0], 1.0),       # cached keys, some out of the first queries' windows; 3 padded queries
+    (16, 16, 16, (4, 1), [0, 19], 8.0),      # large logits (q and k x 8), one KV head, 3 padded queries
+    (40, 24, 6, (4, 2), [0, 9], 1.0),        # more queries than the window, 46 keys <= 2w: still fused
+])
+def test_fused_dense_region_matches_the_definition(monkeypatch, dtype, tol, Tq, window, num_past, heads, pads, scale):
+    """Without autograd on a CPU, calls with at most 2w keys run PyTorch's fused attention kernel
+    masked to each query's window: its output and window log-sum-exp equal the per-query definition
+    and the float64 dense form (cached keys, padding, grouped heads, large logits, bf16), and the
+    kernel ran."""
+    from retrofit.ops.sliding_window import sliding_window_attention_with_lse, sliding_window_lse
+
+    if swa_module._FUSED_CPU is None:
+        pytest.skip("this PyTorch has no fused CPU attention op")
+    calls = []
+    kernel = swa_module._FUSED_CPU
+    monkeypatch.setattr(swa_module, "_FUSED_CPU", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    B = 1 if pads is None else len(pads)
+    q, k, v = attention_inputs(B, heads[0], heads[1], Tq, Tq + num_past, 16, dtype=dtype, scale=scale)
+    mask = None if pads is None else padding_mask(B, Tq + num_past, pads)
+    kw = dict(scaling=0.25, key_padding_mask=mask, num_past=num_past)
+    with torch.no_grad():
+        out = sliding_window_attention(q, k, v, window, **kw)
+        out2, lse = sliding_window_attention_with_lse(q, k, v, window, **kw)
+    assert len(calls) == 2 and out.dtype == dtype and lse.dtype == torch.float32
+    ref = _loop_reference(q, k, v, window, 0.25, None, mask, num_past)  # float64 of the same (rounded) inputs
+    ref_lse = sliding_window_lse(q.double(), k.double(), window, **kw)
+    valid = torch.ones_like(lse, dtype=torch.bool) if mask is None else mask[:, None, num_past:].expand_as(lse)
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(out2, out, atol=0, rtol=0)
+    torch.testing.assert_close(lse[valid].double(), ref_lse[valid], atol=tol * scale, rtol=tol)
+    assert not out[~valid].any()  # padded queries return zeros
+
+
+def test_calls_with_more_than_2w_keys_run_the_banded_form(monkeypatch):
+    calls = []
+    monkeypatch.setattr(swa_module, "_FUSED_CPU", lambda *a, **kw: calls.append(1))
+    q, k, v = attention_inputs(1, 4, 2, 40, 46, 8, dtype=torch.float32)
+    from retrofit.ops.sliding_window import sliding_window_attention_with_lse
+
+    with torch.no_grad():
+        out, _ = sliding_window_attention_with_lse(q, k, v, 16, num_past=6)  # 46 keys > 2w = 32
+        ref = sliding_window_attention_reference(q.double(), k.double(), v.double(), 16, num_past=6)
+    assert calls == []
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_dense_region_is_not_used_under_autograd(monkeypatch):
+    """Its log-sum-exp has no gradient: with inputs that need one, the dense form runs (and trains)."""
+    calls = []
+    monkeypatch.setattr(swa_module, "_FUSED_CPU", lambda *a, **kw: calls.append(1))
+    q, k, v = (x.requires_grad_() for x in attention_inputs(1, 4, 2, 12, 12, 8, dtype=torch.float32))
+    from retrofit.ops.sliding_window import sliding_window_attention_with_lse
+
+    out, lse = sliding_window_attention_with_lse(q, k, v, 16)
+    (out.sum() + lse.sum()).backward()
+    assert calls == [] and q.grad is not None and k.grad.abs().sum() > 0
