@@ -172,7 +172,6 @@ def run_passkey(
         ``cap:8191``, ``closed``.
     Returns the results dict; with ``out``, writes results.json, table.md, passkey.png.
     """
-
     lengths = sorted(set(int(x) for x in lengths))
     depths = [float(d) for d in depths]
     if trials < 1:
