@@ -15,12 +15,12 @@ On CPU the blocked form runs as :class:`_BandedSWA`: per head, each block of ``b
 through an *overlapping strided view* of the keys (no copies of k or v), softmax and value
 product as batched GEMMs, and a hand-written backward (fused softmax backward, key/value
 gradients accumulated straight into their blocks); it can also return each query's window
-log-sum-exp from the same pass. Without autograd, a CPU call with at most ``2w`` keys (every call
-of at most ``w`` queries: short prompts, decoding chunks) runs PyTorch's fused attention kernel
-over all its keys, masked to each query's window, which also returns the log-sum-exp
-(:func:`_fused_dense`; about 2x the banded form's speed there and 6x the dense form's). Elsewhere
-(CUDA without flash-attn, MPS) the blocked form goes through SDPA with a boolean mask over blocks
-of ``w`` queries and ``2w`` keys.
+log-sum-exp from the same pass. Without autograd, PyTorch's fused CPU attention kernel (which
+returns the log-sum-exp with its output) takes every call of at most ``w`` queries, and with heads
+of at most :data:`FUSED_MAX_HEAD_DIM` every call: all keys at once, masked to each query's window,
+up to ``2w`` keys, else block by block (:func:`_fused_form`). Elsewhere (CUDA without flash-attn,
+MPS) the blocked form goes through SDPA with a boolean mask over blocks of ``w`` queries and ``2w``
+keys.
 """
 from __future__ import annotations
 
@@ -104,14 +104,25 @@ def _dense_allowed(
 # is an internal op, so it is looked up once and the other forms serve where it is missing
 _FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
-# Without autograd, calls whose keys number at most this many windows run the fused kernel over all
-# of them (masked outside each query's window) instead of the banded form. On the 2-vCPU Zen 4 host,
-# 9 heads, d 64: at 2w keys it takes half the banded form's time (w 1024 and 2048), at 3w 0.8x, at
-# 4w 1.1x (it scores every key of the call).
-FUSED_MAX_KEYS = 2
+# Without autograd the fused kernel runs wherever it was measured faster than the other CPU forms
+# (2-vCPU Zen 4 host, fp32, 4096-token calls): a call of at most w queries (its keys fit 2w) always,
+# 3-9x faster than the dense form, which also scored the window twice for its log-sum-exp
+# (SmolLM2-135M: 9 heads of 64, Gemma 3 270M: 4 heads of 256). Longer calls with heads of at most
+# this dimension: all keys at once up to 2w (0.37-0.55x the banded form's time at d 64), else block
+# by block (0.61-0.73x at w 512-2048). With d 256 the banded form's GEMMs are thick enough to win
+# there (the fused kernel 1.13x at 2w keys, 1.06-1.56x block by block).
+FUSED_MAX_HEAD_DIM = 128
 
 
-def _fused_dense(
+def _fused_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softcap: float | None) -> bool:
+    """Whether the fused CPU kernel can run this call: the op exists, a CPU tensor of fp32 / bf16 /
+    fp16, no soft-capping (it has none), and no autograd (its log-sum-exp carries no gradient)."""
+    return (_FUSED_CPU is not None and q.device.type == "cpu" and not (softcap is not None and softcap > 0)
+            and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))))
+
+
+def _fused_form(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -121,19 +132,32 @@ def _fused_dense(
     key_padding_mask: torch.Tensor | None,
     num_past: int,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Every key of the call scored, masked to each query's window, in one fused CPU kernel: ``(out (B, Hq,
-    Tq, Dv), lse (B, Hq, Tq) fp32)``, or None where it cannot serve (autograd, soft-capping, a device
-    other than the CPU, dtypes other than fp32 / bf16 / fp16, or the op missing).
+    """``(out, lse)`` from the fused CPU kernel where it serves and wins (:data:`FUSED_MAX_HEAD_DIM`),
+    else None. ``k``, ``v`` hold at most ``w`` cached keys (:func:`drop_unseen_past`)."""
+    Tq, d = q.shape[2], q.shape[3]
+    if not _fused_serves(q, k, v, softcap) or (Tq > window and d > FUSED_MAX_HEAD_DIM):
+        return None
+    if num_past + Tq <= 2 * window:
+        return _fused_dense(q, k, v, window, scaling, key_padding_mask, num_past)
+    return _fused_blocked(q, k, v, window, d**-0.5 if scaling is None else scaling, key_padding_mask, num_past)
+
+
+def _fused_dense(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    scaling: float | None,
+    key_padding_mask: torch.Tensor | None,
+    num_past: int,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Every key of the call scored, masked to each query's window, in one fused CPU kernel (callers
+    check :func:`_fused_serves`): ``(out (B, Hq, Tq, Dv), lse (B, Hq, Tq) fp32)``.
 
     The masked fp32 scores, softmax and value product of :func:`sliding_window_attention_reference`
     cost 86 ms per layer of SmolLM2-135M at 1024 tokens on 2 Zen 4 cores (9 heads, d 64), the
-    log-sum-exp as many again; this kernel gives both in 13 ms. Its log-sum-exp carries no gradient,
-    so training keeps the dense form.
+    log-sum-exp as many again; this kernel gives both in 13 ms.
     """
-    if (_FUSED_CPU is None or q.device.type != "cpu" or (softcap is not None and softcap > 0)
-            or q.dtype not in (torch.float32, torch.bfloat16, torch.float16)
-            or (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)))):
-        return None
     B, Hq, Tq, d = q.shape
     group = Hq // k.shape[1]
     allowed, q_valid = _dense_allowed(Tq, k.shape[2], window, key_padding_mask, num_past, q.device)
@@ -430,8 +454,8 @@ def sliding_window_attention(
     """Causal sliding-window attention in blocks, O(Tq w d) time and memory; ``Tq <= w`` takes the dense form.
 
     On CPU :class:`_BandedSWA` (blocks of :func:`_query_block` queries against their ``w + b``
-    keys; no k/v copies, own backward), or without autograd and with at most ``2w`` keys one fused
-    kernel over all of them (:func:`_fused_dense`); elsewhere blocks of ``w`` queries against their own and
+    keys; no k/v copies, own backward), or without autograd PyTorch's fused attention kernel where it
+    is faster (:func:`_fused_form`); elsewhere blocks of ``w`` queries against their own and
     the previous key block through SDPA with a boolean mask (soft-capping, which SDPA cannot
     express, through a masked softmax).
 
@@ -461,10 +485,9 @@ def sliding_window_attention(
     if Tk != num_past + Tq:
         raise ValueError(f"keys ({Tk}) must be num_past ({num_past}) + queries ({Tq})")
     k, v, num_past, key_padding_mask = drop_unseen_past(k, v, num_past, window, key_padding_mask)
-    if num_past + Tq <= FUSED_MAX_KEYS * window:
-        fused = _fused_dense(q, k, v, window, scaling, softcap, key_padding_mask, num_past)
-        if fused is not None:
-            return fused[0]
+    fused = _fused_form(q, k, v, window, scaling, softcap, key_padding_mask, num_past)
+    if fused is not None:
+        return fused[0]
     if Tq <= window:
         return sliding_window_attention_reference(
             q, k, v, window, scaling=scaling, softcap=softcap,
@@ -504,6 +527,38 @@ def _masked_blocked(
     if key_padding_mask is not None:
         out = out * q_valid.reshape(-1, 1, n * w, 1)[:, :, :Tq].to(out.dtype)
     return out
+
+
+def _fused_blocked(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    scaling: float,
+    key_padding_mask: torch.Tensor | None,
+    num_past: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocked form through the fused CPU kernel (callers check :func:`_fused_serves`): each block
+    of ``w`` queries (a GQA group's heads stacked) against its own and the previous key block, masked
+    to each query's window, one kernel call per block. Returns ``(out (B, Hq, Tq, Dv), lse (B, Hq, Tq)
+    fp32)``."""
+    B, Hq, Tq, d = q.shape
+    Hkv, Dv = k.shape[1], v.shape[-1]
+    w, group = window, Hq // Hkv
+    qb, (kb, vb), allowed, q_valid, n = _block_layout(q, (k, v.to(q.dtype)), window, num_past, key_padding_mask)
+    outs, lses = [], []
+    for c in range(n):  # one block's (group w) x 2w bias at a time
+        bias = torch.zeros(allowed[:, :, c].shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed[:, :, c],
+                                                                                              float("-inf"))
+        out, lse = _FUSED_CPU(qb[:, :, c], kb[:, :, c], vb[:, :, c], 0.0, False, attn_mask=bias, scale=scaling)
+        outs.append(out)
+        lses.append(lse)
+    out = torch.stack(outs, 2).view(B, Hkv, n, group, w, Dv).permute(0, 1, 3, 2, 4, 5).reshape(B, Hq, n * w, Dv)
+    lse = torch.stack(lses, 2).view(B, Hkv, n, group, w).permute(0, 1, 3, 2, 4).reshape(B, Hq, n * w)
+    out, lse = out[:, :, :Tq], lse[:, :, :Tq].float()
+    if key_padding_mask is not None:
+        out = out * q_valid.reshape(-1, 1, n * w, 1)[:, :, :Tq].to(out.dtype)
+    return out.to(v.dtype), lse
 
 
 def sliding_window_lse(
@@ -577,10 +632,9 @@ def sliding_window_attention_with_lse(
     if Tk != num_past + q.shape[2]:
         raise ValueError(f"keys ({Tk}) must be num_past ({num_past}) + queries ({q.shape[2]})")
     k, v, num_past, key_padding_mask = drop_unseen_past(k, v, num_past, window, key_padding_mask)
-    if num_past + q.shape[2] <= FUSED_MAX_KEYS * window:
-        fused = _fused_dense(q, k, v, window, scaling, softcap, key_padding_mask, num_past)
-        if fused is not None:
-            return fused
+    fused = _fused_form(q, k, v, window, scaling, softcap, key_padding_mask, num_past)
+    if fused is not None:
+        return fused
     if q.device.type != "cpu" or q.shape[2] <= window:
         kw = dict(scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask, num_past=num_past)
         return sliding_window_attention(q, k, v, window, **kw), sliding_window_lse(q, k, window, **kw)

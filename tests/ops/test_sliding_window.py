@@ -343,8 +343,8 @@ def test_cuda_masked_form_runs_on_a_fused_sdpa_kernel(dtype, pads):
     (40, 24, 6, (4, 2), [0, 9], 1.0),        # more queries than the window, 46 keys <= 2w: still fused
 ])
 def test_fused_dense_region_matches_the_definition(monkeypatch, dtype, tol, Tq, window, num_past, heads, pads, scale):
-    """Without autograd on a CPU, calls with at most 2w keys run PyTorch's fused attention kernel
-    masked to each query's window: its output and window log-sum-exp equal the per-query definition
+    """Without autograd on a CPU, calls with at most 2w keys run PyTorch's fused attention kernel over
+    all of them, masked to each query's window: its output and window log-sum-exp equal the per-query definition
     and the float64 dense form (cached keys, padding, grouped heads, large logits, bf16), and the
     kernel ran."""
     from retrofit.ops.sliding_window import sliding_window_attention_with_lse, sliding_window_lse
@@ -371,17 +371,23 @@ def test_fused_dense_region_matches_the_definition(monkeypatch, dtype, tol, Tq, 
     assert not out[~valid].any()  # padded queries return zeros
 
 
-def test_calls_with_more_than_2w_keys_run_the_banded_form(monkeypatch):
+def test_wide_heads_run_the_banded_form_past_the_window(monkeypatch):
+    """Heads wider than FUSED_MAX_HEAD_DIM keep the banded form for calls of more than w queries (its
+    GEMMs win there) and take the fused kernel for calls of at most w."""
     calls = []
-    monkeypatch.setattr(swa_module, "_FUSED_CPU", lambda *a, **kw: calls.append(1))
+    kernel = swa_module._FUSED_CPU
+    monkeypatch.setattr(swa_module, "_FUSED_CPU", lambda *a, **kw: calls.append(a[0].shape[2]) or kernel(*a, **kw))
+    monkeypatch.setattr(swa_module, "FUSED_MAX_HEAD_DIM", 4)
     q, k, v = attention_inputs(1, 4, 2, 40, 46, 8, dtype=torch.float32)
     from retrofit.ops.sliding_window import sliding_window_attention_with_lse
 
     with torch.no_grad():
-        out, _ = sliding_window_attention_with_lse(q, k, v, 16, num_past=6)  # 46 keys > 2w = 32
+        out, _ = sliding_window_attention_with_lse(q, k, v, 16, num_past=6)  # 40 queries > w
+        short, _ = sliding_window_attention_with_lse(q[:, :, :12], k[:, :, :18], v[:, :, :18], 16, num_past=6)
         ref = sliding_window_attention_reference(q.double(), k.double(), v.double(), 16, num_past=6)
-    assert calls == []
+    assert calls == [12]
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(short.double(), ref[:, :, :12], atol=1e-5, rtol=1e-5)
 
 
 def test_fused_dense_region_is_not_used_under_autograd(monkeypatch):
@@ -394,3 +400,37 @@ def test_fused_dense_region_is_not_used_under_autograd(monkeypatch):
     out, lse = sliding_window_attention_with_lse(q, k, v, 16)
     (out.sum() + lse.sum()).backward()
     assert calls == [] and q.grad is not None and k.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 5e-5), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("Tq, window, num_past, heads, pads, scale", [
+    (61, 8, 0, (4, 2), None, 1.0),           # a tail block: 61 queries, blocks of 8
+    (40, 16, 16, (6, 2), [0, 21], 1.0),      # cached keys; 5 padded queries in the second row
+    (50, 8, 5, (4, 1), [3, 0], 8.0),         # large logits (q and k x 8), one KV head, padded cached keys
+])
+def test_fused_blocked_form_matches_the_definition(monkeypatch, dtype, tol, Tq, window, num_past, heads, pads, scale):
+    """Without autograd on a CPU, calls of more than 2w keys (heads of at most FUSED_MAX_HEAD_DIM) run
+    the fused kernel block by block: output and window log-sum-exp equal the per-query definition and
+    the float64 dense form, and the kernel ran once per block of w queries."""
+    from retrofit.ops.sliding_window import sliding_window_attention_with_lse, sliding_window_lse
+
+    if swa_module._FUSED_CPU is None:
+        pytest.skip("this PyTorch has no fused CPU attention op")
+    calls = []
+    kernel = swa_module._FUSED_CPU
+    monkeypatch.setattr(swa_module, "_FUSED_CPU", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    B = 1 if pads is None else len(pads)
+    q, k, v = attention_inputs(B, heads[0], heads[1], Tq, Tq + num_past, 16, dtype=dtype, scale=scale)
+    mask = None if pads is None else padding_mask(B, Tq + num_past, pads)
+    kw = dict(scaling=0.25, key_padding_mask=mask, num_past=num_past)
+    with torch.no_grad():
+        out = sliding_window_attention(q, k, v, window, **kw)
+        out2, lse = sliding_window_attention_with_lse(q, k, v, window, **kw)
+    assert len(calls) == 2 * -(-Tq // window) and out.dtype == dtype and lse.dtype == torch.float32
+    ref = _loop_reference(q, k, v, window, 0.25, None, mask, num_past)
+    ref_lse = sliding_window_lse(q.double(), k.double(), window, **kw)
+    valid = torch.ones_like(lse, dtype=torch.bool) if mask is None else mask[:, None, num_past:].expand_as(lse)
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(out2, out, atol=0, rtol=0)
+    torch.testing.assert_close(lse[valid].double(), ref_lse[valid], atol=tol * scale, rtol=tol)
+    assert not out[~valid].any()  # padded queries return zeros
