@@ -336,17 +336,23 @@ def test_cuda_masked_form_runs_on_a_fused_sdpa_kernel(dtype, pads):
 
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 5e-5), (torch.bfloat16, 5e-2)])
-@pytest.mark.parametrize("Tq, window, num_past, heads, pads, scale", [
-    (24, 24, 0, (4, 4), None, 1.0),         # the whole call inside one window: causal attention
-    (20, 24, 9, (6, 2), [12, 0], 1.0),       # cached keys, some out of the first queries' windows; 3 padded queries
-    (16, 16, 16, (4, 1), [0, 19], 8.0),      # large logits (q and k x 8), one KV head, 3 padded queries
-    (40, 24, 6, (4, 2), [0, 9], 1.0),        # more queries than the window, 46 keys <= 2w: still fused
+@pytest.mark.parametrize("Tq, window, num_past, heads, pads, scale, calls_per_op", [
+    # at most 2w keys: one kernel call over all of them
+    (24, 24, 0, (4, 4), None, 1.0, 1),       # the whole call inside one window: causal attention
+    (20, 24, 9, (6, 2), [12, 0], 1.0, 1),    # cached keys, some out of the first queries' windows; 3 padded queries
+    (16, 16, 16, (4, 1), [0, 19], 8.0, 1),   # large logits (q and k x 8), one KV head, 3 padded queries
+    (40, 24, 6, (4, 2), [0, 9], 1.0, 1),     # more queries than the window, 46 keys <= 2w
+    # more keys: one call per block of w queries
+    (61, 8, 0, (4, 2), None, 1.0, 8),        # a tail block: 61 queries, blocks of 8
+    (40, 16, 16, (6, 2), [0, 21], 1.0, 3),   # cached keys; 5 padded queries in the second row
+    (50, 8, 5, (4, 1), [3, 0], 8.0, 7),      # large logits, one KV head, padded cached keys
 ])
-def test_fused_dense_region_matches_the_definition(monkeypatch, dtype, tol, Tq, window, num_past, heads, pads, scale):
-    """Without autograd on a CPU, calls with at most 2w keys run PyTorch's fused attention kernel over
-    all of them, masked to each query's window: its output and window log-sum-exp equal the per-query definition
-    and the float64 dense form (cached keys, padding, grouped heads, large logits, bf16), and the
-    kernel ran."""
+def test_fused_forms_match_the_definition(monkeypatch, dtype, tol, Tq, window, num_past, heads, pads, scale,
+                                          calls_per_op):
+    """Without autograd on a CPU (heads of at most FUSED_MAX_HEAD_DIM), the window runs PyTorch's fused
+    attention kernel, masked to each query's window: over all keys up to 2w, else block by block. Its
+    output and window log-sum-exp equal the per-query definition and the float64 dense form (cached
+    keys, padding, grouped heads, large logits, bf16), and the kernel ran as many times as planned."""
     from retrofit.ops.sliding_window import sliding_window_attention_with_lse, sliding_window_lse
 
     if swa_module._FUSED_CPU is None:
@@ -361,7 +367,7 @@ def test_fused_dense_region_matches_the_definition(monkeypatch, dtype, tol, Tq, 
     with torch.no_grad():
         out = sliding_window_attention(q, k, v, window, **kw)
         out2, lse = sliding_window_attention_with_lse(q, k, v, window, **kw)
-    assert len(calls) == 2 and out.dtype == dtype and lse.dtype == torch.float32
+    assert len(calls) == 2 * calls_per_op and out.dtype == dtype and lse.dtype == torch.float32
     ref = _loop_reference(q, k, v, window, 0.25, None, mask, num_past)  # float64 of the same (rounded) inputs
     ref_lse = sliding_window_lse(q.double(), k.double(), window, **kw)
     valid = torch.ones_like(lse, dtype=torch.bool) if mask is None else mask[:, None, num_past:].expand_as(lse)
@@ -400,37 +406,3 @@ def test_fused_dense_region_is_not_used_under_autograd(monkeypatch):
     out, lse = sliding_window_attention_with_lse(q, k, v, 16)
     (out.sum() + lse.sum()).backward()
     assert calls == [] and q.grad is not None and k.grad.abs().sum() > 0
-
-
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 5e-5), (torch.bfloat16, 5e-2)])
-@pytest.mark.parametrize("Tq, window, num_past, heads, pads, scale", [
-    (61, 8, 0, (4, 2), None, 1.0),           # a tail block: 61 queries, blocks of 8
-    (40, 16, 16, (6, 2), [0, 21], 1.0),      # cached keys; 5 padded queries in the second row
-    (50, 8, 5, (4, 1), [3, 0], 8.0),         # large logits (q and k x 8), one KV head, padded cached keys
-])
-def test_fused_blocked_form_matches_the_definition(monkeypatch, dtype, tol, Tq, window, num_past, heads, pads, scale):
-    """Without autograd on a CPU, calls of more than 2w keys (heads of at most FUSED_MAX_HEAD_DIM) run
-    the fused kernel block by block: output and window log-sum-exp equal the per-query definition and
-    the float64 dense form, and the kernel ran once per block of w queries."""
-    from retrofit.ops.sliding_window import sliding_window_attention_with_lse, sliding_window_lse
-
-    if swa_module._FUSED_CPU is None:
-        pytest.skip("this PyTorch has no fused CPU attention op")
-    calls = []
-    kernel = swa_module._FUSED_CPU
-    monkeypatch.setattr(swa_module, "_FUSED_CPU", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
-    B = 1 if pads is None else len(pads)
-    q, k, v = attention_inputs(B, heads[0], heads[1], Tq, Tq + num_past, 16, dtype=dtype, scale=scale)
-    mask = None if pads is None else padding_mask(B, Tq + num_past, pads)
-    kw = dict(scaling=0.25, key_padding_mask=mask, num_past=num_past)
-    with torch.no_grad():
-        out = sliding_window_attention(q, k, v, window, **kw)
-        out2, lse = sliding_window_attention_with_lse(q, k, v, window, **kw)
-    assert len(calls) == 2 * -(-Tq // window) and out.dtype == dtype and lse.dtype == torch.float32
-    ref = _loop_reference(q, k, v, window, 0.25, None, mask, num_past)
-    ref_lse = sliding_window_lse(q.double(), k.double(), window, **kw)
-    valid = torch.ones_like(lse, dtype=torch.bool) if mask is None else mask[:, None, num_past:].expand_as(lse)
-    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
-    torch.testing.assert_close(out2, out, atol=0, rtol=0)
-    torch.testing.assert_close(lse[valid].double(), ref_lse[valid], atol=tol * scale, rtol=tol)
-    assert not out[~valid].any()  # padded queries return zeros
