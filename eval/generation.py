@@ -131,8 +131,8 @@ def run_prompts(
                 L = p["length"]
                 bar.set_postfix_str(f"{label} {report.fmt_length(L)}")
                 rec = {k: p[k] for k in ("length", *keep) if k in p}
-                same = (records[source][i] if source is not None and len(p["ids"]) + max_new_tokens(p, mtok) <= same_up_to
-                        else None)
+                max_new = max_new_tokens(p, mtok)
+                same = records[source][i] if source is not None and len(p["ids"]) + max_new <= same_up_to else None
                 if same is not None and same.get("error") is None:
                     rec.update(output=same["output"], score=same["score"], same_as=source)
                 elif oom_from is not None and L >= oom_from:
@@ -140,7 +140,7 @@ def run_prompts(
                 else:
                     t0 = time.perf_counter()
                     try:
-                        text = generate_answer(mdl, mtok, p["ids"], max_new_tokens(p, mtok), chunk_size=prefill_chunk)
+                        text = generate_answer(mdl, mtok, p["ids"], max_new, chunk_size=prefill_chunk)
                     except Exception as exc:
                         if not is_oom(exc):
                             raise

@@ -150,7 +150,7 @@ def _fused_dense(
     scaling: float | None,
     key_padding_mask: torch.Tensor | None,
     num_past: int,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Every key of the call scored, masked to each query's window, in one fused CPU kernel (callers
     check :func:`_fused_serves`): ``(out (B, Hq, Tq, Dv), lse (B, Hq, Tq) fp32)``.
 
@@ -386,6 +386,13 @@ def _block_layout(
     return qb, tuple(two_blocks(x) for x in kv), allowed, q_valid, n
 
 
+def _from_blocks(x: torch.Tensor, group: int) -> torch.Tensor:
+    """Undo :func:`_block_layout` on a per-query result: ``(B, Hkv, n, group w[, c])`` -> ``(B, Hq,
+    n w[, c])``, the query heads of each GQA group back in order."""
+    B, Hkv, n, gw, *rest = x.shape
+    return x.view(B, Hkv, n, group, gw // group, *rest).transpose(2, 3).reshape(B, Hkv * group, n * (gw // group), *rest)
+
+
 def _banded_blocked(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -511,8 +518,8 @@ def _masked_blocked(
 ) -> torch.Tensor:
     """The blocked form through SDPA with a boolean (B, n, w, 2w) mask (GPU without flash-attn)."""
     B, Hq, Tq, d = q.shape
-    Hkv, Dv = k.shape[1], v.shape[-1]
-    w, group = window, Hq // Hkv
+    Hkv, w = k.shape[1], window
+    group = Hq // Hkv
     qb, (kb, vb), allowed, q_valid, n = _block_layout(q, (k, v), window, num_past, key_padding_mask)
 
     if softcap is None:  # 4-D, as SDPA's fused CUDA kernels require: a 5-D call runs the math kernel
@@ -523,7 +530,7 @@ def _masked_blocked(
         scores = _softcap(_upcast(torch.matmul(qb, kb.transpose(-1, -2))) * scaling, softcap)
         scores = scores.masked_fill(~allowed, float("-inf"))
         out = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), vb)
-    out = out.view(B, Hkv, n, group, w, Dv).permute(0, 1, 3, 2, 4, 5).reshape(B, Hq, n * w, Dv)[:, :, :Tq]
+    out = _from_blocks(out, group)[:, :, :Tq]
     if key_padding_mask is not None:
         out = out * q_valid.reshape(-1, 1, n * w, 1)[:, :, :Tq].to(out.dtype)
     return out
@@ -542,9 +549,7 @@ def _fused_blocked(
     of ``w`` queries (a GQA group's heads stacked) against its own and the previous key block, masked
     to each query's window, one kernel call per block. Returns ``(out (B, Hq, Tq, Dv), lse (B, Hq, Tq)
     fp32)``."""
-    B, Hq, Tq, d = q.shape
-    Hkv, Dv = k.shape[1], v.shape[-1]
-    w, group = window, Hq // Hkv
+    Tq, group = q.shape[2], q.shape[1] // k.shape[1]
     qb, (kb, vb), allowed, q_valid, n = _block_layout(q, (k, v.to(q.dtype)), window, num_past, key_padding_mask)
     outs, lses = [], []
     for c in range(n):  # one block's (group w) x 2w bias at a time
@@ -553,11 +558,10 @@ def _fused_blocked(
         out, lse = _FUSED_CPU(qb[:, :, c], kb[:, :, c], vb[:, :, c], 0.0, False, attn_mask=bias, scale=scaling)
         outs.append(out)
         lses.append(lse)
-    out = torch.stack(outs, 2).view(B, Hkv, n, group, w, Dv).permute(0, 1, 3, 2, 4, 5).reshape(B, Hq, n * w, Dv)
-    lse = torch.stack(lses, 2).view(B, Hkv, n, group, w).permute(0, 1, 3, 2, 4).reshape(B, Hq, n * w)
-    out, lse = out[:, :, :Tq], lse[:, :, :Tq].float()
+    out = _from_blocks(torch.stack(outs, 2), group)[:, :, :Tq]
+    lse = _from_blocks(torch.stack(lses, 2), group)[:, :, :Tq].float()
     if key_padding_mask is not None:
-        out = out * q_valid.reshape(-1, 1, n * w, 1)[:, :, :Tq].to(out.dtype)
+        out = out * q_valid.reshape(-1, 1, n * window, 1)[:, :, :Tq].to(out.dtype)
     return out.to(v.dtype), lse
 
 
@@ -603,11 +607,10 @@ def sliding_window_lse(
         scores, _ = _dense_scores(q, k, window, scaling, softcap, key_padding_mask, num_past)
         return torch.logsumexp(scores, dim=-1).view(B, Hq, Tq)
     scaling = d**-0.5 if scaling is None else scaling
-    w, group = window, Hq // Hkv
-    qb, (kb,), allowed, _, n = _block_layout(q, (k,), window, num_past, key_padding_mask)
+    qb, (kb,), allowed, _, _ = _block_layout(q, (k,), window, num_past, key_padding_mask)
     scores = _softcap(_upcast(torch.matmul(qb, kb.transpose(-1, -2))) * scaling, softcap)
     lse = torch.logsumexp(scores.masked_fill(~allowed, float("-inf")), dim=-1)  # (B, Hkv, n, group w)
-    return lse.view(B, Hkv, n, group, w).permute(0, 1, 3, 2, 4).reshape(B, Hq, n * w)[:, :, :Tq]
+    return _from_blocks(lse, Hq // Hkv)[:, :, :Tq]
 
 
 def sliding_window_attention_with_lse(
