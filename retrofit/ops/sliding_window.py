@@ -105,12 +105,12 @@ def _dense_allowed(
 _FUSED_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 # Without autograd the fused kernel runs wherever it was measured faster than the other CPU forms
-# (2-vCPU Zen 4 host, fp32, 4096-token calls): a call of at most w queries (its keys fit 2w) always,
-# 3-9x faster than the dense form, which also scored the window twice for its log-sum-exp
-# (SmolLM2-135M: 9 heads of 64, Gemma 3 270M: 4 heads of 256). Longer calls with heads of at most
-# this dimension: all keys at once up to 2w (0.37-0.55x the banded form's time at d 64), else block
-# by block (0.61-0.73x at w 512-2048). With d 256 the banded form's GEMMs are thick enough to win
-# there (the fused kernel 1.13x at 2w keys, 1.06-1.56x block by block).
+# (2-vCPU Zen 4 host, fp32): every call of at most w queries (one 1024-token call of 9 heads of 64
+# at w 1024: 17 ms against 71 ms for the dense form, `retrofit bench attention --ops swa`), and
+# longer calls only with heads of at most this dimension. 4096-query calls,
+# scripts/research/time_window_forms.py: at d 64 it takes 0.53-0.82x the banded form's time (w 512-
+# 2048); at d 256 the banded form's thicker GEMMs win (the fused kernel 1.07-1.48x block by block,
+# 1.15x with all 2w keys at once).
 FUSED_MAX_HEAD_DIM = 128
 
 
