@@ -5,7 +5,7 @@
 # weights briefly on the bundled books, evaluate it beside the base model up to its 32K context,
 # generate, and write a report. CPU only: 22 min measured on 2 idle cores with native bf16 (longer
 # in fp32; see README); pass --quick for the variant of under 5 min, --lengths ... 64K to go past
-# the context (~36 min). Extra arguments go to `retrofit demo`.
+# the context (about 36 min, estimated from the 39 min measured before the copies). Extra arguments go to `retrofit demo`.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/scripts/_setup_env.sh" "train,eval,gemma"
