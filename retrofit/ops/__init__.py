@@ -14,6 +14,7 @@ as full attention past their context; SDPA blocks), :func:`linear_cross_entropy`
 calls with nothing to dispatch.
 """
 # the kernels' modules first: the dispatched ops are declared by their torch kernels
+from retrofit.ops.delta_rule import DeltaState, delta_rule_reference
 from retrofit.ops.exp_linear import exp_linear_attention_reference
 from retrofit.ops.latte import LatteState, bidirectional_latte_reference, causal_latte_reference
 from retrofit.ops.lavo import (
@@ -48,6 +49,7 @@ from retrofit.ops.macchiato import (
 
 __all__ = [
     *(op.name for op in _dispatched.OPS),
+    "DeltaState",
     "LLPState",
     "LatteState",
     "LavoState",
@@ -59,6 +61,7 @@ __all__ = [
     "capped_rope_attention_reference",
     "bidirectional_latte_reference",
     "causal_latte_reference",
+    "delta_rule_reference",
     "exp_linear_attention_reference",
     "macchiato_attention",
     "macchiato_attention_reference",

@@ -2,7 +2,7 @@
 
 An op is declared by its torch kernel (which names it and gives its signature and docstring;
 shapes in that kernel's module: :mod:`.latte`, :mod:`.exp_linear`, :mod:`.sliding_window`,
-:mod:`.lavo`, :mod:`.llp`) and a function describing a call for the registry. Everything else
+:mod:`.lavo`, :mod:`.llp`, :mod:`.delta_rule`) and a function describing a call for the registry. Everything else
 derives from these lines: :data:`OPS` and ``__all__`` below, the exports of :mod:`retrofit.ops`,
 and the ``torch`` backend's kernels (:mod:`retrofit.ops.backends.pytorch`).
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from retrofit.ops import exp_linear, latte, lavo, llp, sliding_window
+from retrofit.ops import delta_rule, exp_linear, latte, lavo, llp, sliding_window
 from retrofit.ops.backends.registry import Call, Op
 
 
@@ -58,6 +58,8 @@ orthogonal_memory_recurrent = Op(lavo.orthogonal_memory_recurrent, _on_queries)
 orthogonal_memory_step = Op(lavo.orthogonal_memory_step, _on_queries)
 llp_attention = Op(llp.llp_attention, _on_values)
 llp_attention_cached = Op(llp.llp_attention_cached, _on_values)
+delta_rule_chunked = Op(delta_rule.delta_rule_chunked, _on_values)
+delta_rule_step = Op(delta_rule.delta_rule_step, _on_values)
 
 OPS: tuple[Op, ...] = tuple(value for value in list(globals().values()) if isinstance(value, Op))
 __all__ = ["OPS", *(op.name for op in OPS)]
