@@ -6,15 +6,37 @@ that it still matches them. Regenerate after changing a method's config fields::
     python -c "import pprint; from retrofit.cli.convert import method_flag_table; pprint.pp(method_flag_table(), width=110)"
 """
 
-TABLE: dict[str, dict] = {'chunk_size': {'flag': '--chunk-size',
-                'kind': 'int',
-                'nullable': False,
-                'help': 'chunk length of the chunked linear-attention scan [exp-linear: 64, macchiato: 64]'},
- 'window': {'flag': '--window',
+TABLE: dict[str, dict] = {'window': {'flag': '--window',
             'kind': 'int',
             'nullable': True,
-            'help': "local window w in tokens (default 128, or the family's native window with --layers "
-                    'global) [lavo: None, macchiato: None]'},
+            'help': "sliding window w in tokens (default 128, or the family's native window with --layers "
+                    'global) [delta: None, lavo: None, macchiato: None]'},
+ 'init_swa_share': {'flag': '--init-swa-share',
+                    'kind': 'float',
+                    'nullable': False,
+                    'help': 'initial sliding-window share p(0|t) in (0, 1] (1 = latent path closed) [delta: '
+                            '0.9, macchiato: 0.9]'},
+ 'memory_half_life': {'flag': '--memory-half-life',
+                      'kind': 'int',
+                      'nullable': False,
+                      'help': "tokens over which a stored value halves at conversion (the decay gate's "
+                              'initial bias; 0 = no decay) [delta: 4096]'},
+ 'sinks': {'flag': '--sinks',
+           'kind': 'int',
+           'nullable': False,
+           'help': 'attention sinks: the window branch also sees the first n tokens [delta: 0, macchiato: '
+                   '0]'},
+ 'sink_distance': {'flag': '--sink-distance',
+                   'kind': 'int',
+                   'nullable': True,
+                   'help': 'cap on the RoPE distance a query sees to a sink (StreamingLLM-style '
+                           "re-positioning; default the base's max_position_embeddings - 1, so nothing "
+                           'changes inside its context; 0 = no cap) [delta: None, macchiato: None]'},
+ 'chunk_size': {'flag': '--chunk-size',
+                'kind': 'int',
+                'nullable': False,
+                'help': 'chunk length of the chunked linear-attention scan [delta: 64, exp-linear: 64, '
+                        'macchiato: 64]'},
  'bases': {'flag': '--bases',
            'kind': 'int',
            'nullable': True,
@@ -49,23 +71,8 @@ TABLE: dict[str, dict] = {'chunk_size': {'flag': '--chunk-size',
              'kind': 'int',
              'nullable': False,
              'help': 'latent states L in total over the query heads (L / heads per head) [macchiato: 128]'},
- 'init_swa_share': {'flag': '--init-swa-share',
-                    'kind': 'float',
-                    'nullable': False,
-                    'help': 'initial sliding-window share p(0|t) in (0, 1] (1 = latent path closed) '
-                            '[macchiato: 0.9]'},
  'conv_size': {'flag': '--conv-size',
                'kind': 'int',
                'nullable': False,
                'help': 'causal depthwise conv size before the latent projections (0 or 1 = none) [macchiato: '
-                       '0]'},
- 'sinks': {'flag': '--sinks',
-           'kind': 'int',
-           'nullable': False,
-           'help': 'attention sinks: the window branch also sees the first n tokens [macchiato: 0]'},
- 'sink_distance': {'flag': '--sink-distance',
-                   'kind': 'int',
-                   'nullable': True,
-                   'help': 'cap on the RoPE distance a query sees to a sink (StreamingLLM-style '
-                           "re-positioning; default the base's max_position_embeddings - 1, so nothing "
-                           'changes inside its context; 0 = no cap) [macchiato: None]'}}
+                       '0]'}}

@@ -7,6 +7,7 @@ Importing this package imports each built-in method module once, which registers
 from retrofit.layers.base import RetrofitAttention
 from retrofit.layers.cache import RetrofitCache, RetrofitLayerCache, layer_cache
 from retrofit.layers.conv import CausalDepthwiseConv
+from retrofit.layers.delta import DeltaAttention, DeltaConfig
 from retrofit.layers.exp_linear import ExpLinearAttention, ExpLinearConfig
 from retrofit.layers.lavo import LavoAttention, LavoConfig, LavoLayerCache
 from retrofit.layers.llp import LLPAttention, LLPConfig, LLPLayerCache
@@ -19,6 +20,8 @@ __all__ = [
     "DEFAULT_INIT_SWA_SHARE",
     "DEFAULT_WINDOW",
     "CausalDepthwiseConv",
+    "DeltaAttention",
+    "DeltaConfig",
     "ExpLinearAttention",
     "ExpLinearConfig",
     "LLPAttention",

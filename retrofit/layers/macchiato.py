@@ -108,8 +108,8 @@ class MacchiatoConfig(MethodConfig):
         import dataclasses
 
         distance = self.sink_distance
-        if distance is None and self.sinks:  # the pretraining context: the farthest RoPE distance the base saw
-            distance = max(0, int(getattr(model_config, "max_position_embeddings", 0) or 0) - 1)
+        if distance is None and self.sinks:
+            distance = base_context_distance(model_config)
         return dataclasses.replace(self, window=resolve_window(self.window, model_config, layers), sink_distance=distance)
 
     def describe(self) -> str:
@@ -117,6 +117,12 @@ class MacchiatoConfig(MethodConfig):
                  f"conv_size={self.conv_size}"]
         sinks = [f"sinks={self.sinks}"] + ([f"sink_distance={self.sink_distance}"] if self.sink_distance else [])
         return ", ".join(parts + (sinks if self.sinks else []))
+
+def base_context_distance(model_config: Any) -> int:
+    """The farthest RoPE distance the base saw in pretraining (``max_position_embeddings - 1``): the
+    sinks' default distance cap."""
+    return max(0, int(getattr(model_config, "max_position_embeddings", 0) or 0) - 1)
+
 
 class MacchiatoLayerCache(RetrofitLayerCache):
     """Macchiato's decoding-cache entry: the latent state (:class:`~retrofit.ops.LatteState`,
@@ -368,7 +374,7 @@ class MacchiatoAttention(RetrofitAttention):
         self.chunk_size = int(chunk_size)
         self.sinks = int(sinks)
         if sink_distance is None:  # as MacchiatoConfig.resolved: the base's pretraining context
-            sink_distance = max(0, int(getattr(self.config, "max_position_embeddings", 0) or 0) - 1)
+            sink_distance = base_context_distance(self.config)
         self.sink_distance = int(sink_distance)
         # the frequencies that move a sink's key to the capped distance (the base's, fp32); None: uncapped
         self.sink_inv_freq = self.rope_inv_freq if self.sinks and self.sink_distance else None

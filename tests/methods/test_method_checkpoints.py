@@ -1,4 +1,4 @@
-"""LAVO / LLP through the surgery's checkpoints: full save/load and delta re-attachment give the
+"""LAVO / LLP / the delta-rule memory through the surgery's checkpoints: full save/load and delta re-attachment give the
 same logits; LAVO's trained weights survive; the probe's closed path is LAVO's SWA anchor."""
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ SPECS = {
     "lavo": dict(method="lavo", window=6, options={"bases": 8, "global_weight": 0.3}),
     "lavo-fixed-gate": dict(method="lavo", window=6, options={"global_weight": 0.3, "learn_global_weight": False, "relative_bias": False}),
     "llp": dict(method="llp", options={"segment": 6}),
+    "delta": dict(method="delta", window=6, options={"sinks": 2, "init_swa_share": 0.6}),
 }
 
 

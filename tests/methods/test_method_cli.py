@@ -1,4 +1,4 @@
-"""`retrofit convert --config <lavo|llp>.yaml` end to end on a tiny base folder (in-process CLI;
+"""`retrofit convert --config <lavo|llp|delta>.yaml` end to end on a tiny base folder (in-process CLI;
 the methods are registered by this folder's conftest)."""
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from tests.train import tiny
     [
         ("method: lavo\nwindow: 8\noptions:\n  bases: 8\n  global_weight: 0.25\n", True),
         ("method: llp\noptions:\n  segment: 16\n", False),
+        ("method: delta\nwindow: 8\noptions:\n  sinks: 2\n  memory_half_life: 64\n", True),
     ],
 )
 def test_convert_cli_writes_a_loadable_checkpoint(yaml_text, anchor, tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""LAVO / LLP through the eval harness (retrofit.eval): perplexity beside the base model on the
+"""LAVO / LLP / the delta-rule memory through the eval harness (retrofit.eval): perplexity beside the base model on the
 local pg-books, scored in one forward and chunk by chunk through the method's cache (the two
 must agree), and an lm-eval run on the offline tiny tasks, from a saved checkpoint folder."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ from tests.eval.tiny import tiny_llama, train_tokenizer
 SPECS = {
     "lavo": dict(method="lavo", window=16, options={"bases": 8}),
     "llp": dict(method="llp", options={"segment": 32}),
+    "delta": dict(method="delta", window=16, options={"sinks": 2, "init_swa_share": 0.6, "chunk_size": 8}),
 }
 
 

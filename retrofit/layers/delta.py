@@ -1,0 +1,258 @@
+"""Pretrained attention as a sliding window mixed with a trainable gated delta-rule memory.
+
+    o_t = p(0|t) * SWA_t(q, k, v) + p(1|t) * M_t^T q'_t          then the pretrained o_proj
+
+Latte Macchiato's mixture (:mod:`retrofit.layers.macchiato`) with a different state beside the
+window: instead of L latent states, each of which averages the values it is given, each query
+head keeps a key -> value memory ``M_t`` ``(d, D)`` written by the gated delta rule
+(:mod:`retrofit.ops.delta_rule`), which replaces the value stored at a key instead of adding to
+it. That is the property associative recall past the window needs: additive states saturate on
+it, delta-rule states do not ("What Matters in Linearizing Language Models", 2025, on
+SmolLM2-135M itself).
+
+* SWA_t: the pretrained attention restricted to the last ``window`` tokens, with attention sinks
+  and their capped distance exactly as in Macchiato (same window branch, same decoding slots).
+* ``p(.|t) = softmax([memory_gate(x_t), 0])`` per query head: state 0 the window, state 1 the
+  memory. ``memory_gate.weight = 0`` and its bias ``log(share / (1 - share))`` at conversion, so
+  ``p(0|t) = init_swa_share`` exactly; 1 saturates (the layer is the w-token window with sinks).
+* The memory's keys and queries are the pretrained post-RoPE ones, through a per-head d x d map
+  (identity at conversion), L2-normalised: on them a memory read ``q'.k'`` starts as the
+  pretrained (relative-position) score. Values: the pretrained ones, shared across a GQA group.
+* Write strength ``beta_t = sigmoid(memory_beta(x_t))`` per head; decay
+  ``a_t = sigmoid(memory_decay(x_t))`` per head, its bias set so that a stored value halves
+  over ``memory_half_life`` tokens at conversion (0: no decay).
+
+New weights: ``memory_gate``, ``memory_beta``, ``memory_decay`` (each Linear(hidden, Hq)),
+``memory_query_map`` and ``memory_key_map`` (Hq maps of d x d).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from retrofit.errors import SpecError
+from retrofit.layers.macchiato import (
+    DEFAULT_INIT_SWA_SHARE, SATURATED_LOGIT, MacchiatoAttention, MacchiatoConfig, base_context_distance,
+)
+from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, register_method, resolve_window
+from retrofit.ops import DeltaState, delta_rule_chunked, delta_rule_step, repeat_kv_heads
+
+__all__ = ["DEFAULT_MEMORY_HALF_LIFE", "DeltaAttention", "DeltaConfig", "HeadwiseLinear", "build_delta"]
+
+# Tokens over which a stored value halves at conversion (the decay gate's bias): past a 1024-token
+# window, a key written 4K tokens back is still read at half strength.
+DEFAULT_MEMORY_HALF_LIFE = 4096
+# the window branch's options mean what they mean in Macchiato: one help text each
+_SHARED_HELP = {f.name: f.metadata["help"] for f in dataclasses.fields(MacchiatoConfig)}
+
+
+@dataclass
+class DeltaConfig(MethodConfig):
+    """Hyper-parameters of a window + delta-rule memory conversion (``retrofit convert --method delta``)."""
+
+    method = "delta"
+    capabilities = frozenset({"window_dropout"})
+    window: int | None = opt(None, _SHARED_HELP["window"])
+    init_swa_share: float = opt(DEFAULT_INIT_SWA_SHARE, _SHARED_HELP["init_swa_share"])
+    memory_half_life: int = opt(DEFAULT_MEMORY_HALF_LIFE, "tokens over which a stored value halves at conversion "
+                                                          "(the decay gate's initial bias; 0 = no decay)")
+    sinks: int = opt(0, _SHARED_HELP["sinks"])
+    sink_distance: int | None = opt(None, _SHARED_HELP["sink_distance"])
+    chunk_size: int = opt(64, "chunk length of the chunked linear-attention scan")
+
+    def check(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise SpecError(f"window must be >= 1 token, got {self.window}")
+        if not 0.0 < self.init_swa_share <= 1.0:
+            raise SpecError(f"init_swa_share must be in (0, 1] (1 = memory closed), got {self.init_swa_share}")
+        if self.memory_half_life < 0:
+            raise SpecError(f"memory_half_life must be >= 0 tokens (0 = no decay), got {self.memory_half_life}")
+        if self.sinks < 0:
+            raise SpecError(f"sinks must be >= 0 (0 = a plain sliding window), got {self.sinks}")
+        if self.sink_distance is not None and self.sink_distance < 0:
+            raise SpecError(f"sink_distance must be >= 0 (0 = no cap), got {self.sink_distance}")
+        if self.chunk_size < 1:
+            raise SpecError(f"chunk_size must be >= 1, got {self.chunk_size}")
+
+    def resolved(self, model_config: Any, layers: Any) -> "DeltaConfig":
+        distance = self.sink_distance
+        if distance is None and self.sinks:
+            distance = base_context_distance(model_config)
+        return dataclasses.replace(self, window=resolve_window(self.window, model_config, layers), sink_distance=distance)
+
+
+class HeadwiseLinear(nn.Module):
+    """One ``d x d`` linear map per head, identity at creation: ``(B, H, T, d) -> (B, H, T, d)``."""
+
+    def __init__(self, heads: int, dim: int, **kw: Any):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(heads, dim, dim, **kw))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        self.weight.copy_(torch.eye(self.weight.shape[-1]).expand_as(self.weight))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bhtd,hed->bhte", x, self.weight.to(x.dtype))
+
+
+def decay_bias(half_life: int) -> float:
+    """Bias of the decay gate that gives ``sigmoid(bias) ** half_life = 1/2`` (``half_life`` 0: unused)."""
+    a = 0.5 ** (1.0 / half_life)
+    return math.log(a / (1.0 - a))
+
+
+class DeltaAttention(MacchiatoAttention):
+    """Pretrained attention as a ``window``-token SWA state mixed with a gated delta-rule memory.
+
+    Args:
+        original: the pretrained attention module (its projections and norms move into this layer).
+        patch: the family patch that builds q, k, v for it.
+        window: sliding window ``w`` in tokens.
+        init_swa_share: initial ``p(0|t)`` in (0, 1] (1: the memory starts closed).
+        memory_half_life: tokens over which a stored value halves at conversion (0: no decay gate).
+        chunk_size: chunk length of the chunkwise-parallel delta rule.
+        sinks, sink_distance: the window branch's attention sinks, as in :class:`MacchiatoAttention`.
+        generator: seeds the write-strength initialisation.
+
+    Returns:
+        Called as ``layer(hidden_states (B, T, hidden), position_embeddings=(cos, sin),
+        attention_mask=None | (B, past + T), past_key_values=None | Cache)``:
+        ``(attn_output (B, T, hidden), None)``.
+
+    Example::
+
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from retrofit.layers import DeltaAttention
+        >>> from retrofit.patches import get_patch
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4))
+        >>> attn = DeltaAttention(model.model.layers[0].self_attn, get_patch(model), window=8)
+        >>> x = torch.randn(1, 12, 32)  # (B, T, hidden)
+        >>> attn(x, position_embeddings=model.model.rotary_emb(x, torch.arange(12)[None]))[0].shape
+        torch.Size([1, 12, 32])
+    """
+
+    method = "delta"
+    new_module_names = ("memory_gate", "memory_beta", "memory_decay", "memory_query_map", "memory_key_map")
+
+    def __init__(
+        self,
+        original: nn.Module,
+        patch: Any,
+        *,
+        window: int = DEFAULT_WINDOW,
+        init_swa_share: float = DeltaConfig.init_swa_share,
+        memory_half_life: int = DeltaConfig.memory_half_life,
+        chunk_size: int = DeltaConfig.chunk_size,
+        sinks: int = DeltaConfig.sinks,
+        sink_distance: int | None = DeltaConfig.sink_distance,
+        generator: torch.Generator | None = None,
+    ):
+        super().__init__(original, patch, window=window, latents=0, init_swa_share=1.0, chunk_size=chunk_size,
+                         sinks=sinks, sink_distance=sink_distance, generator=generator)
+        if not 0.0 < init_swa_share <= 1.0:
+            raise ValueError(f"init_swa_share must be in (0, 1], got {init_swa_share}")
+        del self.latent_q  # the window's share comes from memory_gate
+        self.init_swa_share = float(init_swa_share)
+        self.memory_half_life = int(memory_half_life)
+        kw = dict(device=self._weight_ref.device, dtype=self._weight_ref.dtype)
+        H = self.num_heads
+        self.memory_gate = nn.Linear(self.hidden_size, H, bias=True, **kw)
+        self.memory_beta = nn.Linear(self.hidden_size, H, bias=True, **kw)
+        self.memory_decay = nn.Linear(self.hidden_size, H, bias=True, **kw) if self.memory_half_life else None
+        self.memory_query_map = HeadwiseLinear(H, self.head_dim, **kw)
+        self.memory_key_map = HeadwiseLinear(H, self.head_dim, **kw)
+        self.reset_new_parameters(generator)
+
+    @torch.no_grad()
+    def reset_new_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Initial values described in the module docstring (``generator`` for reproducibility)."""
+        if getattr(self, "memory_gate", None) is None:  # the window's own init, while Macchiato builds it
+            return
+        self.memory_gate.weight.zero_()
+        share = self.init_swa_share
+        self.memory_gate.bias.fill_(SATURATED_LOGIT if share >= 1.0 else math.log(share / (1.0 - share)))
+        std = float(getattr(self.config, "initializer_range", 0.02))
+        self.memory_beta.weight.copy_(torch.randn(self.memory_beta.weight.shape, generator=generator) * std)
+        self.memory_beta.bias.zero_()  # beta = 1/2
+        if self.memory_decay is not None:
+            self.memory_decay.weight.zero_()
+            self.memory_decay.bias.fill_(decay_bias(self.memory_half_life))
+        self.memory_query_map.reset_parameters()
+        self.memory_key_map.reset_parameters()
+
+    def supports(self, capability: str) -> bool:
+        return super(MacchiatoAttention, self).supports(capability)
+
+    @property
+    def memory_closed(self) -> bool:
+        return self.latent_path_closed
+
+    def mixing_logits(self, x: torch.Tensor, valid: torch.Tensor | None, tail: torch.Tensor | None):
+        """``mix (B, H, T, 2)``: state 0 the window, state 1 the memory (column 0 saturated when the
+        memory is closed, -saturated for a sequence whose window is dropped in training); no latent
+        logits, no conv tail."""
+        gate = self.memory_gate(x).transpose(1, 2)  # (B, H, T)
+        mix = torch.stack([gate, torch.zeros_like(gate)], dim=-1)
+        if self.latent_path_closed:
+            mix = torch.zeros_like(mix)
+            mix[..., 0] = SATURATED_LOGIT
+        elif self.training and self.window_dropout > 0.0:
+            mix = self._drop_window(mix)
+        self._memory_share = torch.softmax(mix.float(), dim=-1)[..., 1:]  # read back by attend, same call
+        return mix, None, None
+
+    def attend(self, q, k, v, valid, cache, *, hidden_states, position_embeddings):
+        previous = cache.state if cache is not None else None
+        window_part = super().attend(q, k, v, valid, cache, hidden_states=hidden_states,
+                                     position_embeddings=position_embeddings)  # p(0|t) * SWA_t
+        share, self._memory_share = self._memory_share, None
+        if self.latent_path_closed:
+            return window_part
+        H, T = self.num_heads, q.shape[2]
+        mq = F.normalize(self.memory_query_map(q), dim=-1)
+        mk = F.normalize(self.memory_key_map(repeat_kv_heads(k, H)), dim=-1)
+        mv = repeat_kv_heads(v, H)
+        beta = torch.sigmoid(self.memory_beta(hidden_states).float()).transpose(1, 2)
+        g = None if self.memory_decay is None else F.logsigmoid(self.memory_decay(hidden_states).float()).transpose(1, 2)
+        if T == 1 and cache is not None:
+            memory, state = delta_rule_step(mq, mk, mv, beta, g, previous, valid=valid)
+        else:
+            memory, state = delta_rule_chunked(mq, mk, mv, beta, g, key_padding_mask=valid, initial_state=previous,
+                                               output_final_state=cache is not None, chunk_size=self.chunk_size)
+        if cache is not None:
+            cache.state = state
+        return window_part + (share * memory).to(window_part.dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"layer_idx={self.layer_idx}, heads={self.num_heads}/{self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"window={self.window}, init_swa_share={self.init_swa_share}, memory_half_life={self.memory_half_life}"
+            + (f", sinks={self.sinks}" if self.sinks else "")
+            + (f", sink_distance={self.sink_distance}" if self.sinks and self.sink_distance else "")
+        )
+
+
+def build_delta(original: nn.Module, patch: Any, spec: Any, layer_idx: int,
+                generator: torch.Generator | None) -> DeltaAttention:
+    """Method-registry builder: a :class:`DeltaAttention` from ``spec.config`` (resolved window)."""
+    c: DeltaConfig = spec.config
+    return DeltaAttention(
+        original, patch, window=c.window if c.window is not None else DEFAULT_WINDOW, init_swa_share=c.init_swa_share,
+        memory_half_life=c.memory_half_life, chunk_size=c.chunk_size, sinks=c.sinks, sink_distance=c.sink_distance,
+        generator=generator,
+    )
+
+
+register_method(
+    "delta", build_delta, config=DeltaConfig,
+    description="pretrained attention as a w-token sliding window + a trainable gated delta-rule memory",
+)
