@@ -236,8 +236,7 @@ class DeltaAttention(MacchiatoAttention):
         return (
             f"layer_idx={self.layer_idx}, heads={self.num_heads}/{self.num_kv_heads}, head_dim={self.head_dim}, "
             f"window={self.window}, init_swa_share={self.init_swa_share}, memory_half_life={self.memory_half_life}"
-            + (f", sinks={self.sinks}" if self.sinks else "")
-            + (f", sink_distance={self.sink_distance}" if self.sinks and self.sink_distance else "")
+            + self._sinks_repr()
         )
 
 

@@ -534,9 +534,12 @@ class MacchiatoAttention(RetrofitAttention):
         return (
             f"{super().extra_repr()}, window={self.window}, latents={self.latents} "
             f"({self.latents_per_head}/head), init_swa_share={self.init_swa_share}, conv_size={self.conv_size}"
-            + (f", sinks={self.sinks}" if self.sinks else "")
-            + (f", sink_distance={self.sink_distance}" if self.sinks and self.sink_distance else "")
+            + self._sinks_repr()
         )
+
+    def _sinks_repr(self) -> str:
+        return ((f", sinks={self.sinks}" if self.sinks else "")
+                + (f", sink_distance={self.sink_distance}" if self.sinks and self.sink_distance else ""))
 
 
 # ---------------------------------------------------------------------- method registration

@@ -14,6 +14,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from retrofit.layers.cache import RetrofitCache
 from tests.surgery.tiny import FAMILIES, VOCAB, tiny_model  # noqa: F401  (the one family table)
 
 
@@ -112,3 +113,21 @@ def assert_generate_batched_equals_single(model, T: int, pad: int, max_new_token
         both = model.generate(input_ids=ids, attention_mask=mask, **kw)
         one = model.generate(input_ids=ids[1:, pad:], attention_mask=mask[1:, pad:], **kw)
     assert torch.equal(both[1, pad:], one[0])
+
+
+def stepwise_logits(model, ids, mask, prefill, slots: bool, chunk_after: int | None = None):
+    """Logits of a prefill, then one token at a time (a 5-token chunk at ``chunk_after``), through a
+    :class:`RetrofitCache`; ``slots``: the layers' in-place decoding slots or their general path."""
+    for m in model.modules():
+        if hasattr(m, "slot_decoding"):
+            m.slot_decoding = slots
+    cache = RetrofitCache(model)
+    outs = []
+    with torch.no_grad():
+        outs.append(model(ids[:, :prefill], attention_mask=mask[:, :prefill], past_key_values=cache, use_cache=True).logits)
+        t = prefill
+        while t < ids.shape[1]:
+            n = 5 if t == chunk_after else 1
+            outs.append(model(ids[:, t : t + n], attention_mask=mask[:, : t + n], past_key_values=cache, use_cache=True).logits)
+            t += n
+    return torch.cat(outs, dim=1), cache

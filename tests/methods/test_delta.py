@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from retrofit.layers import DeltaAttention
-from retrofit.layers.cache import RetrofitCache
 from retrofit.ops import delta_rule_reference, repeat_kv_heads, sliding_window_attention_reference
 from retrofit.patches import get_patch
 from retrofit.surgery import convert, new_parameter_names
 from retrofit.surgery.probe import closed_latent_path
 from tests.methods._common import attention_inputs, batch, pattern_reference, tiny_model
+from tests.methods._common import stepwise_logits as _steps
 
 W = 6
 MEMORY = {"memory_gate", "memory_beta", "memory_decay", "memory_query_map", "memory_key_map"}
@@ -134,22 +134,6 @@ def test_only_new_weights_get_gradients_and_window_dropout_leaves_the_memory_alo
     x = torch.randn(2, 9, model.config.hidden_size)
     mix, _, _ = attn.mixing_logits(x, None, None)
     assert torch.equal(torch.softmax(mix, -1)[..., 1], torch.ones(2, 4, 9))
-
-
-def _steps(model, ids, mask, prefill, slots: bool, chunk_after: int | None = None):
-    for m in model.modules():
-        if hasattr(m, "slot_decoding"):
-            m.slot_decoding = slots
-    cache = RetrofitCache(model)
-    outs = []
-    with torch.no_grad():
-        outs.append(model(ids[:, :prefill], attention_mask=mask[:, :prefill], past_key_values=cache, use_cache=True).logits)
-        t = prefill
-        while t < ids.shape[1]:
-            n = 5 if t == chunk_after else 1
-            outs.append(model(ids[:, t : t + n], attention_mask=mask[:, : t + n], past_key_values=cache, use_cache=True).logits)
-            t += n
-    return torch.cat(outs, dim=1), cache
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])

@@ -13,6 +13,7 @@ from retrofit.ops import macchiato_attention_reference
 from retrofit.patches import get_patch
 from retrofit.surgery import ConversionSpec, convert, new_parameter_names
 from tests.methods._common import attention_inputs as _attention_inputs
+from tests.methods._common import stepwise_logits as _steps
 from tests.surgery.tiny import tiny_model
 
 W = 8
@@ -129,22 +130,6 @@ def test_pure_sliding_window_baseline_with_zero_latents():
 
 
 # ---------------------------------------------------------------------- decoding slots [sinks | ring of w] vs the general path
-def _steps(model, ids, mask, prefill, slots: bool, chunk_after: int | None = None):
-    """Logits of a prefill, then one token at a time (a multi-token chunk at ``chunk_after``)."""
-    for m in model.modules():
-        if hasattr(m, "slot_decoding"):
-            m.slot_decoding = slots
-    cache = RetrofitCache(model)
-    outs = []
-    with torch.no_grad():
-        outs.append(model(ids[:, :prefill], attention_mask=mask[:, :prefill], past_key_values=cache, use_cache=True).logits)
-        t = prefill
-        while t < ids.shape[1]:
-            n = 5 if t == chunk_after else 1
-            outs.append(model(ids[:, t : t + n], attention_mask=mask[:, : t + n], past_key_values=cache, use_cache=True).logits)
-            t += n
-    return torch.cat(outs, dim=1), cache
-
 @pytest.mark.parametrize("family", ["llama", "gemma2"])  # gemma2: GQA + attention softcap
 @pytest.mark.parametrize("sinks", [0, 2])
 @pytest.mark.parametrize("prefill", [3, 20])  # window not yet full / full at the first step
