@@ -103,6 +103,8 @@ def test_errors(base, tmp_path, capsys):
     ("lavo", ["--window", "8", "--bases", "4", "--global-weight", "0.25", "--no-dissect"],
      lambda rec: rec["bases"] == 4 and rec["global_weight"] == 0.25 and rec["dissect"] is False),
     ("llp", ["--segment", "16"], lambda rec: rec["segment"] == 16),
+    ("delta", ["--window", "8", "--sinks", "2", "--memory-half-life", "64"],
+     lambda rec: rec["window"] == 8 and rec["sinks"] == 2 and rec["memory_half_life"] == 64),
 ])
 def test_lavo_and_llp_from_a_fresh_process(base, tmp_path, method, flags, check):
     """The built-in registry knows every method without any test-side registration."""
