@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from retrofit.errors import SpecError
+from retrofit.layers.base import RetrofitAttention
 from retrofit.layers.macchiato import (
     DEFAULT_INIT_SWA_SHARE, SATURATED_LOGIT, MacchiatoAttention, MacchiatoConfig, base_context_distance,
 )
@@ -234,8 +235,7 @@ class DeltaAttention(MacchiatoAttention):
 
     def extra_repr(self) -> str:
         return (
-            f"layer_idx={self.layer_idx}, heads={self.num_heads}/{self.num_kv_heads}, head_dim={self.head_dim}, "
-            f"window={self.window}, init_swa_share={self.init_swa_share}, memory_half_life={self.memory_half_life}"
+            f"{RetrofitAttention.extra_repr(self)}, window={self.window}, init_swa_share={self.init_swa_share}, memory_half_life={self.memory_half_life}"
             + self._sinks_repr()
         )
 

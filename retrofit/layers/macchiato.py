@@ -118,6 +118,7 @@ class MacchiatoConfig(MethodConfig):
         sinks = [f"sinks={self.sinks}"] + ([f"sink_distance={self.sink_distance}"] if self.sink_distance else [])
         return ", ".join(parts + (sinks if self.sinks else []))
 
+
 def base_context_distance(model_config: Any) -> int:
     """The farthest RoPE distance the base saw in pretraining (``max_position_embeddings - 1``): the
     sinks' default distance cap."""
