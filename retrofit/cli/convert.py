@@ -242,7 +242,7 @@ def _check_flags_apply(method: str | None, keys: dict) -> None:
         raise SpecError(f"method {method!r} has no key(s) {', '.join(sorted(unknown))}; its keys: "
                         f"{', '.join(own) or 'none'}")
     used = ", ".join(flags[k]["flag"] for k in own if k in flags) or "none"
-    raise SpecError(f"{', '.join(name(k) for k in bad)} do(es) not apply to method {method!r} (its flags: {used}); "
+    raise SpecError(f"{', '.join(sorted(name(k) for k in bad))} do(es) not apply to method {method!r} (its flags: {used}); "
                     "drop the flag or choose another --method")
 
 
