@@ -93,8 +93,12 @@ def method_flags(builtin_only: bool = False) -> dict[str, dict]:
     (``builtin_only``: the methods shipped in ``retrofit.layers``, not those registered at run time)."""
     from retrofit.layers.method import available_methods, get_method, method_fields
 
+    from retrofit.surgery.spec import ConversionSpec
+
     flags: dict[str, dict] = {}
-    names = available_methods()
+    # the default method's flags first (the order --help lists them in and errors name them in), then
+    # the others' alphabetically: adding a method never reorders the default's
+    names = sorted(available_methods(), key=lambda n: (n != ConversionSpec.DEFAULT_METHOD, n))
     if builtin_only:
         names = [n for n in names if get_method(n).config.__module__.startswith("retrofit.layers.")]
     for name in names:
@@ -242,7 +246,7 @@ def _check_flags_apply(method: str | None, keys: dict) -> None:
         raise SpecError(f"method {method!r} has no key(s) {', '.join(sorted(unknown))}; its keys: "
                         f"{', '.join(own) or 'none'}")
     used = ", ".join(flags[k]["flag"] for k in own if k in flags) or "none"
-    raise SpecError(f"{', '.join(sorted(name(k) for k in bad))} do(es) not apply to method {method!r} (its flags: {used}); "
+    raise SpecError(f"{', '.join(name(k) for k in bad)} do(es) not apply to method {method!r} (its flags: {used}); "
                     "drop the flag or choose another --method")
 
 

@@ -10,33 +10,42 @@ TABLE: dict[str, dict] = {'window': {'flag': '--window',
             'kind': 'int',
             'nullable': True,
             'help': "sliding window w in tokens (default 128, or the family's native window with --layers "
-                    'global) [delta: None, lavo: None, macchiato: None]'},
+                    'global) [macchiato: None, delta: None, lavo: None]'},
+ 'latents': {'flag': '--latents',
+             'kind': 'int',
+             'nullable': False,
+             'help': 'latent states L in total over the query heads (L / heads per head) [macchiato: 128]'},
  'init_swa_share': {'flag': '--init-swa-share',
                     'kind': 'float',
                     'nullable': False,
-                    'help': 'initial sliding-window share p(0|t) in (0, 1] (1 = latent path closed) [delta: '
-                            '0.9, macchiato: 0.9]'},
- 'memory_half_life': {'flag': '--memory-half-life',
-                      'kind': 'int',
-                      'nullable': False,
-                      'help': "tokens over which a stored value halves at conversion (the decay gate's "
-                              'initial bias; 0 = no decay) [delta: 4096]'},
+                    'help': 'initial sliding-window share p(0|t) in (0, 1] (1 = latent path closed) '
+                            '[macchiato: 0.9, delta: 0.9]'},
+ 'conv_size': {'flag': '--conv-size',
+               'kind': 'int',
+               'nullable': False,
+               'help': 'causal depthwise conv size before the latent projections (0 or 1 = none) [macchiato: '
+                       '0]'},
  'sinks': {'flag': '--sinks',
            'kind': 'int',
            'nullable': False,
-           'help': 'attention sinks: the window branch also sees the first n tokens [delta: 0, macchiato: '
+           'help': 'attention sinks: the window branch also sees the first n tokens [macchiato: 0, delta: '
                    '0]'},
  'sink_distance': {'flag': '--sink-distance',
                    'kind': 'int',
                    'nullable': True,
                    'help': 'cap on the RoPE distance a query sees to a sink (StreamingLLM-style '
                            "re-positioning; default the base's max_position_embeddings - 1, so nothing "
-                           'changes inside its context; 0 = no cap) [delta: None, macchiato: None]'},
+                           'changes inside its context; 0 = no cap) [macchiato: None, delta: None]'},
  'chunk_size': {'flag': '--chunk-size',
                 'kind': 'int',
                 'nullable': False,
-                'help': 'chunk length of the chunked linear-attention scan [delta: 64, exp-linear: 64, '
-                        'macchiato: 64]'},
+                'help': 'chunk length of the chunkwise-parallel latent scan [macchiato: 64, delta: 64, '
+                        'exp-linear: 64]'},
+ 'memory_half_life': {'flag': '--memory-half-life',
+                      'kind': 'int',
+                      'nullable': False,
+                      'help': "tokens over which a stored value halves at conversion (the decay gate's "
+                              'initial bias; 0 = no decay) [delta: 4096]'},
  'bases': {'flag': '--bases',
            'kind': 'int',
            'nullable': True,
@@ -66,13 +75,4 @@ TABLE: dict[str, dict] = {'window': {'flag': '--window',
              'kind': 'int',
              'nullable': False,
              'help': 'segment s in tokens: queries see their own half-segment of s/2 and the previous one '
-                     '[llp: 512]'},
- 'latents': {'flag': '--latents',
-             'kind': 'int',
-             'nullable': False,
-             'help': 'latent states L in total over the query heads (L / heads per head) [macchiato: 128]'},
- 'conv_size': {'flag': '--conv-size',
-               'kind': 'int',
-               'nullable': False,
-               'help': 'causal depthwise conv size before the latent projections (0 or 1 = none) [macchiato: '
-                       '0]'}}
+                     '[llp: 512]'}}
