@@ -39,9 +39,10 @@ from torch import nn
 from retrofit.errors import SpecError
 from retrofit.layers.base import RetrofitAttention
 from retrofit.layers.macchiato import (
-    DEFAULT_INIT_SWA_SHARE, SATURATED_LOGIT, MacchiatoAttention, MacchiatoConfig, base_context_distance,
+    DEFAULT_INIT_SWA_SHARE, SATURATED_LOGIT, MacchiatoAttention, MacchiatoConfig, check_window_options,
+    resolved_window_options,
 )
-from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, register_method, resolve_window
+from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, register_method
 from retrofit.ops import DeltaState, delta_rule_chunked, delta_rule_step, repeat_kv_heads
 
 __all__ = ["DEFAULT_MEMORY_HALF_LIFE", "DeltaAttention", "DeltaConfig", "HeadwiseLinear", "build_delta"]
@@ -68,24 +69,12 @@ class DeltaConfig(MethodConfig):
     chunk_size: int = opt(64, "chunk length of the chunked linear-attention scan")
 
     def check(self) -> None:
-        if self.window is not None and self.window < 1:
-            raise SpecError(f"window must be >= 1 token, got {self.window}")
-        if not 0.0 < self.init_swa_share <= 1.0:
-            raise SpecError(f"init_swa_share must be in (0, 1] (1 = memory closed), got {self.init_swa_share}")
+        check_window_options(self)
         if self.memory_half_life < 0:
             raise SpecError(f"memory_half_life must be >= 0 tokens (0 = no decay), got {self.memory_half_life}")
-        if self.sinks < 0:
-            raise SpecError(f"sinks must be >= 0 (0 = a plain sliding window), got {self.sinks}")
-        if self.sink_distance is not None and self.sink_distance < 0:
-            raise SpecError(f"sink_distance must be >= 0 (0 = no cap), got {self.sink_distance}")
-        if self.chunk_size < 1:
-            raise SpecError(f"chunk_size must be >= 1, got {self.chunk_size}")
 
     def resolved(self, model_config: Any, layers: Any) -> "DeltaConfig":
-        distance = self.sink_distance
-        if distance is None and self.sinks:
-            distance = base_context_distance(model_config)
-        return dataclasses.replace(self, window=resolve_window(self.window, model_config, layers), sink_distance=distance)
+        return resolved_window_options(self, model_config, layers)
 
 
 class HeadwiseLinear(nn.Module):

@@ -73,20 +73,11 @@ class MacchiatoConfig(MethodConfig):
     chunk_size: int = opt(64, "chunk length of the chunkwise-parallel latent scan")
 
     def check(self) -> None:
-        if self.window is not None and self.window < 1:
-            raise SpecError(f"window must be >= 1 token, got {self.window}")
+        check_window_options(self)
         if self.latents < 0:
             raise SpecError(f"latents must be >= 0, got {self.latents}")
-        if not 0.0 < self.init_swa_share <= 1.0:
-            raise SpecError(f"init_swa_share must be in (0, 1] (1 = latent path closed), got {self.init_swa_share}")
         if self.conv_size < 0:
             raise SpecError(f"conv_size must be >= 0 (0 or 1 = no conv), got {self.conv_size}")
-        if self.sinks < 0:
-            raise SpecError(f"sinks must be >= 0 (0 = a plain sliding window), got {self.sinks}")
-        if self.chunk_size < 1:
-            raise SpecError(f"chunk_size must be >= 1, got {self.chunk_size}")
-        if self.sink_distance is not None and self.sink_distance < 0:
-            raise SpecError(f"sink_distance must be >= 0 (0 = no cap), got {self.sink_distance}")
 
     def check_capability(self, capability: str) -> None:
         super().check_capability(capability)
@@ -105,18 +96,38 @@ class MacchiatoConfig(MethodConfig):
             )
 
     def resolved(self, model_config: Any, layers: Any) -> "MacchiatoConfig":
-        import dataclasses
-
-        distance = self.sink_distance
-        if distance is None and self.sinks:
-            distance = base_context_distance(model_config)
-        return dataclasses.replace(self, window=resolve_window(self.window, model_config, layers), sink_distance=distance)
+        return resolved_window_options(self, model_config, layers)
 
     def describe(self) -> str:
         parts = [f"window={self.window}", f"latents={self.latents}", f"init_swa_share={self.init_swa_share}",
                  f"conv_size={self.conv_size}"]
         sinks = [f"sinks={self.sinks}"] + ([f"sink_distance={self.sink_distance}"] if self.sink_distance else [])
         return ", ".join(parts + (sinks if self.sinks else []))
+
+
+def check_window_options(config: Any) -> None:
+    """Range checks of the window branch's options (``window``, ``init_swa_share``, ``sinks``,
+    ``sink_distance``, ``chunk_size``), shared by every config with Macchiato's window branch."""
+    if config.window is not None and config.window < 1:
+        raise SpecError(f"window must be >= 1 token, got {config.window}")
+    if not 0.0 < config.init_swa_share <= 1.0:
+        raise SpecError(f"init_swa_share must be in (0, 1] (1 = latent path closed), got {config.init_swa_share}")
+    if config.sinks < 0:
+        raise SpecError(f"sinks must be >= 0 (0 = a plain sliding window), got {config.sinks}")
+    if config.chunk_size < 1:
+        raise SpecError(f"chunk_size must be >= 1, got {config.chunk_size}")
+    if config.sink_distance is not None and config.sink_distance < 0:
+        raise SpecError(f"sink_distance must be >= 0 (0 = no cap), got {config.sink_distance}")
+
+
+def resolved_window_options(config: Any, model_config: Any, layers: Any) -> Any:
+    """A copy of ``config`` with its window and its sinks' distance cap made concrete (what a checkpoint records)."""
+    import dataclasses
+
+    distance = config.sink_distance
+    if distance is None and config.sinks:
+        distance = base_context_distance(model_config)
+    return dataclasses.replace(config, window=resolve_window(config.window, model_config, layers), sink_distance=distance)
 
 
 def base_context_distance(model_config: Any) -> int:
