@@ -39,8 +39,8 @@ TABLE: dict[str, dict] = {'window': {'flag': '--window',
  'chunk_size': {'flag': '--chunk-size',
                 'kind': 'int',
                 'nullable': False,
-                'help': 'chunk length of the chunkwise-parallel latent scan [macchiato: 64, delta: 64, '
-                        'exp-linear: 64]'},
+                'help': 'chunk length of the chunkwise-parallel scan over the new state [macchiato: 64, '
+                        'delta: 64, exp-linear: 64]'},
  'memory_half_life': {'flag': '--memory-half-life',
                       'kind': 'int',
                       'nullable': False,

@@ -66,7 +66,7 @@ class DeltaConfig(MethodConfig):
                                                           "(the decay gate's initial bias; 0 = no decay)")
     sinks: int = opt(0, _SHARED_HELP["sinks"])
     sink_distance: int | None = opt(None, _SHARED_HELP["sink_distance"])
-    chunk_size: int = opt(64, "chunk length of the chunked linear-attention scan")
+    chunk_size: int = opt(64, "chunk length of the chunkwise-parallel scan over the new state")
 
     def check(self) -> None:
         check_window_options(self)
@@ -197,14 +197,12 @@ class DeltaAttention(MacchiatoAttention):
             mix[..., 0] = SATURATED_LOGIT
         elif self.training and self.window_dropout > 0.0:
             mix = self._drop_window(mix)
-        self._memory_share = torch.softmax(mix.float(), dim=-1)[..., 1:]  # read back by attend, same call
         return mix, None, None
 
     def attend(self, q, k, v, valid, cache, *, hidden_states, position_embeddings):
         previous = cache.state if cache is not None else None
-        window_part = super().attend(q, k, v, valid, cache, hidden_states=hidden_states,
-                                     position_embeddings=position_embeddings)  # p(0|t) * SWA_t
-        share, self._memory_share = self._memory_share, None
+        mix, _, _ = self.mixing_logits(hidden_states, valid, None)
+        window_part = self.mixed_attention(q, k, v, valid, cache, mix, None, None)  # p(0|t) * SWA_t
         if self.latent_path_closed:
             return window_part
         H, T = self.num_heads, q.shape[2]
@@ -220,6 +218,7 @@ class DeltaAttention(MacchiatoAttention):
                                                output_final_state=cache is not None, chunk_size=self.chunk_size)
         if cache is not None:
             cache.state = state
+        share = torch.softmax(mix.float(), dim=-1)[..., 1:]  # p(1|t) (B, H, T, 1)
         return window_part + (share * memory).to(window_part.dtype)
 
     def extra_repr(self) -> str:

@@ -41,7 +41,7 @@ class ExpLinearConfig(MethodConfig):
     """Hyper-parameters of an exp-linear conversion (``retrofit convert --method exp-linear``)."""
 
     method = "exp-linear"
-    chunk_size: int = opt(64, "chunk length of the chunked linear-attention scan")
+    chunk_size: int = opt(64, "chunk length of the chunkwise-parallel scan over the new state")
 
     def check(self) -> None:
         if self.chunk_size < 1:

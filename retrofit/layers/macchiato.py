@@ -70,7 +70,7 @@ class MacchiatoConfig(MethodConfig):
     sink_distance: int | None = opt(None, "cap on the RoPE distance a query sees to a sink (StreamingLLM-style "
                                           "re-positioning; default the base's max_position_embeddings - 1, so "
                                           "nothing changes inside its context; 0 = no cap)")
-    chunk_size: int = opt(64, "chunk length of the chunkwise-parallel latent scan")
+    chunk_size: int = opt(64, "chunk length of the chunkwise-parallel scan over the new state")
 
     def check(self) -> None:
         check_window_options(self)
@@ -485,9 +485,15 @@ class MacchiatoAttention(RetrofitAttention):
         return torch.cat([state0.unsqueeze(-1), mix[..., 1:]], dim=-1)
 
     def attend(self, q, k, v, valid, cache, *, hidden_states, position_embeddings):
-        B, T = q.shape[0], q.shape[2]
         mix, lat, tail = self.mixing_logits(hidden_states, valid, cache.conv_tail if cache is not None else None)
+        return self.mixed_attention(q, k, v, valid, cache, mix, lat, tail)
 
+    def mixed_attention(self, q, k, v, valid, cache, mix, lat, tail) -> torch.Tensor:
+        """The window (with its sinks) and the latent states mixed by ``mix`` (``mixing_logits``'
+        outputs), through the cache's slots when decoding: ``(B, Hq, T, D)``. A state of ``mix``
+        beyond the window and the latents (a subclass's own) takes its share of the softmax and
+        contributes nothing here."""
+        B, T = q.shape[0], q.shape[2]
         if self._takes_slot_step(T, cache):
             return self._slot_step(q, k, v, mix, lat, tail, valid, cache)
         if valid is None and cache is not None:
