@@ -1,4 +1,5 @@
-"""A compiled one-token decoding step for a model whose every attention layer is Macchiato.
+"""A compiled one-token decoding step for a model whose every attention layer is Macchiato (or the
+delta method: Macchiato's window with a delta-rule memory).
 
 Eager decoding runs each token through transformers' forward: per layer a dozen module calls,
 the cache entry's Python bookkeeping and some forty small kernels, about a quarter of a CPU step
@@ -14,12 +15,14 @@ to logits, is one function over fixed-shape buffers that ``torch.compile`` turns
   reached it (``j <= t``), a sink once it lies before the window (``idx <= t - w``), with its
   key re-positioned to the capped RoPE distance (:func:`retrofit.ops.capped_sink_keys`);
 * the layer's own mixing logits and :func:`retrofit.ops.macchiato_slot_step` (the eager slot
-  step's arithmetic), the latent state ``m (B, H, L, D)``, ``z (B, H, L)`` copied back in place.
+  step's arithmetic), the latent state ``m (B, H, L, D)``, ``z (B, H, L)`` copied back in place;
+  for the delta method, :func:`retrofit.ops.delta_rule_step` on the memory ``S (B, H, d, D)``, also
+  copied back in place.
 
 The pretrained parts run as the model's own modules (norms, q/k/v/o through the family patch,
 the MLP, the rotary embedding), so the step is the eager step's arithmetic, compared in the
 tests token by token. Supported: decoder layers of LLaMA shape (``input_layernorm -> attention
--> post_attention_layernorm -> mlp``: LLaMA, Mistral, Qwen2/3, Phi-3), every layer Macchiato,
+-> post_attention_layernorm -> mlp``: LLaMA, Mistral, Qwen2/3, Phi-3), every layer Macchiato or delta,
 no soft-capping, a RoPE type with fixed frequencies, prompts without padding. Anything else is
 refused with the reason (decode it eagerly).
 """
@@ -35,8 +38,9 @@ from torch import nn
 
 from retrofit.errors import RetrofitError
 from retrofit.layers.cache import cache_keyword, output_cache
+from retrofit.layers.delta import DeltaAttention
 from retrofit.layers.macchiato import MacchiatoAttention, MacchiatoLayerCache
-from retrofit.ops import LatteState, capped_sink_keys, macchiato_slot_step
+from retrofit.ops import DeltaState, LatteState, capped_sink_keys, delta_rule_step, macchiato_slot_step
 from retrofit.surgery.rope_scaling import dynamic_rope_modules
 
 __all__ = ["CompiledDecoder", "SUPPORTED_FAMILIES", "compiled_decoding_support", "compiler_missing",
@@ -61,7 +65,8 @@ def compiled_decoding_support(model: nn.Module) -> str | None:
         attn = getattr(layer, "self_attn", None)
         if not isinstance(attn, MacchiatoAttention):
             kind = type(attn).__name__
-            return f"compiled decoding needs every attention layer converted to Macchiato; layer {i} is {kind}"
+            return (f"compiled decoding needs every attention layer converted to Macchiato or delta; layer {i} "
+                    f"is {kind}")
         if attn.patch.family not in SUPPORTED_FAMILIES:
             return (f"compiled decoding supports the families {', '.join(SUPPORTED_FAMILIES)} (LLaMA-shaped decoder "
                     f"layers); this model is {attn.patch.family}")
@@ -102,6 +107,7 @@ class _LayerBuffers:
     sink_ok: torch.Tensor  # (B, n) bool: a real sink
     m: torch.Tensor | None  # (B, H, L, D) latent value means, or None without latent states
     z: torch.Tensor | None  # (B, H, L) log-normalisers
+    memory: torch.Tensor | None  # (B, H, d, D) the delta-rule memory (fp32 at least), or None: not a delta layer
     conv_tail: torch.Tensor | None  # (B, conv_size - 1, hidden)
 
 
@@ -109,7 +115,7 @@ class CompiledDecoder:
     """Decode a converted model one token per call through one compiled step.
 
     Args:
-        model: a converted causal LM (every attention layer Macchiato; see
+        model: a converted causal LM (every attention layer Macchiato or delta; see
             :func:`compiled_decoding_support`), in eval mode.
         compile: compile the step with ``torch.compile(fullgraph=True)``; False runs the same
             step eagerly (the reference the tests compare the compiled one to).
@@ -250,7 +256,7 @@ class CompiledDecoder:
         return self.model.lm_head(inner.norm(x))[:, -1].float()
 
     def memory_bytes(self) -> int:
-        """Bytes of decoding state held (keys, values, sinks, latent states, conv tails)."""
+        """Bytes of decoding state held (keys, values, sinks, latent states, delta memories, conv tails)."""
         return sum(t.numel() * t.element_size() for b in self.buffers
                    for t in vars(b).values() if isinstance(t, torch.Tensor))
 
@@ -281,15 +287,20 @@ def _adopt_layer(attn: MacchiatoAttention, entry: MacchiatoLayerCache) -> _Layer
         if state is None:
             state = LatteState.empty(B, attn.num_heads, attn.latents_per_head, values.shape[-1], device=keys.device)
         m, z = state.m.clone(), state.z.clone()
+    memory = None
+    if isinstance(attn, DeltaAttention):  # closed during the prefill: nothing written yet
+        memory = state.memory.clone() if isinstance(state, DeltaState) else torch.zeros(
+            B, attn.num_heads, d, values.shape[-1], dtype=torch.promote_types(values.dtype, torch.float32),
+            device=keys.device)
     tail = None
     if attn.conv is not None:
         tail = entry.conv_tail.clone() if entry.conv_tail is not None else keys.new_zeros(
             B, attn.conv.kernel_size - 1, attn.hidden_size)
-    return _LayerBuffers(slot_k, slot_v, sink_k.clone(), sink_idx.clone(), sink_ok.clone(), m, z, tail)
+    return _LayerBuffers(slot_k, slot_v, sink_k.clone(), sink_idx.clone(), sink_ok.clone(), m, z, memory, tail)
 
 
 def _attention_step(attn: MacchiatoAttention, buf: _LayerBuffers, h: torch.Tensor, cos_sin, t: torch.Tensor):
-    """One token through one Macchiato layer over its fixed buffers: ``(B, 1, hidden)``."""
+    """One token through one Macchiato (or delta) layer over its fixed buffers: ``(B, 1, hidden)``."""
     B = h.shape[0]
     q, k, v = attn.patch.project_qkv(attn, h, cos_sin)  # (B, Hq|Hkv, 1, d)
     n, w = buf.sink_k.shape[2], attn.window
@@ -312,6 +323,10 @@ def _attention_step(attn: MacchiatoAttention, buf: _LayerBuffers, h: torch.Tenso
     if state is not None:
         buf.m.copy_(state.m)
         buf.z.copy_(state.z)
+    if buf.memory is not None and not attn.latent_path_closed:  # the eager DeltaAttention.attend's step
+        read, memory = delta_rule_step(*attn.memory_inputs(q, k, v, h), DeltaState(buf.memory))
+        buf.memory.copy_(memory.memory)
+        out = out + (attn.memory_share(mix) * read).to(out.dtype)
     if tail is not None:
         buf.conv_tail.copy_(tail)
     return attn.patch.project_out(attn, out)

@@ -199,27 +199,38 @@ class DeltaAttention(MacchiatoAttention):
             mix = self._drop_window(mix)
         return mix, None, None
 
+    def memory_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden_states: torch.Tensor):
+        """The memory's inputs for this call's tokens: ``q' (B, Hq, T, d)`` and ``k' (B, Hq, T, d)``
+        (mapped, L2-normalised), ``v (B, Hq, T, D)``, write strength ``beta (B, Hq, T)`` and log-decay
+        ``g (B, Hq, T)`` fp32 (None without a decay gate), from the pretrained post-RoPE ``q``, ``k``,
+        ``v`` and the layer's input ``hidden_states (B, T, hidden)``."""
+        H = self.num_heads
+        mq = F.normalize(self.memory_query_map(q), dim=-1)
+        mk = F.normalize(self.memory_key_map(repeat_kv_heads(k, H)), dim=-1)
+        beta = torch.sigmoid(self.memory_beta(hidden_states).float()).transpose(1, 2)
+        g = None if self.memory_decay is None else F.logsigmoid(self.memory_decay(hidden_states).float()).transpose(1, 2)
+        return mq, mk, repeat_kv_heads(v, H), beta, g
+
+    @staticmethod
+    def memory_share(mix: torch.Tensor) -> torch.Tensor:
+        """``p(1|t) (B, H, T, 1)`` fp32 from ``mixing_logits``' ``mix (B, H, T, 2)``."""
+        return torch.softmax(mix.float(), dim=-1)[..., 1:]
+
     def attend(self, q, k, v, valid, cache, *, hidden_states, position_embeddings):
         previous = cache.state if cache is not None else None
         mix, _, _ = self.mixing_logits(hidden_states, valid, None)
         window_part = self.mixed_attention(q, k, v, valid, cache, mix, None, None)  # p(0|t) * SWA_t
         if self.latent_path_closed:
             return window_part
-        H, T = self.num_heads, q.shape[2]
-        mq = F.normalize(self.memory_query_map(q), dim=-1)
-        mk = F.normalize(self.memory_key_map(repeat_kv_heads(k, H)), dim=-1)
-        mv = repeat_kv_heads(v, H)
-        beta = torch.sigmoid(self.memory_beta(hidden_states).float()).transpose(1, 2)
-        g = None if self.memory_decay is None else F.logsigmoid(self.memory_decay(hidden_states).float()).transpose(1, 2)
-        if T == 1 and cache is not None:
+        mq, mk, mv, beta, g = self.memory_inputs(q, k, v, hidden_states)
+        if q.shape[2] == 1 and cache is not None:
             memory, state = delta_rule_step(mq, mk, mv, beta, g, previous, valid=valid)
         else:
             memory, state = delta_rule_chunked(mq, mk, mv, beta, g, key_padding_mask=valid, initial_state=previous,
                                                output_final_state=cache is not None, chunk_size=self.chunk_size)
         if cache is not None:
             cache.state = state
-        share = torch.softmax(mix.float(), dim=-1)[..., 1:]  # p(1|t) (B, H, T, 1)
-        return window_part + (share * memory).to(window_part.dtype)
+        return window_part + (self.memory_share(mix) * memory).to(window_part.dtype)
 
     def extra_repr(self) -> str:
         return (

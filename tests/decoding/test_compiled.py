@@ -21,13 +21,25 @@ WINDOW = 8
 STEPS = 30  # past the window (ring wraps) and past the sinks' RoPE cap (max_position_embeddings 32)
 
 
-def _converted(family="llama", *, dtype=torch.float32, latents=8, sinks=2, conv_size=0, share=0.5, scale=1.0):
+def _converted(family="llama", *, method="macchiato", dtype=torch.float32, latents=8, sinks=2, conv_size=0, share=0.5,
+               scale=1.0):
     base = tiny_model(family, max_position_embeddings=32)
-    model = convert(base, ConversionSpec(method="macchiato", window=WINDOW, latents=latents, sinks=sinks,
-                                         conv_size=conv_size, init_swa_share=share, seed=0)).eval()
-    with torch.no_grad():  # trained-looking latent weights; scale > 1 pushes the mixing and latent logits far out
+    if method == "delta":
+        spec = ConversionSpec(method="delta", window=WINDOW, sinks=sinks, init_swa_share=share, memory_half_life=16,
+                              seed=0)
+    else:
+        spec = ConversionSpec(method="macchiato", window=WINDOW, latents=latents, sinks=sinks, conv_size=conv_size,
+                              init_swa_share=share, seed=0)
+    model = convert(base, spec).eval()
+    with torch.no_grad():  # trained-looking new weights; scale > 1 pushes the mixing and latent logits far out
         for layer in model.model.layers:
             attn = layer.self_attn
+            if method == "delta":
+                for name in ("memory_gate", "memory_beta", "memory_decay"):
+                    getattr(attn, name).weight.normal_(0.0, 0.3 * scale)
+                for name in ("memory_query_map", "memory_key_map"):
+                    getattr(attn, name).weight.add_(torch.randn_like(getattr(attn, name).weight), alpha=0.3)
+                continue
             attn.latent_q.weight.normal_(0.0, 0.3 * scale)
             if attn.latent_k is not None:
                 attn.latent_k.weight.normal_(0.0, 0.3 * scale)
@@ -68,6 +80,9 @@ CASES = {
     "qwen2 (q/k/v biases)": dict(family="qwen2"),
     "qwen3 (q/k norms)": dict(family="qwen3"),
     "phi3 (fused qkv, partial RoPE)": dict(family="phi3"),
+    "delta memory, llama, sinks past the RoPE cap": dict(family="llama", method="delta"),
+    "delta memory, large logits, no sinks": dict(family="llama", method="delta", sinks=0, scale=30.0),
+    "delta memory, phi3 (fused qkv, partial RoPE)": dict(family="phi3", method="delta"),
 }
 
 
@@ -81,8 +96,9 @@ def test_step_equals_the_models_own_decoding(case):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4, msg=f"{case}: token {i}")
 
 
-def test_closed_latent_path_is_the_window_alone():
-    model = _converted()
+@pytest.mark.parametrize("method", ["macchiato", "delta"])
+def test_closed_latent_path_is_the_window_alone(method):
+    model = _converted(method=method)
     for layer in model.model.layers:
         layer.self_attn.latent_path_closed = True
     prompt = _prompt(batch=1)
@@ -112,8 +128,9 @@ def test_prompt_shorter_than_the_window_then_past_it():
 
 
 @pytest.mark.skipif(not cpu_compiler_available(), reason="torch.compile on a CPU needs a C++ compiler")
-def test_compiled_step_is_one_graph_and_equals_the_eager_step():
-    model = _converted()
+@pytest.mark.parametrize("method", ["macchiato", "delta"])
+def test_compiled_step_is_one_graph_and_equals_the_eager_step(method):
+    model = _converted(method=method)
     prompt = _prompt()
     ref, tokens = _reference_logits(model, prompt, STEPS)
     decoder = CompiledDecoder(model)  # compiled, weights frozen
@@ -142,14 +159,22 @@ def test_compiled_step_is_one_graph_and_equals_the_eager_step():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-def test_state_is_constant_in_the_context_length():
-    model = _converted()
+@pytest.mark.parametrize("method", ["macchiato", "delta"])
+def test_state_is_constant_in_the_context_length(method):
+    model = _converted(method=method)
     sizes = []
     for length in (16, 64):
         decoder = CompiledDecoder(model, compile=False)
         decoder.prefill(_prompt(batch=1, length=length))
         sizes.append(decoder.memory_bytes())
     assert sizes[0] == sizes[1] > 0
+    if method == "delta":  # the memories are held: (B, H, d, d) fp32 per layer beyond the window's slots
+        cfg = model.config
+        d = cfg.hidden_size // cfg.num_attention_heads
+        window_only = _converted(method="macchiato", latents=0)
+        decoder = CompiledDecoder(window_only, compile=False)
+        decoder.prefill(_prompt(batch=1, length=16))
+        assert sizes[0] - decoder.memory_bytes() == cfg.num_hidden_layers * cfg.num_attention_heads * d * d * 4
 
 
 @pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3"])
