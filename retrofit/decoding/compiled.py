@@ -40,7 +40,9 @@ from retrofit.errors import RetrofitError
 from retrofit.layers.cache import cache_keyword, output_cache
 from retrofit.layers.delta import DeltaAttention
 from retrofit.layers.macchiato import MacchiatoAttention, MacchiatoLayerCache
-from retrofit.ops import DeltaState, LatteState, capped_sink_keys, delta_rule_step, macchiato_slot_step
+from retrofit.ops import DeltaState, LatteState, capped_sink_keys, macchiato_slot_step
+# the torch kernel itself, not the dispatched op: the backend registry's lookups stay out of the traced step
+from retrofit.ops.delta_rule import delta_rule_step
 from retrofit.surgery.rope_scaling import dynamic_rope_modules
 
 __all__ = ["CompiledDecoder", "SUPPORTED_FAMILIES", "compiled_decoding_support", "compiler_missing",
