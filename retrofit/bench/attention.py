@@ -6,6 +6,8 @@ Ops (all through :mod:`retrofit.ops.backends`, so ``--backend`` and ``RETROFIT_B
 * ``macchiato``  the full Latte Macchiato op: sliding window (state 0) + causal Latte, mixed
 * ``swa``        the sliding-window branch alone
 * ``exp_linear`` exp(Q)exp(K) linear attention, chunked
+* ``delta``      the gated delta rule, chunked (the delta method's memory: L2-normalised q and k,
+  write strengths, log-decays)
 * ``sdpa``       ``F.scaled_dot_product_attention(..., is_causal=True)``, the baseline
 
 Modes: ``fwd`` (inference forward under ``torch.no_grad``) and ``fwd+bwd`` (forward, then
@@ -20,7 +22,8 @@ the tensors autograd keeps for backward (fwd+bwd only), which does not depend on
 FLOPs are matmul-equivalent counts of each algorithm, per head and token (``d`` = head dim,
 ``D`` value dim, ``L`` latents, ``C`` chunk, ``w`` window): SDPA causal ``T (d + D)``,
 sliding window ``2 w (d + D)``, chunked Latte ``2 (C L + C D + 2 L D)``, exp-linear the same
-with ``L = d``; backward counts twice the forward. Efficiency = achieved FLOP/s divided by the
+with ``L = d``; the delta rule ``2 (2 C d + C D + C (d + D) / 2 + 3 d D)`` (the chunk's key
+products, its triangular solve and the three state products); backward counts twice the forward. Efficiency = achieved FLOP/s divided by the
 FLOP/s of a large matmul measured in the same run.
 """
 from __future__ import annotations
@@ -53,7 +56,7 @@ from retrofit.bench.common import (
 
 __all__ = ["OPS", "MODES", "run_attention_benchmark", "measure_point", "op_flops", "render_summary", "render_table"]
 
-OPS = ("latte", "macchiato", "swa", "exp_linear", "sdpa")
+OPS = ("latte", "macchiato", "swa", "exp_linear", "delta", "sdpa")
 MODES = ("fwd", "fwd+bwd")
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 QUICK_LENGTHS = (1024, 2048, 4096)
@@ -62,10 +65,12 @@ OP_LABELS = {
     "macchiato": "Macchiato (SWA + Latte)",
     "swa": "sliding window",
     "exp_linear": "exp-linear (chunked)",
+    "delta": "gated delta rule (chunked)",
     "sdpa": "SDPA causal (full)",
 }
 # the torch op whose own chunk_size default applies when --chunk-size is not given (FLOP counts)
-_CHUNKED_OP = {"latte": "causal_latte_chunked", "macchiato": "macchiato_attention", "exp_linear": "exp_linear_attention"}
+_CHUNKED_OP = {"latte": "causal_latte_chunked", "macchiato": "macchiato_attention", "exp_linear": "exp_linear_attention",
+               "delta": "delta_rule_chunked"}
 
 
 def _default_chunk(op: str) -> int:
@@ -113,6 +118,11 @@ def _build(op: str, T: int, cfg: dict[str, Any], device: torch.device, dtype: to
     elif op == "exp_linear":
         inputs = [rnd(B, H, T, d, scale=0.5), rnd(B, H, T, d, scale=0.5), rnd(B, H, T, d)]
         fn = lambda q, k, v: ops.exp_linear_attention(q, k, v, **chunk)[0]  # noqa: E731
+    elif op == "delta":  # unit-norm keys and queries, beta in (0, 1), a decay halving over ~700 tokens
+        unit = lambda x: torch.nn.functional.normalize(x.float(), dim=-1).to(dtype)  # noqa: E731
+        inputs = [unit(rnd(B, H, T, d)), unit(rnd(B, H, T, d)), rnd(B, H, T, d),
+                  torch.sigmoid(rnd(B, H, T).float()), torch.full((B, H, T), -1e-3, device=device)]
+        fn = lambda q, k, v, beta, g: ops.delta_rule_chunked(q, k, v, beta, g, **chunk)[0]  # noqa: E731
     elif op == "sdpa":
         inputs = [rnd(B, H, T, d), rnd(B, H, T, d), rnd(B, H, T, d)]
         fn = lambda q, k, v: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)  # noqa: E731
@@ -134,7 +144,9 @@ def _backend_ran(op: str, device: torch.device, dtype: torch.dtype, cfg: dict[st
     )
     if op == "swa":
         return swa()
-    latte = resolve_backend("exp_linear_attention" if op == "exp_linear" else "causal_latte_chunked", device, dtype)
+    if op in ("exp_linear", "delta"):
+        return resolve_backend(_CHUNKED_OP[op], device, dtype)
+    latte = resolve_backend("causal_latte_chunked", device, dtype)
     return f"{swa()}+{latte}" if op == "macchiato" else latte
 
 
@@ -195,6 +207,7 @@ def op_flops(op: str, mode: str, T: int, cfg: dict[str, Any]) -> float:
         "swa": 2 * min(w, T) * (d + D),
         "latte": 2 * (C * L + C * D + 2 * L * D),
         "exp_linear": 2 * (C * d + C * D + 2 * d * D),
+        "delta": 2 * (2 * C * d + C * D + C * (d + D) / 2 + 3 * d * D),
         "macchiato": 2 * min(w, T) * (d + D) + 2 * (C * L + C * D + 2 * L * D),
     }[op]
     return B * H * T * per_token * (3 if mode == "fwd+bwd" else 1)

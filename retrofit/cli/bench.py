@@ -59,7 +59,7 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     a.add_argument("--window", type=int, default=None,
                    help="sliding window w (default: the methods' retrofit.layers.DEFAULT_WINDOW)")
     a.add_argument("--chunk-size", type=int, default=None, help="chunk size for the chunked ops (default: op default)")
-    a.add_argument("--ops", nargs="+", default=None, help="subset of: latte macchiato swa exp_linear sdpa")
+    a.add_argument("--ops", nargs="+", default=None, help="subset of: latte macchiato swa exp_linear delta sdpa")
     a.add_argument("--modes", nargs="+", default=None, choices=["fwd", "fwd+bwd"], help="default: both")
     a.add_argument("--sdpa-max-length", type=int, default=32768, help="skip SDPA above this length")
     a.add_argument("--max-seconds", type=float, default=30.0,

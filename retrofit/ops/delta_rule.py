@@ -193,11 +193,15 @@ def delta_rule_chunked(
     k_to_end = k * (c[..., -1:] - c).exp()[..., None]
     chunk_end = c[..., -1].exp()  # (B, H, N)
 
+    # per-chunk views through unbind: its backward stacks the chunks' gradients once, where indexing
+    # chunk n would give each of the N chunks a zero-filled gradient of the whole tensor (O(N^2))
     outs = []
-    for n in range(N):
-        u = U[:, :, n] - W[:, :, n] @ S
-        outs.append(q_decayed[:, :, n] @ S + qk[:, :, n] @ u)
-        S = chunk_end[:, :, n, None, None] * S + k_to_end[:, :, n].transpose(-1, -2) @ u
+    chunks = zip(U.unbind(2), W.unbind(2), q_decayed.unbind(2), qk.unbind(2), k_to_end.unbind(2),
+                 chunk_end[..., None, None].unbind(2))
+    for U_n, W_n, q_n, qk_n, k_n, end_n in chunks:
+        u = U_n - W_n @ S
+        outs.append(q_n @ S + qk_n @ u)
+        S = end_n * S + k_n.transpose(-1, -2) @ u
     out = (scale * torch.stack(outs, dim=2)).reshape(B, H, N * C, D)[:, :, :T]
     if key_padding_mask is not None:
         out = out.masked_fill(~key_padding_mask[:, None, :, None].to(out.device), 0.0)

@@ -43,7 +43,7 @@ def test_attention_all_ops_in_process(tmp_path):
     report = json.loads((out / "results.json").read_text())
     rows = report["rows"]
     assert {(r["op"], r["mode"], r["T"]) for r in rows} == {
-        (op, mode, T) for op in ("latte", "macchiato", "swa", "exp_linear", "sdpa") for mode in ("fwd", "fwd+bwd")
+        (op, mode, T) for op in ("latte", "macchiato", "swa", "exp_linear", "delta", "sdpa") for mode in ("fwd", "fwd+bwd")
         for T in (64, 128)
     }
     for r in rows:
