@@ -23,8 +23,9 @@ FLOPs are matmul-equivalent counts of each algorithm, per head and token (``d`` 
 ``D`` value dim, ``L`` latents, ``C`` chunk, ``w`` window): SDPA causal ``T (d + D)``,
 sliding window ``2 w (d + D)``, chunked Latte ``2 (C L + C D + 2 L D)``, exp-linear the same
 with ``L = d``; the delta rule ``2 (2 C d + C D + C (d + D) / 2 + 3 d D)`` (the chunk's key
-products, its triangular solve and the three state products); backward counts twice the forward. Efficiency = achieved FLOP/s divided by the
-FLOP/s of a large matmul measured in the same run.
+products, its triangular solve and the three state products); backward counts twice the
+forward. Efficiency = achieved FLOP/s divided by the FLOP/s of a large matmul measured in the
+same run.
 """
 from __future__ import annotations
 
