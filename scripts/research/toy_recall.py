@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 import retrofit
-from retrofit.fs.atomic import write_json_atomic
+from retrofit.fs.atomic import atomic_file, write_json_atomic
 
 
 def mqar_batch(batch: int, *, pairs: int, queries: int, keys: int, values: int, filler_vocab: int,
@@ -54,6 +54,22 @@ def mqar_batch(batch: int, *, pairs: int, queries: int, keys: int, values: int, 
     targets = torch.full_like(ids, -100)
     start = 1 + 2 * pairs + n_filler
     targets[:, start:-1:2] = qv
+    return ids, targets
+
+
+def copy_batch(batch: int, *, segment: int, keys: int, values: int, filler_vocab: int, filler: tuple[int, int],
+               generator: torch.Generator, **_: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids (B, T), targets (B, T))``: BOS, ``segment`` distinct key tokens, filler, the same
+    segment again; every token of the repeat but its first is to be predicted from the copy before
+    the filler (an induction copy: match the previous token, read the one after it). The token ids
+    follow :func:`mqar_batch` (values unused)."""
+    lo, hi = filler
+    n_filler = int(torch.randint(lo, hi + 1, (1,), generator=generator))
+    seg = torch.stack([torch.randperm(keys, generator=generator)[:segment] for _ in range(batch)]) + 1
+    fill = torch.randint(0, filler_vocab, (batch, n_filler), generator=generator) + 1 + keys + values
+    ids = torch.cat([torch.zeros(batch, 1, dtype=torch.long), seg, fill, seg], 1)
+    targets = torch.full_like(ids, -100)
+    targets[:, -segment:-1] = seg[:, 1:]
     return ids, targets
 
 
@@ -97,6 +113,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", nargs="+", default=["delta", "macchiato"])
     p.add_argument("--window", type=int, default=16)
+    p.add_argument("--task", choices=("recall", "copy"), default="recall",
+                   help="recall: key-value pairs, then keys to answer; copy: a segment of --segment distinct "
+                        "tokens repeated after the filler (every repeated token but the first is scored)")
+    p.add_argument("--segment", type=int, default=16)
     p.add_argument("--pairs", type=int, default=8)
     p.add_argument("--queries", type=int, default=None, help="keys asked for per sequence (default: --pairs)")
     p.add_argument("--keys", type=int, default=64)
@@ -125,7 +145,8 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     vocab = 1 + args.keys + args.values + args.filler_vocab
-    length = 1 + 2 * (args.pairs + (args.queries or args.pairs)) + args.far_filler[1]
+    length = (1 + 2 * (args.pairs + (args.queries or args.pairs)) if args.task == "recall" else 1 + 2 * args.segment) \
+        + args.far_filler[1]
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
                       num_key_value_heads=args.kv_heads, max_position_embeddings=4 * length, rope_theta=10000.0,
@@ -133,14 +154,19 @@ def main() -> None:
     base = LlamaForCausalLM(cfg)
     gen = torch.Generator().manual_seed(args.seed)
     args.queries = args.pairs if args.queries is None else args.queries
-    shape = dict(pairs=args.pairs, queries=args.queries, keys=args.keys, values=args.values, filler_vocab=args.filler_vocab)
-    near = lambda: mqar_batch(args.batch, filler=(0, args.far_filler[1]), generator=gen, **shape)  # noqa: E731
-    far = lambda: mqar_batch(args.batch, filler=tuple(args.far_filler), generator=gen, **shape)  # noqa: E731
+    shape = dict(pairs=args.pairs, queries=args.queries, keys=args.keys, values=args.values, filler_vocab=args.filler_vocab,
+                 segment=args.segment)
+    make = mqar_batch if args.task == "recall" else copy_batch
+    if args.task == "recall":
+        del shape["segment"]
+    near = lambda: make(args.batch, filler=(0, args.far_filler[1]), generator=gen, **shape)  # noqa: E731
+    far = lambda: make(args.batch, filler=tuple(args.far_filler), generator=gen, **shape)  # noqa: E731
     eval_gen = torch.Generator().manual_seed(args.seed + 1)
-    eval_batches = [mqar_batch(128, filler=tuple(args.far_filler), generator=eval_gen, **shape) for _ in range(4)]
+    eval_batches = [make(128, filler=tuple(args.far_filler), generator=eval_gen, **shape) for _ in range(4)]
 
     result = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-              "chance": 1.0 / args.values, "guess_among_pairs": 1.0 / args.pairs}
+              "chance": 1.0 / (args.values if args.task == "recall" else args.keys),
+              "guess_among_pairs": 1.0 / args.pairs if args.task == "recall" else None}
     print(f"base: {sum(p.numel() for p in base.parameters()):,} parameters, sequences of "
           f"{length - args.far_filler[1] + args.far_filler[0]}-{length} tokens", flush=True)
     if args.base_cache is not None and args.base_cache.is_file():
@@ -151,8 +177,8 @@ def main() -> None:
         result["base"] = train(base, list(base.parameters()), near, steps=args.base_steps, lr=args.base_lr,
                                eval_batches=eval_batches, eval_every=args.eval_every, label="base, full attention")
         if args.base_cache is not None:
-            args.base_cache.parent.mkdir(parents=True, exist_ok=True)
-            torch.save(base.state_dict(), args.base_cache)
+            with atomic_file(args.base_cache, "wb") as fh:
+                torch.save(base.state_dict(), fh)
     options: dict[str, dict] = {}
     for item in args.option:
         method, _, kv = item.partition(":")
