@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import time
 from pathlib import Path
@@ -58,7 +59,7 @@ def mqar_batch(batch: int, *, pairs: int, queries: int, keys: int, values: int, 
 
 
 def copy_batch(batch: int, *, segment: int, keys: int, values: int, filler_vocab: int, filler: tuple[int, int],
-               generator: torch.Generator, **_: int) -> tuple[torch.Tensor, torch.Tensor]:
+               generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids (B, T), targets (B, T))``: BOS, ``segment`` distinct key tokens, filler, the same
     segment again; every token of the repeat but its first is to be predicted from the copy before
     the filler (an induction copy: match the previous token, read the one after it). The token ids
@@ -154,15 +155,15 @@ def main() -> None:
     base = LlamaForCausalLM(cfg)
     gen = torch.Generator().manual_seed(args.seed)
     args.queries = args.pairs if args.queries is None else args.queries
-    shape = dict(pairs=args.pairs, queries=args.queries, keys=args.keys, values=args.values, filler_vocab=args.filler_vocab,
-                 segment=args.segment)
-    make = mqar_batch if args.task == "recall" else copy_batch
+    vocabs = dict(keys=args.keys, values=args.values, filler_vocab=args.filler_vocab)
     if args.task == "recall":
-        del shape["segment"]
-    near = lambda: make(args.batch, filler=(0, args.far_filler[1]), generator=gen, **shape)  # noqa: E731
-    far = lambda: make(args.batch, filler=tuple(args.far_filler), generator=gen, **shape)  # noqa: E731
+        make = functools.partial(mqar_batch, pairs=args.pairs, queries=args.queries, **vocabs)
+    else:
+        make = functools.partial(copy_batch, segment=args.segment, **vocabs)
+    near = lambda: make(args.batch, filler=(0, args.far_filler[1]), generator=gen)  # noqa: E731
+    far = lambda: make(args.batch, filler=tuple(args.far_filler), generator=gen)  # noqa: E731
     eval_gen = torch.Generator().manual_seed(args.seed + 1)
-    eval_batches = [make(128, filler=tuple(args.far_filler), generator=eval_gen, **shape) for _ in range(4)]
+    eval_batches = [make(128, filler=tuple(args.far_filler), generator=eval_gen) for _ in range(4)]
 
     result = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "chance": 1.0 / (args.values if args.task == "recall" else args.keys),
