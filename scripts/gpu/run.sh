@@ -12,6 +12,9 @@
 #   decode[-quick] retrofit bench decode, batch 1 and 64, converted vs base
 #   model-bench retrofit bench model (prefill and training step tokens/s, converted vs base)
 #   train[-quick] retrofit train configs/gemma3-270m-hybrid-gpu.yaml, bf16 ZeRO-2, at 4K and 16K
+#   delta-ops   retrofit bench attention --ops delta, bf16, at the SmolLM2 GPU recipe's shape (B 4, H 9, d 64):
+#               fla's gated delta-rule kernel against the torch chunked form (C 64 and 128), forward, then
+#               forward+backward (fla refuses its backward on Hopper with Triton 3.4-3.7.0; the stage goes on)
 #   smollm2-smoke the GPU recipe for 15 s on a random model of SmolLM2's shape ($MODEL_FILES/smollm2-config:
 #               config, tokenizer; $SMOL_SMALL_LAYERS layers, default 2, 30 for a recipe with layer_weights):
 #               CUDA, DeepSpeed and peak memory before the real run
@@ -150,6 +153,18 @@ do_attn() {
   local lengths=${1:-"1024 2048 4096 8192 16384 32768"}
   ATTN_FLAGS="--batch 8 --heads 32 --head-dim 128" attn attn-fla-setting $lengths
   ATTN_FLAGS="--batch 8 --heads 8 --head-dim 256 --latents 128 --window 128" attn attn-latte-setting $lengths
+}
+
+do_delta_ops() {  # fla's gated delta rule against the torch chunked form at the GPU recipe's shape
+  local mode backend chunk
+  for mode in fwd fwd+bwd; do
+    for backend in fla:64 torch:64 torch:128; do
+      chunk=${backend#*:} backend=${backend%%:*}
+      retrofit bench attention --ops delta --device cuda --dtype bfloat16 --backend "$backend" --chunk-size "$chunk" \
+        --batch 4 --heads 9 --head-dim 64 --lengths ${1:-2048 8192 32768} --modes "$mode" --no-isolate \
+        --max-seconds 5 --repeats 5 --out "$WORK/results/delta-ops-$mode-$backend-$chunk" || log "delta-ops: $mode $backend failed"
+    done
+  done
 }
 
 do_decode() {
@@ -359,6 +374,7 @@ for s in "$@"; do
     attn-quick) stage attn 180 do_attn "1024 4096 16384" ;;
     attn-latte-quick) stage attn-latte 300 env ATTN_FLAGS="--batch 8 --heads 8 --head-dim 256 --latents 128 --window 128" \
       bash "$0" __inner attn attn-latte-setting 2048 16384 ;;
+    delta-ops) stage delta-ops 240 do_delta_ops ;;
     decode) stage decode 480 do_decode ;;
     decode-quick) stage decode 150 do_decode "4096 32768" "4096" ;;
     model-bench) stage model-bench 300 do_model_bench ;;

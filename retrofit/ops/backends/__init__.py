@@ -7,7 +7,8 @@ here on first use, so adding a backend is adding its module (a backend outside t
 
 * ``torch`` (:mod:`.pytorch`) - the pure-PyTorch kernels; every op, any device and dtype.
 * ``fla``   (:mod:`.fla`)     - causal Latte / exp-linear on flash-linear-attention's GLA
-  Triton kernels; CUDA, fp16/bf16 (fp32 on request: TF32 dots); decoding steps on request.
+  Triton kernels; CUDA, fp16/bf16 (fp32 on request: TF32 dots); decoding steps on request; the
+  gated delta rule on its chunk kernel, on request.
 * ``flash`` (:mod:`.flash`)   - the sliding window on flash-attn 2; CUDA, fp16/bf16, no padding.
 * ``flex``  (:mod:`.flex`)    - the sliding window on PyTorch flex attention; only on request.
 

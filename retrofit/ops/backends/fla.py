@@ -18,6 +18,13 @@ works there because the state is zero, and we use 0). Padded tokens (``a = -inf`
 ``k = 0, g = 0``: they leave the state untouched, and their outputs are zeroed.
 Every ``g`` is finite and <= 0, so all exponents in fla's chunk kernels stay <= 0.
 
+The gated delta rule (:mod:`retrofit.ops.delta_rule`) is fla's own recurrence, with the same
+conventions (decay, then read at ``k_t`` and write ``beta_t (v_t - S^T k_t)``, then read at ``q_t``;
+state ``(d, D)``), so it maps one to one onto ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``
+with the layouts transposed; padded tokens get ``beta = g = 0`` and zero q, k, v, as in the torch
+form. It is on request only (``backend="fla"`` or ``RETROFIT_BACKEND=fla``) until its speed
+against the torch form has been measured on a GPU.
+
 exp-linear attention is causal Latte with ``L = d`` latents, ``a = k`` and time-dependent
 mixing weights ``softmax_i(q_{t,i} + z_{t,i})`` (see ``retrofit/ops/exp_linear.py``), so it
 runs on the same kernels after computing those weights in torch.
@@ -41,6 +48,7 @@ from typing import Callable
 import torch
 
 from retrofit.ops.backends.registry import Backend, Kernel, register_backend
+from retrofit.ops.delta_rule import DeltaState
 from retrofit.ops.latte import NEG_INF, LatteState
 
 __all__ = [
@@ -49,7 +57,9 @@ __all__ = [
     "causal_latte_step_fla",
     "exp_linear_attention_fla",
     "exp_linear_attention_step_fla",
+    "delta_rule_chunked_fla",
     "fla_kernels",
+    "fla_delta_kernel",
     "quick_autotune",
     "quick_configs",
     "BACKEND",
@@ -71,13 +81,29 @@ def fla_kernels() -> tuple[Callable, Callable]:
     """
     from fla.ops.gla import chunk_gla, fused_recurrent_gla
 
+    _apply_autotune_mode()
+    return chunk_gla, fused_recurrent_gla
+
+
+@functools.lru_cache(maxsize=None)
+def fla_delta_kernel() -> Callable:
+    """fla's ``chunk_gated_delta_rule``; raises ImportError when fla lacks it (fla < 0.1.2)."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError as exc:
+        raise ImportError("the fla backend's delta rule needs flash-linear-attention with "
+                          "fla.ops.gated_delta_rule (pip install -U flash-linear-attention)") from exc
+    _apply_autotune_mode()
+    return chunk_gated_delta_rule
+
+
+def _apply_autotune_mode() -> None:
     mode = os.environ.get(AUTOTUNE_ENV, "full").strip().lower()
     if mode == "quick":
         modules = [m for name, m in list(sys.modules.items()) if name.startswith("fla.ops.") and m is not None]
         quick_autotune(modules)
     elif mode != "full":
         raise ValueError(f"{AUTOTUNE_ENV}={mode!r}: use 'full' (fla's autotuning) or 'quick'")
-    return chunk_gla, fused_recurrent_gla
 
 
 def quick_configs(configs: list) -> list:
@@ -307,6 +333,52 @@ def exp_linear_attention_step_fla(
     return out.squeeze(2), new_state
 
 
+def delta_rule_chunked_fla(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    g: torch.Tensor | None = None,
+    *,
+    scale: float = 1.0,
+    key_padding_mask: torch.Tensor | None = None,
+    initial_state: DeltaState | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, DeltaState | None]:
+    """``delta_rule_chunked`` (q, k ``(B, H, T, d)``, v ``(B, H, T, D)``, beta, g ``(B, H, T)``)
+    through fla's ``chunk_gated_delta_rule``; same returns, the final memory in fp32.
+
+    ``chunk_size`` is accepted for signature compatibility; fla picks its own (64). The kernel's
+    inputs are in ``v``'s dtype (fp16/bf16/fp32, else fp32); ``g`` and ``beta`` in fp32.
+    """
+    del chunk_size
+    if q.shape[2] == 0:
+        from retrofit.ops.delta_rule import delta_rule_chunked
+
+        return delta_rule_chunked(q, k, v, beta, g, scale=scale, key_padding_mask=key_padding_mask,
+                                  initial_state=initial_state, output_final_state=output_final_state)
+    kernel = fla_delta_kernel()
+    dtype = _kernel_dtype(v)
+    beta = beta.float()
+    g = torch.zeros_like(beta) if g is None else g.float()
+    if key_padding_mask is not None:  # padded tokens: no write, no decay, nothing non-finite read
+        pad = ~key_padding_mask.bool()[:, None, :].to(q.device)
+        beta, g = beta.masked_fill(pad, 0.0), g.masked_fill(pad, 0.0)
+        q, k, v = (x.masked_fill(pad[..., None], 0.0) for x in (q, k, v))
+
+    def btH(x: torch.Tensor, to: torch.dtype) -> torch.Tensor:
+        return x.transpose(1, 2).to(to).contiguous()
+
+    h0 = None if initial_state is None else initial_state.memory.float().contiguous()
+    o, ht = kernel(btH(q, dtype), btH(k, dtype), btH(v, dtype), btH(g, torch.float32), btH(beta, torch.float32),
+                   scale=scale, initial_state=h0, output_final_state=output_final_state)
+    out = o.transpose(1, 2)
+    if key_padding_mask is not None:
+        out = out.masked_fill(~key_padding_mask.bool()[:, None, :, None].to(out.device), 0.0)
+    return out.to(v.dtype), (DeltaState(ht.float()) if output_final_state else None)
+
+
 _HALF = frozenset({torch.float16, torch.bfloat16})
 
 BACKEND = register_backend(
@@ -318,6 +390,7 @@ BACKEND = register_backend(
             "causal_latte_step": Kernel(causal_latte_step_fla, auto=False),
             "exp_linear_attention": exp_linear_attention_fla,
             "exp_linear_attention_step": Kernel(exp_linear_attention_step_fla, auto=False),
+            "delta_rule_chunked": Kernel(delta_rule_chunked_fla, auto=False),
         },
         package="fla.ops.gla",
         install_hint="flash-linear-attention",
