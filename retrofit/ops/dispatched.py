@@ -12,7 +12,10 @@ without dispatch: ``op.kernel("torch")``.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
+
+import torch
 
 from retrofit.ops import delta_rule, exp_linear, latte, lavo, llp, sliding_window
 from retrofit.ops.backends.registry import Call, Op
@@ -26,6 +29,14 @@ def _on_values(*args: Any, **kwargs: Any) -> Call:
     """Latte-type ops (q, k, v, ...) run in the values' dtype (their gates are >= fp32 either way)."""
     v = _arg(args, kwargs, 2, "v")
     return Call(v.device, v.dtype, key_padding_mask=kwargs.get("key_padding_mask") is not None)
+
+
+def _on_values_and_grad(*args: Any, **kwargs: Any) -> Call:
+    """As :func:`_on_values`, and whether autograd will differentiate the call (a kernel may have a
+    forward everywhere and a backward only on some machines)."""
+    call = _on_values(*args, **kwargs)
+    tensors = [x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)]
+    return dataclasses.replace(call, needs_grad=torch.is_grad_enabled() and any(x.requires_grad for x in tensors))
 
 
 def _on_queries(*args: Any, **kwargs: Any) -> Call:
@@ -58,7 +69,7 @@ orthogonal_memory_recurrent = Op(lavo.orthogonal_memory_recurrent, _on_queries)
 orthogonal_memory_step = Op(lavo.orthogonal_memory_step, _on_queries)
 llp_attention = Op(llp.llp_attention, _on_values)
 llp_attention_cached = Op(llp.llp_attention_cached, _on_values)
-delta_rule_chunked = Op(delta_rule.delta_rule_chunked, _on_values)
+delta_rule_chunked = Op(delta_rule.delta_rule_chunked, _on_values_and_grad)
 delta_rule_step = Op(delta_rule.delta_rule_step, _on_values)
 
 OPS: tuple[Op, ...] = tuple(value for value in list(globals().values()) if isinstance(value, Op))

@@ -24,7 +24,9 @@ from retrofit.ops import (
     sliding_window_attention_reference,
 )
 from retrofit.ops.backends import registry
+import retrofit.ops.backends.fla as fla_backend
 from retrofit.ops.backends.fla import _exp_linear_weights, gla_inputs
+from retrofit.ops.delta_rule import delta_rule_reference
 # the torch kernels themselves (no dispatch)
 from retrofit.ops.exp_linear import exp_linear_attention
 from retrofit.ops.latte import causal_latte_chunked
@@ -151,6 +153,61 @@ def test_auto_rules_for_cuda_tensors(monkeypatch):
     assert backends.resolve_backend("causal_latte_chunked", dev, torch.bfloat16, "flash") == "fla"  # flash says nothing about latte
 
 
+def test_delta_rule_on_fla_is_on_request_and_falls_back_where_its_backward_is_refused(monkeypatch, caplog):
+    monkeypatch.setattr(registry, "is_installed", lambda b: True)
+    dev = torch.device("cuda")
+    assert backends.resolve_backend("delta_rule_chunked", dev, torch.bfloat16) == "torch"  # auto: torch
+    assert backends.resolve_backend("delta_rule_chunked", dev, torch.bfloat16, "fla", needs_grad=True) == "fla"
+    monkeypatch.setattr(fla_backend, "delta_backward_refused", lambda: "fla refuses it here")
+    backends._reset_log_memory()  # the choice above is remembered per call description
+    assert backends.resolve_backend("delta_rule_chunked", dev, torch.bfloat16, "fla") == "fla"  # no backward: fla
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    assert backends.resolve_backend("delta_rule_chunked", dev, torch.bfloat16, "fla", needs_grad=True) == "torch"
+    assert "requested the fla backend but fla refuses it here; using torch" in caplog.text
+    with backends.strict_backends(), pytest.raises(backends.BackendUnavailable, match="fla refuses it here"):
+        backends.resolve_backend("delta_rule_chunked", dev, torch.bfloat16, "fla", needs_grad=True)
+
+
+def test_delta_call_says_whether_autograd_will_differentiate_it():
+    q, v, beta = torch.randn(1, 1, 3, 4), torch.randn(1, 1, 3, 4), torch.rand(1, 1, 3)
+    describe = ops.delta_rule_chunked.describe
+    assert not describe(q, q, v, beta).needs_grad
+    assert describe(q, q, v, beta.requires_grad_()).needs_grad
+    with torch.no_grad():
+        assert not describe(q, q, v, beta).needs_grad
+
+
+def _fake_fla_flags(monkeypatch, *, hopper, triton_3_4, triton_3_7_1, tilelang):
+    import types
+
+    env = types.SimpleNamespace(TRITON_ABOVE_3_4_0=triton_3_4, TRITON_ABOVE_3_7_1=triton_3_7_1)
+    utils = types.ModuleType("fla.utils")
+    utils.env, utils.hardware = env, types.SimpleNamespace(IS_NVIDIA_HOPPER=hopper)
+    monkeypatch.setitem(sys.modules, "fla", types.ModuleType("fla"))
+    monkeypatch.setitem(sys.modules, "fla.utils", utils)
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="3.6.0"))
+    monkeypatch.setattr(fla_backend.importlib.util, "find_spec", lambda name: object() if tilelang else None)
+    fla_backend.delta_backward_refused.cache_clear()
+
+
+@pytest.mark.parametrize("hopper,triton_3_4,triton_3_7_1,tilelang,refused", [
+    (True, True, False, False, True),     # the miscompile fla guards against
+    (True, True, True, False, False),     # Triton >= 3.7.1
+    (True, False, False, False, False),   # Triton < 3.4
+    (False, True, False, False, False),   # not Hopper
+    (True, True, False, True, False),     # tilelang runs that kernel instead
+])
+def test_delta_backward_refusal_follows_flas_own_flags(monkeypatch, hopper, triton_3_4, triton_3_7_1, tilelang, refused):
+    _fake_fla_flags(monkeypatch, hopper=hopper, triton_3_4=triton_3_4, triton_3_7_1=triton_3_7_1, tilelang=tilelang)
+    try:
+        reason = fla_backend.delta_backward_refused()
+    finally:
+        fla_backend.delta_backward_refused.cache_clear()
+    assert (reason is not None) == refused
+    if refused:
+        assert "Triton 3.6.0" in reason and "3.7.1" in reason
+
+
 def test_unknown_backend_is_a_clear_error():
     with pytest.raises(SpecError, match="unknown attention backend 'triton'"):
         backends.resolve_backend("causal_latte_chunked", "cpu", torch.float32, "triton")
@@ -216,6 +273,44 @@ def test_exp_linear_mapping_reproduces_the_reference():
     out, _ = _naive_gla(gq, gk, gv, gg, h0)
     ref = exp_linear_attention_reference(q, k * 3, v, key_padding_mask=mask)
     torch.testing.assert_close(out * mask[:, None, :, None], ref, atol=1e-12, rtol=1e-10)
+
+
+def _naive_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False):
+    """fla's gated delta rule, [B, T, H, .] layout, written out in fp64: decay, write at k_t the
+    correction beta_t (v_t - S^T k_t), read at q_t (scale defaults to 1/sqrt(d), as fla's)."""
+    B, T, H, K = q.shape
+    scale = K ** -0.5 if scale is None else scale
+    S = torch.zeros(B, H, K, v.shape[-1], dtype=torch.float64) if initial_state is None else initial_state.double()
+    outs = []
+    for t in range(T):
+        S = S * g[:, t].double().exp()[..., None, None]
+        u = beta[:, t].double()[..., None] * (v[:, t].double() - (S * k[:, t].double()[..., None]).sum(-2))
+        S = S + k[:, t].double()[..., None] * u[..., None, :]
+        outs.append(scale * (q[:, t].double()[..., None] * S).sum(-2))
+    return torch.stack(outs, dim=1), (S.float() if output_final_state else None)  # out [B, T, H, D]
+
+
+def test_delta_mapping_onto_flas_kernel_reproduces_the_reference(monkeypatch):
+    """The fla delta kernel's wrapper (layouts, padding made inert, the state in and out) around
+    fla's recurrence written out here: equals the reference, with left padding and a state."""
+    monkeypatch.setattr(fla_backend, "fla_delta_kernel", lambda: _naive_gated_delta_rule)
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.nn.functional.normalize(torch.randn(2, 3, 41, 8, generator=gen, dtype=torch.float64), dim=-1)
+            for _ in range(2))
+    v, beta = torch.randn(2, 3, 41, 5, generator=gen, dtype=torch.float64), torch.rand(2, 3, 41, generator=gen)
+    g = -0.5 * torch.rand(2, 3, 41, generator=gen)
+    mask = padding_mask(2, 41, [0, 7])
+    _, state = delta_rule_reference(q[:, :, :9], k[:, :, :9], v[:, :, :9], beta[:, :, :9], g[:, :, :9],
+                                    output_final_state=True)
+    for initial in (None, state):
+        out, st = fla_backend.delta_rule_chunked_fla(q, k, v, beta, g, scale=0.3, key_padding_mask=mask,
+                                                     initial_state=initial, output_final_state=True)
+        ref, ref_st = delta_rule_reference(q, k, v, beta, g, scale=0.3, key_padding_mask=mask, initial_state=initial,
+                                           output_final_state=True)
+        assert out.dtype == v.dtype and st.memory.dtype == torch.float32
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(st.memory.double(), ref_st.memory, atol=1e-5, rtol=1e-5)
+        assert (out[1, :, :7] == 0).all()
 
 
 # --------------------------------------------------------------------------------------

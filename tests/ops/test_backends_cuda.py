@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import retrofit.ops as ops
+import retrofit.ops.backends.fla as fla_backend
 from retrofit.ops import LatteState, backends, macchiato_attention, sliding_window_attention_reference
 # the torch kernels themselves (no dispatch): the references the GPU backends are compared with
 from retrofit.ops.delta_rule import delta_rule_reference
@@ -173,13 +174,10 @@ def _run_delta_backward(on_backend, ref, inputs, **kw):
     """Forward + backward of both; skips (after the caller checked the forward) where fla itself
     refuses the gated delta rule's backward: fla >= 0.6 on Hopper with Triton 3.4-3.7.0, whose
     miscompile of that kernel fla guards against (fla issue 640; Triton >= 3.7.1 or tilelang)."""
-    try:
-        got = _run(on_backend, inputs, **kw)
-    except RuntimeError as exc:
-        if "Triton" in str(exc) and "Hopper" in str(exc):
-            pytest.skip(f"fla refuses this backward on this GPU and Triton: {exc}")
-        raise
-    return got, _run(ref, inputs, **kw)
+    refused = fla_backend.delta_backward_refused()
+    if refused:
+        pytest.skip(refused)
+    return _run(on_backend, inputs, **kw), _run(ref, inputs, **kw)
 
 
 def _delta_pair(backend, mask, initial_state=None):

@@ -22,8 +22,10 @@ The gated delta rule (:mod:`retrofit.ops.delta_rule`) is fla's own recurrence, w
 conventions (decay, then read at ``k_t`` and write ``beta_t (v_t - S^T k_t)``, then read at ``q_t``;
 state ``(d, D)``), so it maps one to one onto ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``
 with the layouts transposed; padded tokens get ``beta = g = 0`` and zero q, k, v, as in the torch
-form. It is on request only (``backend="fla"`` or ``RETROFIT_BACKEND=fla``) until its speed
-against the torch form has been measured on a GPU.
+form. It is on request only (``backend="fla"`` or ``RETROFIT_BACKEND=fla``) until its backward
+has been checked and timed on a GPU; where fla refuses that backward (:func:`delta_backward_refused`)
+a call autograd will differentiate falls back to torch with a warning (an error under strict
+requests), and calls without a backward (evaluation, prefill) still run on fla.
 
 exp-linear attention is causal Latte with ``L = d`` latents, ``a = k`` and time-dependent
 mixing weights ``softmax_i(q_{t,i} + z_{t,i})`` (see ``retrofit/ops/exp_linear.py``), so it
@@ -40,6 +42,7 @@ more than the torch step itself), so ``auto`` keeps the steps on torch; request 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import inspect
 import os
 import sys
@@ -47,7 +50,7 @@ from typing import Callable
 
 import torch
 
-from retrofit.ops.backends.registry import Backend, Kernel, register_backend
+from retrofit.ops.backends.registry import Backend, Call, Kernel, register_backend
 from retrofit.ops.delta_rule import DeltaState
 from retrofit.ops.latte import NEG_INF, LatteState
 
@@ -60,6 +63,7 @@ __all__ = [
     "delta_rule_chunked_fla",
     "fla_kernels",
     "fla_delta_kernel",
+    "delta_backward_refused",
     "quick_autotune",
     "quick_configs",
     "BACKEND",
@@ -379,6 +383,34 @@ def delta_rule_chunked_fla(
     return out.to(v.dtype), (DeltaState(ht.float()) if output_final_state else None)
 
 
+@functools.lru_cache(maxsize=None)
+def delta_backward_refused() -> str | None:
+    """Why fla will refuse the gated delta rule's backward on this machine, or None.
+
+    fla (0.6) raises in that backward on Hopper GPUs with Triton 3.4.0-3.7.0, which miscompiles
+    its gated ``chunk_bwd_dqkwg`` (fla issue 640), unless tilelang is installed to run it instead.
+    Read from fla's own flags, so a release that drops the guard (or moves the bound) is followed.
+    """
+    try:
+        from fla.utils import env, hardware
+    except ImportError:
+        return None
+    hopper = getattr(hardware, "IS_NVIDIA_HOPPER", False)
+    broken_triton = getattr(env, "TRITON_ABOVE_3_4_0", False) and not getattr(env, "TRITON_ABOVE_3_7_1", True)
+    if hopper and broken_triton and importlib.util.find_spec("tilelang") is None:
+        import triton
+
+        return (f"fla refuses the gated delta rule's backward on Hopper GPUs with Triton {triton.__version__} "
+                "(a miscompile; Triton >= 3.7.1 or `pip install tilelang` lifts it)")
+    return None
+
+
+def _check(op: str, call: Call) -> str | None:
+    if op == "delta_rule_chunked" and call.needs_grad:
+        return delta_backward_refused()
+    return None
+
+
 _HALF = frozenset({torch.float16, torch.bfloat16})
 
 BACKEND = register_backend(
@@ -398,5 +430,6 @@ BACKEND = register_backend(
         dtypes=_HALF | {torch.float32},
         auto_dtypes=_HALF,
         auto_dtype_note="fla's fp32 Triton dots use TF32",
+        check=_check,
     )
 )

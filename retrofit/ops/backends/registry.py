@@ -86,6 +86,7 @@ class Call:
     head_dim: int | None = None  # q/k head dim (sliding window)
     value_dim: int | None = None  # v head dim (sliding window)
     mixed_dtypes: bool = False  # q, k, v differ in dtype
+    needs_grad: bool = False  # autograd will differentiate the call (ops whose description sets it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,7 +365,7 @@ def resolve_backend(
 ) -> str:
     """Name of the backend that would run a call of ``op`` (an op name) on ``device``/``dtype``.
 
-    ``features``: the :class:`Call` fields (key_padding_mask, head_dim, value_dim, mixed_dtypes).
+    ``features``: the :class:`Call` fields (key_padding_mask, head_dim, value_dim, mixed_dtypes, needs_grad).
     """
     if not _has_kernel(op):
         raise ValueError(f"unknown op {op!r}")
