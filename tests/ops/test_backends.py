@@ -290,10 +290,18 @@ def _naive_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, ou
     return torch.stack(outs, dim=1), (S.float() if output_final_state else None)  # out [B, T, H, D]
 
 
-def test_delta_mapping_onto_flas_kernel_reproduces_the_reference(monkeypatch):
+def _naive_head_first_release(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                              head_first=True):
+    """A release whose kernel has the ``head_first`` flag, defaulting to True: the wrapper must say False."""
+    assert head_first is False
+    return _naive_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state)
+
+
+@pytest.mark.parametrize("kernel", [_naive_gated_delta_rule, _naive_head_first_release])
+def test_delta_mapping_onto_flas_kernel_reproduces_the_reference(monkeypatch, kernel):
     """The fla delta kernel's wrapper (layouts, padding made inert, the state in and out) around
     fla's recurrence written out here: equals the reference, with left padding and a state."""
-    monkeypatch.setattr(fla_backend, "fla_delta_kernel", lambda: _naive_gated_delta_rule)
+    monkeypatch.setattr(fla_backend, "fla_delta_kernel", lambda: kernel)
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.nn.functional.normalize(torch.randn(2, 3, 41, 8, generator=gen, dtype=torch.float64), dim=-1)
             for _ in range(2))

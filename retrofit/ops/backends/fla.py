@@ -1,5 +1,6 @@
 """The ``fla`` backend: causal Latte and exp-linear attention on flash-linear-attention's GLA
-Triton kernels (CUDA; fp16/bf16, and fp32 on request: Triton's fp32 dots use TF32).
+Triton kernels, and the gated delta rule on its own (CUDA; fp16/bf16, and fp32 on request:
+Triton's fp32 dots use TF32).
 
 Causal Latte is a gated linear recurrence (design.md section 3). With the running
 log-normaliser ``z_t = logcumsumexp_{s<=t} a_s`` per latent,
@@ -375,8 +376,10 @@ def delta_rule_chunked_fla(
         return x.transpose(1, 2).to(to).contiguous()
 
     h0 = None if initial_state is None else initial_state.memory.float().contiguous()
-    o, ht = kernel(btH(q, dtype), btH(k, dtype), btH(v, dtype), btH(g, torch.float32), btH(beta, torch.float32),
-                   scale=scale, initial_state=h0, output_final_state=output_final_state)
+    kwargs = {"scale": scale, "initial_state": h0, "output_final_state": output_final_state}
+    if _takes_head_first(kernel):  # releases with the flag (some defaulted it to True)
+        kwargs["head_first"] = False
+    o, ht = kernel(btH(q, dtype), btH(k, dtype), btH(v, dtype), btH(g, torch.float32), btH(beta, torch.float32), **kwargs)
     out = o.transpose(1, 2)
     if key_padding_mask is not None:
         out = out.masked_fill(~key_padding_mask.bool()[:, None, :, None].to(out.device), 0.0)
