@@ -19,7 +19,7 @@ TABLE: dict[str, dict] = {'window': {'flag': '--window',
                     'kind': 'float',
                     'nullable': False,
                     'help': 'initial sliding-window share p(0|t) in (0, 1] (1 = latent path closed) '
-                            '[macchiato: 0.9, delta: 0.9]'},
+                            '[macchiato: 0.9, delta: 0.98]'},
  'conv_size': {'flag': '--conv-size',
                'kind': 'int',
                'nullable': False,

@@ -14,7 +14,8 @@ SmolLM2-135M itself).
   and their capped distance exactly as in Macchiato (same window branch, same decoding slots).
 * ``p(.|t) = softmax([memory_gate(x_t), 0])`` per query head: state 0 the window, state 1 the
   memory. ``memory_gate.weight = 0`` and its bias ``log(share / (1 - share))`` at conversion, so
-  ``p(0|t) = init_swa_share`` exactly; 1 saturates (the layer is the w-token window with sinks).
+  ``p(0|t) = init_swa_share`` exactly (default 0.98, see ``DEFAULT_DELTA_SWA_SHARE``); 1 saturates
+  (the layer is the w-token window with sinks).
 * The memory's keys and queries are the pretrained post-RoPE ones, through a per-head d x d map
   (identity at conversion), L2-normalised: on them a memory read ``q'.k'`` starts as the
   pretrained (relative-position) score. Values: the pretrained ones, shared across a GQA group.
@@ -39,17 +40,23 @@ from torch import nn
 from retrofit.errors import SpecError
 from retrofit.layers.base import RetrofitAttention
 from retrofit.layers.macchiato import (
-    DEFAULT_INIT_SWA_SHARE, SATURATED_LOGIT, MacchiatoAttention, MacchiatoConfig, check_window_options,
+    SATURATED_LOGIT, MacchiatoAttention, MacchiatoConfig, check_window_options,
     resolved_window_options,
 )
 from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, register_method
 from retrofit.ops import DeltaState, delta_rule_chunked, delta_rule_step, repeat_kv_heads
 
-__all__ = ["DEFAULT_MEMORY_HALF_LIFE", "DeltaAttention", "DeltaConfig", "HeadwiseLinear", "build_delta"]
+__all__ = ["DEFAULT_DELTA_SWA_SHARE", "DEFAULT_MEMORY_HALF_LIFE", "DeltaAttention", "DeltaConfig", "HeadwiseLinear", "build_delta"]
 
 # Tokens over which a stored value halves at conversion (the decay gate's bias): past a 1024-token
 # window, a key written 4K tokens back is still read at half strength.
 DEFAULT_MEMORY_HALF_LIFE = 4096
+# The window's initial share. Higher than Macchiato's 0.9: an untrained memory reads values at
+# unrelated keys, unnormalised (on SmolLM2-135M its read is 1-3.4x the window output's RMS), so a
+# 10% share puts the conversion 0.16 nats/token above its closed twin before training, while at
+# 0.98 it starts at the twin; after 344K tokens of transfer 0.98 is level with or below 0.9 at
+# every length 1K-32K (BENCHMARKS.md, "SmolLM2-135M").
+DEFAULT_DELTA_SWA_SHARE = 0.98
 # the window branch's options mean what they mean in Macchiato: one help text each
 _SHARED_HELP = {f.name: f.metadata["help"] for f in dataclasses.fields(MacchiatoConfig)}
 
@@ -61,7 +68,7 @@ class DeltaConfig(MethodConfig):
     method = "delta"
     capabilities = frozenset({"window_dropout"})
     window: int | None = opt(None, _SHARED_HELP["window"])
-    init_swa_share: float = opt(DEFAULT_INIT_SWA_SHARE, _SHARED_HELP["init_swa_share"])
+    init_swa_share: float = opt(DEFAULT_DELTA_SWA_SHARE, _SHARED_HELP["init_swa_share"])
     memory_half_life: int = opt(DEFAULT_MEMORY_HALF_LIFE, "tokens over which a stored value halves at conversion "
                                                           "(the decay gate's initial bias; 0 = no decay)")
     sinks: int = opt(0, _SHARED_HELP["sinks"])

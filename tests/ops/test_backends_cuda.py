@@ -173,7 +173,8 @@ def _delta_inputs(B, H, T, d, D, dtype, *, decay=0.1):
 def _run_delta_backward(on_backend, ref, inputs, **kw):
     """Forward + backward of both; skips (after the caller checked the forward) where fla itself
     refuses the gated delta rule's backward: fla >= 0.6 on Hopper with Triton 3.4-3.7.0, whose
-    miscompile of that kernel fla guards against (fla issue 640; Triton >= 3.7.1 or tilelang)."""
+    miscompile of that kernel fla guards against (fla-org/flash-linear-attention#640; Triton
+    >= 3.7.1 or tilelang lifts it)."""
     refused = fla_backend.delta_backward_refused()
     if refused:
         pytest.skip(refused)

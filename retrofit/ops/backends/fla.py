@@ -391,7 +391,8 @@ def delta_backward_refused() -> str | None:
     """Why fla will refuse the gated delta rule's backward on this machine, or None.
 
     fla (0.6) raises in that backward on Hopper GPUs with Triton 3.4.0-3.7.0, which miscompiles
-    its gated ``chunk_bwd_dqkwg`` (fla issue 640), unless tilelang is installed to run it instead.
+    its gated ``chunk_bwd_dqkwg`` (fla-org/flash-linear-attention#640), unless tilelang is
+    installed to run it instead.
     Read from fla's own flags, so a release that drops the guard (or moves the bound) is followed.
     """
     try:
