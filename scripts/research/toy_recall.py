@@ -188,7 +188,7 @@ def main() -> None:
     result["methods"] = {}
     for method in args.methods:
         opts = dict(window=args.window, **options.get(method, {}))
-        twin = retrofit.convert(copy.deepcopy(base), method=method, **opts, init_swa_share=1.0) \
+        twin = retrofit.convert(copy.deepcopy(base), method=method, **{**opts, "init_swa_share": 1.0}) \
             if method in ("delta", "macchiato") else None
         closed = evaluate(twin, eval_batches) if twin is not None else None
         model = retrofit.convert(copy.deepcopy(base), method=method, **opts)
