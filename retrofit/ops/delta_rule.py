@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DeltaState", "delta_rule_chunked", "delta_rule_reference", "delta_rule_step"]
+__all__ = ["DeltaState", "delta_rule_chunked", "delta_rule_reference", "delta_rule_step", "masked_inputs"]
 
 DEFAULT_DELTA_CHUNK = 64
 
@@ -49,11 +49,14 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
 
 
-def _masked_inputs(q, k, v, beta, g, key_padding_mask):
-    """Inputs in the compute dtype with padded tokens made inert: beta = 0 and g = 0 (no write, no
-    decay) and q, k, v zeroed (so nothing non-finite there reaches the state)."""
+def masked_inputs(q, k, v, beta, g, key_padding_mask, qkv_dtype: torch.dtype | None = None):
+    """Inputs with padded tokens made inert: beta = 0 and g = 0 (no write, no decay) and q, k, v
+    zeroed (so nothing non-finite there reaches the state). beta and g (zeros when None) in the
+    compute dtype (fp32 at least); q, k, v in ``qkv_dtype`` (default: the compute dtype too; a
+    fused kernel takes them in its own)."""
     dt = _compute_dtype(v)
-    q, k, v, beta = q.to(dt), k.to(dt), v.to(dt), beta.to(dt)
+    qkv_dtype = qkv_dtype or dt
+    q, k, v, beta = q.to(qkv_dtype), k.to(qkv_dtype), v.to(qkv_dtype), beta.to(dt)
     g = torch.zeros_like(beta) if g is None else g.to(dt)
     if key_padding_mask is not None:
         pad = ~key_padding_mask[:, None, :].to(q.device)
@@ -105,7 +108,7 @@ def delta_rule_reference(
         tensor([5., 6.])
     """
     out_dtype = v.dtype
-    q, k, v, beta, g = _masked_inputs(q, k, v, beta, g, key_padding_mask)
+    q, k, v, beta, g = masked_inputs(q, k, v, beta, g, key_padding_mask)
     S = _initial_memory(initial_state, q, v, q.dtype)
     outs = []
     for t in range(q.shape[2]):
@@ -165,7 +168,7 @@ def delta_rule_chunked(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     out_dtype = v.dtype
-    q, k, v, beta, g = _masked_inputs(q, k, v, beta, g, key_padding_mask)
+    q, k, v, beta, g = masked_inputs(q, k, v, beta, g, key_padding_mask)
     B, H, T, d = q.shape
     D = v.shape[-1]
     S = _initial_memory(initial_state, q, v, q.dtype)
@@ -241,7 +244,7 @@ def delta_rule_step(
         True
     """
     out_dtype = v.dtype
-    q, k, v, beta, g = _masked_inputs(q, k, v, beta, g, valid)
+    q, k, v, beta, g = masked_inputs(q, k, v, beta, g, valid)
     S = _initial_memory(state, q, v, q.dtype)
     S = S * g[..., None].exp()
     read = k @ S  # (B, H, 1, D)

@@ -52,7 +52,7 @@ from typing import Callable
 import torch
 
 from retrofit.ops.backends.registry import Backend, Call, Kernel, register_backend
-from retrofit.ops.delta_rule import DeltaState
+from retrofit.ops.delta_rule import DeltaState, masked_inputs
 from retrofit.ops.latte import NEG_INF, LatteState
 
 __all__ = [
@@ -364,26 +364,21 @@ def delta_rule_chunked_fla(
         return delta_rule_chunked(q, k, v, beta, g, scale=scale, key_padding_mask=key_padding_mask,
                                   initial_state=initial_state, output_final_state=output_final_state)
     kernel = fla_delta_kernel()
-    dtype = _kernel_dtype(v)
-    beta = beta.float()
-    g = torch.zeros_like(beta) if g is None else g.float()
-    if key_padding_mask is not None:  # padded tokens: no write, no decay, nothing non-finite read
-        pad = ~key_padding_mask.bool()[:, None, :].to(q.device)
-        beta, g = beta.masked_fill(pad, 0.0), g.masked_fill(pad, 0.0)
-        q, k, v = (x.masked_fill(pad[..., None], 0.0) for x in (q, k, v))
+    out_dtype = v.dtype
+    q, k, v, beta, g = masked_inputs(q, k, v, beta, g, key_padding_mask, qkv_dtype=_kernel_dtype(v))
 
-    def btH(x: torch.Tensor, to: torch.dtype) -> torch.Tensor:
-        return x.transpose(1, 2).to(to).contiguous()
+    def btH(x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2).contiguous()
 
     h0 = None if initial_state is None else initial_state.memory.float().contiguous()
     kwargs = {"scale": scale, "initial_state": h0, "output_final_state": output_final_state}
     if _takes_head_first(kernel):  # releases with the flag (some defaulted it to True)
         kwargs["head_first"] = False
-    o, ht = kernel(btH(q, dtype), btH(k, dtype), btH(v, dtype), btH(g, torch.float32), btH(beta, torch.float32), **kwargs)
+    o, ht = kernel(btH(q), btH(k), btH(v), btH(g.float()), btH(beta.float()), **kwargs)
     out = o.transpose(1, 2)
     if key_padding_mask is not None:
         out = out.masked_fill(~key_padding_mask.bool()[:, None, :, None].to(out.device), 0.0)
-    return out.to(v.dtype), (DeltaState(ht.float()) if output_final_state else None)
+    return out.to(out_dtype), (DeltaState(ht.float()) if output_final_state else None)
 
 
 @functools.lru_cache(maxsize=None)
