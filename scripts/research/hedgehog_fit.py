@@ -1,0 +1,131 @@
+"""Learned feature maps for a linear-time read: fit Hedgehog maps to the base's attention weights.
+
+``oracle_memory.py`` finds that, with only the needle stored, no product-of-features kernel of
+the pretrained keys and queries (Based's Taylor, relu or exp features) reads the passkey's digit,
+while sharp kernels that no state can hold (softmax, relu of the score) do. Hedgehog (Zhang et
+al., 2024; LoLCATs' first stage) learns feature maps that are spiky like the softmax:
+
+    phi(x) = [softmax(W x), softmax(-W x)]    (2 f features, W (f, d) per head, one map for
+                                               queries and one for keys)
+
+fitted so that ``phi(q_t) . phi(k_j) / sum_j' phi(q_t) . phi(k_j')`` matches the softmax weights
+over ``j <= t``. This script fits one pair per head of every layer on the base's own queries and
+keys (post-RoPE, its own hidden states) over book text, and writes them to a safetensors file
+that ``oracle_memory.py --feature-maps`` reads (rungs ``needle-hedgehog``, ``all-hedgehog``).
+
+    python scripts/research/hedgehog_fit.py --books ../shared/data/pg-books --out runs/oracle/hedgehog.safetensors
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from retrofit.data.text import read_text
+from retrofit.fs.atomic import write_bytes_atomic
+from retrofit.surgery.loading import load_any
+
+BOOKS = ("pride-and-prejudice", "moby-dick", "news-from-nowhere", "devils-dictionary")
+
+
+def hedgehog(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``(B, H, T, 2 f)`` features of ``x (B, H, T, d)`` through ``weight (H, f, d)``."""
+    z = torch.einsum("bhtd,hfd->bhtf", x, weight)
+    return torch.cat([z.softmax(-1), (-z).softmax(-1)], dim=-1)
+
+
+@torch.no_grad()
+def capture_qk(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the base's post-RoPE ``q (B, Hq, T, d)`` and ``k (B, Hq, T, d)`` (k repeated over its group)."""
+    out, hooks = [], []
+    for layer in model.model.layers:
+        attn = layer.self_attn
+
+        def grab(module, args, kwargs, attn=attn):
+            h = kwargs.get("hidden_states", args[0] if args else None)
+            cos, sin = kwargs["position_embeddings"]
+            B, T, _ = h.shape
+            d = attn.head_dim
+            q = attn.q_proj(h).view(B, T, -1, d).transpose(1, 2)
+            k = attn.k_proj(h).view(B, T, -1, d).transpose(1, 2)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            out.append((q.float(), k.float()))
+
+        hooks.append(attn.register_forward_pre_hook(grab, with_kwargs=True))
+    try:
+        model(input_ids=ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out
+
+
+def fit_layer(qs: torch.Tensor, ks: torch.Tensor, scaling: float, features: int, steps: int, lr: float,
+              queries: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """Hedgehog maps ``(Wq, Wk)`` ``(H, f, d)`` for one layer from ``qs``, ``ks`` ``(N, H, T, d)``;
+    returns them with the first and last KL(softmax weights || kernel weights) per query (nats)."""
+    g = torch.Generator().manual_seed(seed)
+    N, H, T, d = qs.shape
+    wq = torch.nn.Parameter(torch.randn(H, features, d, generator=g) * d ** -0.5)
+    wk = torch.nn.Parameter(wq.detach().clone())
+    opt = torch.optim.Adam([wq, wk], lr=lr)
+    first = last = float("nan")
+    for step in range(steps):
+        n = int(torch.randint(N, (1,), generator=g))
+        rows = torch.randint(T // 8, T, (queries,), generator=g).sort().values  # queries with some history
+        q, k = qs[n:n + 1, :, rows], ks[n:n + 1]
+        causal = torch.arange(T)[None, :] <= rows[:, None]  # (R, T)
+        target = ((q @ k.transpose(-1, -2)) * scaling).masked_fill(~causal, float("-inf")).softmax(-1)
+        kappa = hedgehog(q, wq) @ hedgehog(k, wk).transpose(-1, -2) * causal
+        logp = (kappa / kappa.sum(-1, keepdim=True)).clamp_min(1e-30).log()
+        loss = (target * (target.clamp_min(1e-30).log() - logp)).sum(-1).mean()  # KL(softmax || kernel)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        first = float(loss) if step == 0 else first
+        last = float(loss)
+    return wq.detach(), wk.detach(), first, last
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--books", default="../shared/data/pg-books")
+    ap.add_argument("--sequences", type=int, default=4)
+    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--features", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--queries", type=int, default=256)
+    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    model, tokenizer = load_any(args.model, dtype="float32")
+    text = "\n\n".join(read_text(f"{args.books}/{b}.txt") for b in BOOKS)
+    ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+    step = len(ids) // args.sequences
+    batch = torch.tensor([ids[i * step:i * step + args.length] for i in range(args.sequences)])
+    per_layer = [capture_qk(model, batch[i:i + 1]) for i in range(args.sequences)]
+    tensors, log = {}, []
+    start = time.time()
+    for li, attn in enumerate(layer.self_attn for layer in model.model.layers):
+        qs = torch.cat([p[li][0] for p in per_layer])
+        ks = torch.cat([p[li][1] for p in per_layer])
+        wq, wk, first, last = fit_layer(qs, ks, attn.scaling, args.features, args.steps, args.lr, args.queries,
+                                        args.seed + li)
+        tensors[f"layers.{li}.query"], tensors[f"layers.{li}.key"] = wq.contiguous(), wk.contiguous()
+        log.append({"layer": li, "kl_first": first, "kl_last": last})
+        print(json.dumps(log[-1] | {"minutes": round((time.time() - start) / 60, 1)}), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write_bytes_atomic(args.out, save(tensors, metadata={"args": json.dumps(vars(args) | {"out": str(args.out)}),
+                                                         "log": json.dumps(log)}))
+
+
+if __name__ == "__main__":
+    main()
