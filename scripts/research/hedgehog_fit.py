@@ -22,10 +22,13 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from retrofit.data.packing import make_tokenize
+from retrofit.data.recall import RecallConfig, RecallInserter
 from retrofit.data.text import read_text
 from retrofit.fs.atomic import write_bytes_atomic
 from retrofit.surgery.loading import load_any
@@ -67,9 +70,11 @@ def capture_qk(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tenso
 
 
 def fit_layer(qs: torch.Tensor, ks: torch.Tensor, scaling: float, features: int, steps: int, lr: float,
-              queries: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+              queries: int, seed: int, beyond: int = 0, sinks: int = 0) -> tuple[torch.Tensor, torch.Tensor, float, float]:
     """Hedgehog maps ``(Wq, Wk)`` ``(H, f, d)`` for one layer from ``qs``, ``ks`` ``(N, H, T, d)``;
-    returns them with the first and last KL(softmax weights || kernel weights) per query (nats)."""
+    returns them with the first and last KL(softmax weights || kernel weights) per query (nats).
+    ``beyond`` > 0: fit the softmax restricted to the keys more than ``beyond`` - 1 tokens back
+    (past the window) and not among the first ``sinks`` (what a memory beside the window returns)."""
     g = torch.Generator().manual_seed(seed)
     N, H, T, d = qs.shape
     wq = torch.nn.Parameter(torch.randn(H, features, d, generator=g) * d ** -0.5)
@@ -78,9 +83,11 @@ def fit_layer(qs: torch.Tensor, ks: torch.Tensor, scaling: float, features: int,
     first = last = float("nan")
     for step in range(steps):
         n = int(torch.randint(N, (1,), generator=g))
-        rows = torch.randint(T // 8, T, (queries,), generator=g).sort().values  # queries with some history
+        lo = beyond + sinks + 16 if beyond else T // 8  # queries with some history (beyond the window)
+        rows = torch.randint(lo, T, (queries,), generator=g).sort().values
         q, k = qs[n:n + 1, :, rows], ks[n:n + 1]
-        causal = torch.arange(T)[None, :] <= rows[:, None]  # (R, T)
+        j = torch.arange(T)[None, :]
+        causal = (j <= rows[:, None] - beyond) & (j >= sinks) if beyond else j <= rows[:, None]  # (R, T)
         target = ((q @ k.transpose(-1, -2)) * scaling).masked_fill(~causal, float("-inf")).softmax(-1)
         kappa = hedgehog(q, wq) @ hedgehog(k, wk).transpose(-1, -2) * causal
         logp = (kappa / kappa.sum(-1, keepdim=True)).clamp_min(1e-30).log()
@@ -103,6 +110,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--queries", type=int, default=256)
     ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--beyond", type=int, default=0, help="fit only the keys beyond a window of this many tokens")
+    ap.add_argument("--sinks", type=int, default=4, help="with --beyond: the first tokens left out (the window's sinks)")
+    ap.add_argument("--repeats", type=int, default=0,
+                    help="write this many long-range repeats (retrofit.data.recall, style repeats) into each sequence")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -110,7 +121,12 @@ def main() -> None:
     text = "\n\n".join(read_text(f"{args.books}/{b}.txt") for b in BOOKS)
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     step = len(ids) // args.sequences
-    batch = torch.tensor([ids[i * step:i * step + args.length] for i in range(args.sequences)])
+    blocks = [np.asarray(ids[i * step:i * step + args.length], dtype=np.int64) for i in range(args.sequences)]
+    if args.repeats:
+        inserter = RecallInserter(RecallConfig(share=1.0, facts=args.repeats, min_distance=args.beyond + 76 if args.beyond else 1100,
+                                               seed=args.seed, style="repeats"), make_tokenize(tokenizer, special_tokens=False))
+        blocks = [inserter(b, i) for i, b in enumerate(blocks)]
+    batch = torch.from_numpy(np.stack(blocks))
     per_layer = [capture_qk(model, batch[i:i + 1]) for i in range(args.sequences)]
     tensors, log = {}, []
     start = time.time()
@@ -118,7 +134,7 @@ def main() -> None:
         qs = torch.cat([p[li][0] for p in per_layer])
         ks = torch.cat([p[li][1] for p in per_layer])
         wq, wk, first, last = fit_layer(qs, ks, attn.scaling, args.features, args.steps, args.lr, args.queries,
-                                        args.seed + li)
+                                        args.seed + li, args.beyond, args.sinks if args.beyond else 0)
         tensors[f"layers.{li}.query"], tensors[f"layers.{li}.key"] = wq.contiguous(), wk.contiguous()
         log.append({"layer": li, "kl_first": first, "kl_last": last})
         print(json.dumps(log[-1] | {"minutes": round((time.time() - start) / 60, 1)}), flush=True)
