@@ -25,12 +25,13 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import save
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from retrofit.data.packing import make_tokenize
 from retrofit.data.recall import RecallConfig, RecallInserter
 from retrofit.data.text import read_text
 from retrofit.fs.atomic import write_bytes_atomic
+from retrofit.ops import repeat_kv_heads
+from retrofit.patches import get_patch
 from retrofit.surgery.loading import load_any
 
 BOOKS = ("pride-and-prejudice", "moby-dick", "news-from-nowhere", "devils-dictionary")
@@ -45,20 +46,14 @@ def hedgehog(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def capture_qk(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer, the base's post-RoPE ``q (B, Hq, T, d)`` and ``k (B, Hq, T, d)`` (k repeated over its group)."""
-    out, hooks = [], []
+    out, hooks, patch = [], [], get_patch(model)
     for layer in model.model.layers:
         attn = layer.self_attn
 
         def grab(module, args, kwargs, attn=attn):
             h = kwargs.get("hidden_states", args[0] if args else None)
-            cos, sin = kwargs["position_embeddings"]
-            B, T, _ = h.shape
-            d = attn.head_dim
-            q = attn.q_proj(h).view(B, T, -1, d).transpose(1, 2)
-            k = attn.k_proj(h).view(B, T, -1, d).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            out.append((q.float(), k.float()))
+            q, k, _ = patch.project_qkv(attn, h, kwargs["position_embeddings"])  # as the family builds them
+            out.append((q.float(), repeat_kv_heads(k, q.shape[1]).float()))
 
         hooks.append(attn.register_forward_pre_hook(grab, with_kwargs=True))
     try:

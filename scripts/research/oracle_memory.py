@@ -55,6 +55,7 @@ from retrofit.eval.windows import encode
 from retrofit.fs.atomic import write_json_atomic
 from retrofit.layers.delta import DeltaAttention
 from retrofit.ops import delta_rule_chunked, repeat_kv_heads
+from retrofit.ops.rope import rope_to_origin
 from retrofit.surgery.distill import converted_modules
 
 from hedgehog_fit import hedgehog  # noqa: E402  (same folder)
@@ -63,14 +64,6 @@ from recall_probe import _Tally  # noqa: E402
 KERNELS = ("softmax", "relu", "cos", "taylor2", "relufeat", "expfeat", "hedgehog", "additive")
 RUNGS = ("closed", "exact", *(f"needle-{k}" for k in KERNELS), "needle-delta", "needle-delta-nope",
          *(f"all-{k}" for k in KERNELS[1:]), "all-delta", "all-delta-nope", "model")
-
-
-def unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Undo the rotary embedding of ``x (B, H, T, d)`` (``cos``, ``sin`` ``(B, T, d)``, half-split layout)."""
-    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    rotated_back = torch.cat([x2, -x1], dim=-1)  # rotate_half by -90 degrees
-    return x * cos + rotated_back * sin
 
 
 def kernel_read(q: torch.Tensor, k: torch.Tensor, scaling: float, keep: torch.Tensor, v: torch.Tensor,
@@ -104,7 +97,8 @@ def kernel_read(q: torch.Tensor, k: torch.Tensor, scaling: float, keep: torch.Te
     return kappa / kappa.sum(-1, keepdim=True).clamp_min(1e-30) @ v
 
 
-def oracle_attend(layer: DeltaAttention, rung: str, needle: tuple[int, int], tail: int, maps=None):
+def oracle_attend(layer: DeltaAttention, rung: str, needle: tuple[int, int], tail: int, inv_freq: torch.Tensor,
+                  maps=None):
     """An ``attend`` for ``layer`` with its memory replaced by ``rung``'s oracle at the last ``tail``
     positions (the question and the key) and closed before them."""
 
@@ -137,9 +131,8 @@ def oracle_attend(layer: DeltaAttention, rung: str, needle: tuple[int, int], tai
             read[:, :, -R:] = kernel_read(q[:, :, -R:].float(), kr, layer.scaling, keep, vr, rung.split("-", 1)[1],
                                           maps)
         else:
-            if rung.endswith("-nope"):
-                cos, sin = position_embeddings
-                q, k = unrotate(q, cos, sin), unrotate(k, cos, sin)
+            if rung.endswith("-nope"):  # the prompt starts at position 0: rotate each token back there
+                q, k = rope_to_origin(q, inv_freq), rope_to_origin(k, inv_freq)
             mq, mk, mv, beta, g = layer.memory_inputs(q, k, v, hidden_states)
             if rung.startswith("needle"):
                 beta = torch.zeros_like(beta)
@@ -152,13 +145,14 @@ def oracle_attend(layer: DeltaAttention, rung: str, needle: tuple[int, int], tai
 
 
 def set_rung(model, rung: str, needle: tuple[int, int], tail: int, maps: dict | None = None) -> None:
+    inv_freq = model.model.rotary_emb.inv_freq
     for m in converted_modules(model):
         if rung == "model":
             m.__dict__.pop("attend", None)
         else:
             li = int(m.layer_idx)
             layer_maps = (maps[f"layers.{li}.query"], maps[f"layers.{li}.key"]) if maps else None
-            m.attend = oracle_attend(m, rung, needle, tail, layer_maps)
+            m.attend = oracle_attend(m, rung, needle, tail, inv_freq, layer_maps)
 
 
 @torch.no_grad()
