@@ -34,6 +34,11 @@
 #   smollm2-passkey-long retrofit eval passkey at 8K / 16K, depths 0 / 0.5 / 1: the trained model, its
 #               closed twin, the base, cap 8191, YaRN x4, dynamic NTK x4
 #   smollm2-passkey the trained model and its closed twin at 2K / 4K
+#   oracle-fit-F  scripts/research/hedgehog_fit.py on the GPU (every layer's heads in one loop, F features a
+#               map, $ORACLE_FIT_ARGS), then scripts/research/oracle_memory.py with those maps on
+#               $ORACLE_MODEL (a method: delta conversion of smollm2-135m, carried by an earlier call):
+#               the passkey rungs at $ORACLE_LENGTHS x depths 0 / 0.5 and perplexity on Jack Sheppard;
+#               F is one of 128, 256, 512 (oracle-fit-512 also scores the fit-free rungs)
 #
 # Environment: OUT (results folder; default runs/gpu), WHEELS (default .whl), MODEL_FILES
 # (config.json, tokenizer.json[.xz], pg-books.tar.xz; default .gpu), WORK (default /tmp/retrofit-gpu),
@@ -356,6 +361,26 @@ do_smollm2_passkey_long() {  # everything at 8K / 16K, where the zero-shot exten
     --device "$SMOL_DEVICE" --dtype float32 --out "$WORK/results/smollm2-passkey-long" --overwrite
 }
 
+ORACLE_MODEL=${ORACLE_MODEL:-$WORK/oracle-delta}
+ORACLE_DEVICE=${ORACLE_DEVICE:-cuda}
+ORACLE_BEYOND=${ORACLE_BEYOND:-1024}  # the conversion's window: the maps fit the attention beyond it
+ORACLE_FIT_ARGS=${ORACLE_FIT_ARGS:-"--sequences 16 --length 4096 --steps 800 --queries 512 --repeats 16"}
+ORACLE_LENGTHS=${ORACLE_LENGTHS:-"2048 4096 8192"}
+ORACLE_PPL_LENGTHS=${ORACLE_PPL_LENGTHS:-"4096 8192"}
+ORACLE_TRIALS=${ORACLE_TRIALS:-10}
+ORACLE_PPL_WINDOWS=${ORACLE_PPL_WINDOWS:-4}
+do_oracle_fit() {  # do_oracle_fit FEATURES [FIXED_RUNGS...]: fit Hedgehog maps, then score them (and the fixed rungs)
+  local features=$1 dir=$WORK/results/oracle maps=$WORK/oracle/hedgehog-f$1.safetensors; shift
+  mkdir -p "$dir"
+  python3 scripts/research/hedgehog_fit.py --device "$ORACLE_DEVICE" --joint --books "$RETROFIT_PG_BOOKS" \
+    --features "$features" --beyond "$ORACLE_BEYOND" $ORACLE_FIT_ARGS --out "$maps" || return 1
+  python3 scripts/research/oracle_memory.py "$ORACLE_MODEL" --device "$ORACLE_DEVICE" --feature-maps "$maps" \
+    --lengths $ORACLE_LENGTHS --depths 0 0.5 --trials "$ORACLE_TRIALS" \
+    --rungs "$@" needle-hedgehog all-hedgehog all-hhtop all-hedgehog-gate all-hhdelta \
+    --ppl-text "$RETROFIT_PG_BOOKS/jack-sheppard.txt" --ppl-lengths $ORACLE_PPL_LENGTHS --ppl-windows "$ORACLE_PPL_WINDOWS" \
+    --ppl-rungs "$@" all-hedgehog all-hedgehog-gate all-hhdelta --out "$dir/oracle-f$features.json"
+}
+
 if [ "${1:-}" = __inner ]; then shift; "$@"; exit $?; fi
 if [ -f "$MODEL_FILES/kernel-cache.tgz" ] && [ ! -d "$WORK/cache" ]; then
   tar -C "$WORK" -xzf "$MODEL_FILES/kernel-cache.tgz" && log "kernel cache restored from $MODEL_FILES/kernel-cache.tgz"
@@ -388,6 +413,9 @@ for s in "$@"; do
     smollm2-ppl) stage smollm2-ppl 150 do_smollm2_ppl ;;
     smollm2-passkey) stage smollm2-passkey "${SMOL_PASSKEY_LIMIT:-150}" do_smollm2_passkey ;;
     smollm2-passkey-long) stage smollm2-passkey-long 240 do_smollm2_passkey_long ;;
+    oracle-fit-512) stage oracle-fit-512 "${ORACLE_LIMIT:-300}" do_oracle_fit 512 closed exact needle-softmax model ;;
+    oracle-fit-256) stage oracle-fit-256 "${ORACLE_LIMIT:-300}" do_oracle_fit 256 ;;
+    oracle-fit-128) stage oracle-fit-128 "${ORACLE_LIMIT:-300}" do_oracle_fit 128 ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done

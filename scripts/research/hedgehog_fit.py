@@ -65,33 +65,37 @@ def capture_qk(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tenso
 
 
 def fit_layer(qs: torch.Tensor, ks: torch.Tensor, scaling: float, features: int, steps: int, lr: float,
-              queries: int, seed: int, beyond: int = 0, sinks: int = 0) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+              queries: int, seed: int, beyond: int = 0, sinks: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Hedgehog maps ``(Wq, Wk)`` ``(H, f, d)`` for one layer from ``qs``, ``ks`` ``(N, H, T, d)``;
-    returns them with the first and last KL(softmax weights || kernel weights) per query (nats).
+    returns them with each head's first and last KL(softmax weights || kernel weights) per query
+    (nats, ``(H,)``). The heads are fitted independently (Adam's steps are per weight), so the
+    heads of several layers stacked along ``H`` fit in one call as they would one layer at a time.
     ``beyond`` > 0: fit the softmax restricted to the keys more than ``beyond`` - 1 tokens back
     (past the window) and not among the first ``sinks`` (what a memory beside the window returns)."""
     g = torch.Generator().manual_seed(seed)
     N, H, T, d = qs.shape
-    wq = torch.nn.Parameter(torch.randn(H, features, d, generator=g) * d ** -0.5)
+    wq = torch.nn.Parameter((torch.randn(H, features, d, generator=g) * d ** -0.5).to(qs.device))
     wk = torch.nn.Parameter(wq.detach().clone())
     opt = torch.optim.Adam([wq, wk], lr=lr)
-    first = last = float("nan")
+    first = last = None
     for step in range(steps):
         n = int(torch.randint(N, (1,), generator=g))
         lo = beyond + sinks + 16 if beyond else T // 8  # queries with some history (beyond the window)
-        rows = torch.randint(lo, T, (queries,), generator=g).sort().values
+        rows = torch.randint(lo, T, (queries,), generator=g).sort().values.to(qs.device)
         q, k = qs[n:n + 1, :, rows], ks[n:n + 1]
-        j = torch.arange(T)[None, :]
+        j = torch.arange(T, device=qs.device)[None, :]
         causal = (j <= rows[:, None] - beyond) & (j >= sinks) if beyond else j <= rows[:, None]  # (R, T)
         target = ((q @ k.transpose(-1, -2)) * scaling).masked_fill(~causal, float("-inf")).softmax(-1)
         kappa = hedgehog(q, wq) @ hedgehog(k, wk).transpose(-1, -2) * causal
         logp = (kappa / kappa.sum(-1, keepdim=True)).clamp_min(1e-30).log()
-        loss = (target * (target.clamp_min(1e-30).log() - logp)).sum(-1).mean()  # KL(softmax || kernel)
+        kl = (target * (target.clamp_min(1e-30).log() - logp)).sum(-1).mean((0, 2))  # (H,) KL(softmax || kernel)
+        loss = kl.sum()
         opt.zero_grad()
         loss.backward()
         opt.step()
-        first = float(loss) if step == 0 else first
-        last = float(loss)
+        first = kl.detach() if step == 0 else first
+        last = kl.detach()
     return wq.detach(), wk.detach(), first, last
 
 
@@ -110,9 +114,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=0,
                     help="write this many long-range repeats (retrofit.data.recall, style repeats) into each sequence")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--joint", action="store_true",
+                    help="fit every layer's heads in one loop (the same maps; fewer, larger steps, for a GPU)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     model, tokenizer = load_any(args.model, dtype="float32")
+    model.to(args.device)
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True  # the fit's products; the captured q, k are fp32
     text = "\n\n".join(read_text(f"{args.books}/{b}.txt") for b in BOOKS)
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     step = len(ids) // args.sequences
@@ -121,18 +131,27 @@ def main() -> None:
         inserter = RecallInserter(RecallConfig(share=1.0, facts=args.repeats, min_distance=args.beyond + 76 if args.beyond else 1100,
                                                seed=args.seed, style="repeats"), make_tokenize(tokenizer, special_tokens=False))
         blocks = [inserter(b, i) for i, b in enumerate(blocks)]
-    batch = torch.from_numpy(np.stack(blocks))
-    per_layer = [capture_qk(model, batch[i:i + 1]) for i in range(args.sequences)]
+    batch = torch.from_numpy(np.stack(blocks)).to(args.device)
+    per_seq = [capture_qk(model, batch[i:i + 1]) for i in range(args.sequences)]
+    layers = [layer.self_attn for layer in model.model.layers]
+    groups = [list(range(len(layers)))] if args.joint else [[li] for li in range(len(layers))]
+    if args.joint and len({attn.scaling for attn in layers}) > 1:
+        raise SystemExit("error: --joint needs one attention scaling in every layer")
     tensors, log = {}, []
     start = time.time()
-    for li, attn in enumerate(layer.self_attn for layer in model.model.layers):
-        qs = torch.cat([p[li][0] for p in per_layer])
-        ks = torch.cat([p[li][1] for p in per_layer])
-        wq, wk, first, last = fit_layer(qs, ks, attn.scaling, args.features, args.steps, args.lr, args.queries,
-                                        args.seed + li, args.beyond, args.sinks if args.beyond else 0)
-        tensors[f"layers.{li}.query"], tensors[f"layers.{li}.key"] = wq.contiguous(), wk.contiguous()
-        log.append({"layer": li, "kl_first": first, "kl_last": last})
-        print(json.dumps(log[-1] | {"minutes": round((time.time() - start) / 60, 1)}), flush=True)
+    for group in groups:  # the layers fitted together: their heads stacked along H
+        qs = torch.cat([torch.cat([p[li][0] for p in per_seq]) for li in group], dim=1)
+        ks = torch.cat([torch.cat([p[li][1] for p in per_seq]) for li in group], dim=1)
+        wq, wk, first, last = fit_layer(qs, ks, layers[group[0]].scaling, args.features, args.steps, args.lr,
+                                        args.queries, args.seed + group[0], args.beyond,
+                                        args.sinks if args.beyond else 0)
+        del qs, ks
+        for i, li in enumerate(group):
+            heads = slice(i * wq.shape[0] // len(group), (i + 1) * wq.shape[0] // len(group))
+            tensors[f"layers.{li}.query"] = wq[heads].cpu().contiguous()
+            tensors[f"layers.{li}.key"] = wk[heads].cpu().contiguous()
+            log.append({"layer": li, "kl_first": float(first[heads].mean()), "kl_last": float(last[heads].mean())})
+            print(json.dumps(log[-1] | {"minutes": round((time.time() - start) / 60, 1)}), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_bytes_atomic(args.out, save(tensors, metadata={"args": json.dumps(vars(args) | {"out": str(args.out)}),
                                                          "log": json.dumps(log)}))

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -63,14 +64,19 @@ from recall_probe import _Tally  # noqa: E402
 
 KERNELS = ("softmax", "relu", "cos", "taylor2", "relufeat", "expfeat", "hedgehog", "additive")
 RUNGS = ("closed", "exact", *(f"needle-{k}" for k in KERNELS), "needle-delta", "needle-delta-nope",
-         *(f"all-{k}" for k in KERNELS[1:]), "all-delta", "all-delta-nope", "model")
+         *(f"all-{k}" for k in KERNELS[1:]), "all-delta", "all-delta-nope", "model",
+         # realizable writes and shares on the fitted Hedgehog read (and one ranking diagnostic)
+         "needle-hhdelta", "all-hhdelta", "all-hhtop", "all-hedgehog-gate", "all-hhdelta-gate")
 
 
 def kernel_read(q: torch.Tensor, k: torch.Tensor, scaling: float, keep: torch.Tensor, v: torch.Tensor,
-                kind: str, maps: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                kind: str, maps: tuple[torch.Tensor, torch.Tensor] | None = None, top: int = 32,
+                with_weights: bool = False):
     """``(B, H, R, D)``: the values ``v (B, H, T, D)`` over the keys in ``keep (R, T)``, weighted by
     ``kind``'s kernel of the queries ``q (B, H, R, d)`` and keys ``k (B, H, T, d)`` (rows with no key: 0).
-    Normalised (weights summing to 1) except ``additive``; ``maps``: the layer's Hedgehog maps."""
+    Normalised (weights summing to 1) except ``additive``; ``maps``: the layer's Hedgehog maps;
+    ``hhtop``: the Hedgehog kernel kept at its ``top`` largest keys a row (a ranking diagnostic);
+    ``with_weights``: also the normalised weights ``(B, H, R, T)`` (not for softmax and additive)."""
     x = (q @ k.transpose(-1, -2)) * scaling
     if kind == "softmax":
         return torch.nan_to_num(x.masked_fill(~keep, float("-inf")).softmax(-1)) @ v
@@ -87,54 +93,98 @@ def kernel_read(q: torch.Tensor, k: torch.Tensor, scaling: float, keep: torch.Te
         qe = (q * s - (q * s).amax(-1, keepdim=True)).exp()
         ke = (k * s - (k * s).amax(-1, keepdim=True)).exp()  # a per-key factor would bias the keys: keep it
         kappa = (qe @ ke.transpose(-1, -2)) * (k * s).amax(-1)[..., None, :].exp()
-    elif kind == "hedgehog":  # learned spiky features (hedgehog_fit.py): phi_q(q) . phi_k(k)
+    elif kind in ("hedgehog", "hhtop"):  # learned spiky features (hedgehog_fit.py): phi_q(q) . phi_k(k)
         kappa = hedgehog(q, maps[0]) @ hedgehog(k, maps[1]).transpose(-1, -2)
+        if kind == "hhtop":
+            kappa = kappa * keep
+            kth = kappa.topk(min(top, kappa.shape[-1]), dim=-1).values[..., -1:]
+            keep = keep & (kappa >= kth)
     elif kind == "additive":  # sum of cos(q, k_j) v_j, unnormalised: an additive memory of unit keys
         return ((F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-1, -2)) * keep) @ v
     else:
         raise ValueError(kind)
     kappa = kappa * keep
-    return kappa / kappa.sum(-1, keepdim=True).clamp_min(1e-30) @ v
+    weights = kappa / kappa.sum(-1, keepdim=True).clamp_min(1e-30)
+    return (weights @ v, weights) if with_weights else weights @ v
+
+
+def hedgehog_delta_read(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, maps: tuple[torch.Tensor, torch.Tensor],
+                        window: int, sinks: int, needle: tuple[int, int] | None) -> torch.Tensor:
+    """``(B, H, T, D)``: the delta rule (beta 1, no decay) on L2-normalised Hedgehog features, where the
+    query at ``t`` reads the memory written with every key ``j <= t - window`` past the ``sinks``
+    (``needle``: only the keys in ``[lo, hi)``). The write of key ``t - window`` happens at step ``t``,
+    so one causal pass of ``delta_rule_chunked`` gives every position its own memory."""
+    T = q.shape[2]
+    fq = F.normalize(hedgehog(q, maps[0]), dim=-1)
+    fk = F.normalize(hedgehog(k, maps[1]), dim=-1)
+    shift_k, shift_v = torch.zeros_like(fk), torch.zeros_like(v)
+    beta = torch.zeros(q.shape[:3], device=q.device)
+    if T > window:
+        shift_k[:, :, window:], shift_v[:, :, window:] = fk[:, :, :T - window], v[:, :, :T - window]
+        j = torch.arange(T - window, device=q.device)  # the key written at step j + window
+        write = j >= sinks
+        if needle is not None:
+            write &= (j >= needle[0]) & (j < needle[1])
+        beta[:, :, window:] = write.float()
+    return delta_rule_chunked(fq, shift_k, shift_v, beta, None)[0]
 
 
 def oracle_attend(layer: DeltaAttention, rung: str, needle: tuple[int, int], tail: int, inv_freq: torch.Tensor,
-                  maps=None):
+                  maps=None, top: int = 32, stats: list | None = None):
     """An ``attend`` for ``layer`` with its memory replaced by ``rung``'s oracle at the last ``tail``
-    positions (the question and the key) and closed before them."""
+    positions (the question and the key; every position when ``tail`` >= T) and closed before them.
+    The share of the memory is the base's attention mass beyond the window, or with ``-gate`` the
+    layer's own trained gate. ``stats``: gets, per call of a kernel rung, the share of its weights
+    on the needle and the share of the base's weights beyond the window on the needle (means over
+    heads and the tail's rows), and the sum and count of the former where the latter is over 1/2."""
+    scope, _, kind = rung.partition("-")
+    own_gate = kind.endswith("-gate")
+    kind = kind.removesuffix("-gate")
 
     def attend(q, k, v, valid, cache, *, hidden_states, position_embeddings):
         B, H, T, _ = q.shape
+        dev = q.device
         R = min(tail, T)
         w, n_sinks = layer.window, layer.sinks or 0
         kr, vr = repeat_kv_heads(k, H).float(), repeat_kv_heads(v, H).float()
-        t_idx, j_idx = torch.arange(T - R, T)[:, None], torch.arange(T)[None, :]
-        scores = (q[:, :, -R:].float() @ kr.transpose(-1, -2)) * layer.scaling  # (B, H, R, T)
-        scores = scores.masked_fill(j_idx > t_idx, float("-inf"))
-        probs = scores.softmax(-1)
+        t_idx, j_idx = torch.arange(T - R, T, device=dev)[:, None], torch.arange(T, device=dev)[None, :]
         beyond = (j_idx <= t_idx - w) & (j_idx >= n_sinks)  # (R, T): beyond the window, not a sink
-        share = torch.zeros(B, H, T)
-        share[:, :, -R:] = (probs * beyond).sum(-1)  # the full attention's mass beyond the window
-        if rung == "closed":
-            share.zero_()
+        share = torch.zeros(B, H, T, device=dev)
+        if own_gate:
+            share[:, :, -R:] = layer.memory_share(layer.mixing_logits(hidden_states, valid, None)[0])[..., -R:, 0]
+        elif rung != "closed":
+            scores = (q[:, :, -R:].float() @ kr.transpose(-1, -2)) * layer.scaling  # (B, H, R, T)
+            probs = scores.masked_fill(j_idx > t_idx, float("-inf")).softmax(-1)
+            share[:, :, -R:] = (probs * beyond).sum(-1)  # the full attention's mass beyond the window
+            del scores
         share = share.clamp(1e-9, 1 - 1e-6)
         mix = torch.stack([torch.log1p(-share), torch.log(share)], dim=-1)
         window_part = layer.mixed_attention(q, k, v, valid, cache, mix.to(q.dtype), None, None)  # (1 - m) SWA
         if rung == "closed":
             return window_part
-        read = torch.zeros(B, H, T, vr.shape[-1])
+        read = torch.zeros(B, H, T, vr.shape[-1], device=dev)
         lo, hi = needle
         in_needle = beyond & (j_idx >= lo) & (j_idx < hi)
         if rung == "exact":
             read[:, :, -R:] = (probs * beyond) @ vr / share[:, :, -R:, None]
-        elif rung.split("-", 1)[1] in KERNELS:
-            keep = in_needle if rung.startswith("needle-") else beyond
-            read[:, :, -R:] = kernel_read(q[:, :, -R:].float(), kr, layer.scaling, keep, vr, rung.split("-", 1)[1],
-                                          maps)
+        elif kind in KERNELS or kind == "hhtop":
+            keep = in_needle if scope == "needle" else beyond
+            if stats is not None and kind not in ("softmax", "additive") and not own_gate:
+                read[:, :, -R:], weights = kernel_read(q[:, :, -R:].float(), kr, layer.scaling, keep, vr, kind, maps,
+                                                       top, with_weights=True)
+                ours = (weights * in_needle).sum(-1)  # (B, H, R)
+                base = (probs * beyond * in_needle).sum(-1) / share[:, :, -R:]
+                sharp = base > 0.5  # heads and rows where the base reads mostly the needle (retrieval heads)
+                stats.append((ours.mean().item(), base.mean().item(), ours[sharp].sum().item(), int(sharp.sum())))
+            else:
+                read[:, :, -R:] = kernel_read(q[:, :, -R:].float(), kr, layer.scaling, keep, vr, kind, maps, top)
+        elif kind == "hhdelta":
+            read = hedgehog_delta_read(q.float(), kr, vr, maps, w, n_sinks, needle if scope == "needle" else None)
         else:
-            if rung.endswith("-nope"):  # the prompt starts at position 0: rotate each token back there
+            if kind.endswith("-nope"):  # the prompt starts at position 0: rotate each token back there
                 q, k = rope_to_origin(q, inv_freq), rope_to_origin(k, inv_freq)
             mq, mk, mv, beta, g = layer.memory_inputs(q, k, v, hidden_states)
-            if rung.startswith("needle"):
+            if scope == "needle":
                 beta = torch.zeros_like(beta)
                 beta[..., lo:hi] = 1.0
                 g = None
@@ -144,7 +194,8 @@ def oracle_attend(layer: DeltaAttention, rung: str, needle: tuple[int, int], tai
     return attend
 
 
-def set_rung(model, rung: str, needle: tuple[int, int], tail: int, maps: dict | None = None) -> None:
+def set_rung(model, rung: str, needle: tuple[int, int], tail: int, maps: dict | None = None, top: int = 32,
+             stats: list | None = None) -> None:
     inv_freq = model.model.rotary_emb.inv_freq
     for m in converted_modules(model):
         if rung == "model":
@@ -152,7 +203,59 @@ def set_rung(model, rung: str, needle: tuple[int, int], tail: int, maps: dict | 
         else:
             li = int(m.layer_idx)
             layer_maps = (maps[f"layers.{li}.query"], maps[f"layers.{li}.key"]) if maps else None
-            m.attend = oracle_attend(m, rung, needle, tail, inv_freq, layer_maps)
+            m.attend = oracle_attend(m, rung, needle, tail, inv_freq, layer_maps, top, stats)
+
+
+def passkey_rows(model, tokenizer, args, maps) -> list[dict]:
+    """Teacher-forced passkey scores of every rung at ``args.lengths`` x ``args.depths``."""
+    rows, dev = [], args.device
+    for length in args.lengths:
+        for depth in args.depths:
+            prompts = prompt_grid(tokenizer, [length - 8], [depth], trials=args.trials, seed=0)
+            for rung in args.rungs:
+                tally, stats = _Tally(), []
+                for p in prompts:
+                    key_ids = encode(tokenizer, " " + p["key"])
+                    ids = p["ids"] + key_ids
+                    needle = (p["needle_at"], p["needle_at"] + len(encode(tokenizer, NEEDLE.format(key=p["key"]))))
+                    set_rung(model, rung, needle, args.tail, maps, args.top, stats)
+                    logp = model(input_ids=torch.tensor([ids], device=dev)).logits[0].float().log_softmax(-1).cpu()
+                    tally.add(logp, len(ids) - len(key_ids), key_ids, tokenizer)
+                set_rung(model, "model", (0, 0), 0)
+                rows.append({"length": length, "depth": depth, "rung": rung, "trials": len(prompts),
+                             **tally.scores("pk_")})
+                if stats:  # the read's weight on the needle against the base's (beyond the window)
+                    sharp = sum(s[3] for s in stats)
+                    rows[-1] |= {"needle_mass": sum(s[0] for s in stats) / len(stats),
+                                 "needle_mass_base": sum(s[1] for s in stats) / len(stats),
+                                 "needle_mass_retrieval_heads": sum(s[2] for s in stats) / max(sharp, 1),
+                                 "retrieval_head_rows": sharp / len(prompts)}
+                print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def perplexity_rows(model, tokenizer, args, maps) -> list[dict]:
+    """Each rung's perplexity on ``args.ppl_text``'s first ``args.ppl_windows`` windows of each length,
+    the oracle at every position (what the memory would give the whole text, not only the key)."""
+    ids = encode(tokenizer, Path(args.ppl_text).read_text(encoding="utf-8"))
+    rows = []
+    for length in args.ppl_lengths or args.lengths:
+        windows = [ids[i * length:(i + 1) * length] for i in range(args.ppl_windows)]
+        if len(windows[-1]) < length:
+            raise SystemExit(f"error: {args.ppl_text} has fewer than {args.ppl_windows} windows of {length} tokens")
+        for rung in [r for r in args.ppl_rungs or args.rungs if not r.startswith("needle-")]:  # no needle here
+            nll, count = 0.0, 0
+            for window in windows:
+                set_rung(model, rung, (0, 0), length, maps, args.top)
+                x = torch.tensor([window], device=args.device)
+                logits = model(input_ids=x).logits[0, :-1].float()
+                nll += float(F.cross_entropy(logits, x[0, 1:], reduction="sum"))
+                count += length - 1
+            set_rung(model, "model", (0, 0), 0)
+            rows.append({"length": length, "rung": rung, "windows": len(windows), "nll": nll / count,
+                         "ppl": math.exp(nll / count)})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 @torch.no_grad()
@@ -160,37 +263,39 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help="a method: delta conversion (folder or delta)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[2048])
-    ap.add_argument("--trials", type=int, default=10)
-    ap.add_argument("--rungs", nargs="+", default=[r for r in RUNGS if not r.endswith("-hedgehog")], choices=RUNGS)
-    ap.add_argument("--feature-maps", type=Path, default=None, help="hedgehog_fit.py's maps (rungs *-hedgehog)")
+    ap.add_argument("--depths", type=float, nargs="+", default=[0.0], help="the key's depths in the passkey prompt")
+    ap.add_argument("--trials", type=int, default=10, help="passkey prompts a length and depth (0: no passkey)")
+    ap.add_argument("--rungs", nargs="+", default=[r for r in RUNGS if "hedgehog" not in r and "hh" not in r],
+                    choices=RUNGS)
+    ap.add_argument("--feature-maps", type=Path, default=None, help="hedgehog_fit.py's maps (rungs *-hedgehog, *-hh*)")
     ap.add_argument("--tail", type=int, default=32, help="positions at the end (question and key) given the oracle")
+    ap.add_argument("--hedgehog-scale", type=float, default=1.0,
+                    help="multiply the Hedgehog maps' weights (a sharper read above 1, the same state)")
+    ap.add_argument("--top", type=int, default=32, help="keys a row keeps in the all-hhtop rung")
+    ap.add_argument("--ppl-text", type=Path, default=None,
+                    help="also score perplexity on this text (the oracle at every position)")
+    ap.add_argument("--ppl-lengths", type=int, nargs="+", default=None, help="with --ppl-text (default: --lengths)")
+    ap.add_argument("--ppl-rungs", nargs="+", default=None, choices=RUNGS, help="with --ppl-text (default: --rungs)")
+    ap.add_argument("--ppl-windows", type=int, default=1, help="with --ppl-text: consecutive windows a length")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    model, tokenizer = load_model(args.model, dtype="float32")
+    model, tokenizer = load_model(args.model, dtype="float32", device=args.device)
     model.eval()
-    maps = load_file(str(args.feature_maps)) if args.feature_maps else None
-    if maps is None and any(r.endswith("-hedgehog") for r in args.rungs):
-        raise SystemExit("error: the *-hedgehog rungs need --feature-maps (from hedgehog_fit.py)")
+    maps = load_file(str(args.feature_maps), device=args.device) if args.feature_maps else None
+    if maps is not None:
+        maps = {name: w * args.hedgehog_scale for name, w in maps.items()}
+    if maps is None and any("hedgehog" in r or "-hh" in r for r in args.rungs + (args.ppl_rungs or [])):
+        raise SystemExit("error: the *-hedgehog and *-hh* rungs need --feature-maps (from hedgehog_fit.py)")
     if not all(isinstance(m, DeltaAttention) for m in converted_modules(model)):
         raise SystemExit("error: oracle_memory.py needs a method: delta conversion (every layer DeltaAttention)")
-    results = []
-    for length in args.lengths:
-        prompts = prompt_grid(tokenizer, [length - 8], [0.0], trials=args.trials, seed=0)
-        for rung in args.rungs:
-            tally = _Tally()
-            for p in prompts:
-                key_ids = encode(tokenizer, " " + p["key"])
-                ids = p["ids"] + key_ids
-                needle = (p["needle_at"], p["needle_at"] + len(encode(tokenizer, NEEDLE.format(key=p["key"]))))
-                set_rung(model, rung, needle, args.tail, maps)
-                logp = model(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)
-                tally.add(logp, len(ids) - len(key_ids), key_ids, tokenizer)
-            set_rung(model, "model", (0, 0), 0)
-            row = {"length": length, "rung": rung, "trials": len(prompts), **tally.scores("pk_")}
-            results.append(row)
-            print(json.dumps(row), flush=True)
+    rows = [{"task": "passkey"} | r for r in passkey_rows(model, tokenizer, args, maps)] if args.trials else []
+    if args.ppl_text:
+        rows += [{"task": "ppl"} | r for r in perplexity_rows(model, tokenizer, args, maps)]
     if args.out:
-        write_json_atomic(args.out, {"model": args.model, "results": results}, indent=1)
+        write_json_atomic(args.out, {"model": args.model, "args": {k: str(v) if isinstance(v, Path) else v
+                                                                  for k, v in vars(args).items()},
+                                     "results": rows}, indent=1)
 
 
 if __name__ == "__main__":
