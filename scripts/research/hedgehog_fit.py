@@ -99,6 +99,32 @@ def fit_layer(qs: torch.Tensor, ks: torch.Tensor, scaling: float, features: int,
     return wq.detach(), wk.detach(), first, last
 
 
+@torch.no_grad()
+def fit_log_scale(qs: torch.Tensor, ks: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, scaling: float,
+                  beyond: int, sinks: int, queries: int, seed: int) -> torch.Tensor:
+    """``(H, d + 1)``: per head, a linear function of the query whose value approximates
+    ``log sum_j exp(s_tj) - log sum_j phi_q(q_t) . phi_k(k_j)`` over the keys ``j`` beyond the window,
+    so that ``log K_t + [q_t, 1] . coef`` estimates the softmax's unnormalised mass beyond the
+    window from the linear state's normaliser ``K_t`` alone (least squares over sampled rows of
+    every sequence). Mixed with the window's log-sum-exp, it gives the memory a share that a layer
+    can compute without the keys it no longer holds."""
+    g = torch.Generator().manual_seed(seed)
+    N, H, T, d = qs.shape
+    lo = beyond + sinks + 16
+    xs, ys = [], []
+    for n in range(N):
+        rows = torch.randint(lo, T, (queries,), generator=g).sort().values.to(qs.device)
+        q, k = qs[n:n + 1, :, rows], ks[n:n + 1]
+        j = torch.arange(T, device=qs.device)[None, :]
+        keep = (j <= rows[:, None] - beyond) & (j >= sinks)
+        lse = ((q @ k.transpose(-1, -2)) * scaling).masked_fill(~keep, float("-inf")).logsumexp(-1)  # (1, H, R)
+        mass = (hedgehog(q, wq) @ hedgehog(k, wk).transpose(-1, -2) * keep).sum(-1).clamp_min(1e-30).log()
+        xs.append(torch.cat([q[0], torch.ones_like(q[0, ..., :1])], dim=-1))  # (H, R, d + 1)
+        ys.append((lse - mass)[0])  # (H, R)
+    x, y = torch.cat(xs, dim=1), torch.cat(ys, dim=1)
+    return torch.linalg.lstsq(x, y[..., None]).solution[..., 0]  # (H, d + 1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
@@ -145,11 +171,15 @@ def main() -> None:
         wq, wk, first, last = fit_layer(qs, ks, layers[group[0]].scaling, args.features, args.steps, args.lr,
                                         args.queries, args.seed + group[0], args.beyond,
                                         args.sinks if args.beyond else 0)
+        scale = fit_log_scale(qs, ks, wq, wk, layers[group[0]].scaling, args.beyond, args.sinks,
+                              args.queries, args.seed + group[0]) if args.beyond else None
         del qs, ks
         for i, li in enumerate(group):
             heads = slice(i * wq.shape[0] // len(group), (i + 1) * wq.shape[0] // len(group))
             tensors[f"layers.{li}.query"] = wq[heads].cpu().contiguous()
             tensors[f"layers.{li}.key"] = wk[heads].cpu().contiguous()
+            if scale is not None:
+                tensors[f"layers.{li}.log_scale"] = scale[heads].cpu().contiguous()
             log.append({"layer": li, "kl_first": float(first[heads].mean()), "kl_last": float(last[heads].mean())})
             print(json.dumps(log[-1] | {"minutes": round((time.time() - start) / 60, 1)}), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

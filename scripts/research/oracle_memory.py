@@ -32,9 +32,22 @@ the trained memory would have to learn:
 * ``all-delta-nope``: the same on pre-RoPE keys and queries.
 * ``closed``: the window and sinks alone (m = 0), the floor.
 * ``model``: the conversion as it is (its own gate, writes and reads).
+* On the fitted Hedgehog read, what a layer could realize: ``*-hhdelta``, the delta rule (beta 1,
+  no decay) on its L2-normalised features, every key (or the needle's) written as it leaves the
+  window; ``all-hedgehog-gate`` and ``all-hhdelta-gate``, the conversion's own trained gate as the
+  share; ``all-hedgehog-lse``, the share from the read's own mass against the window's
+  log-sum-exp (``hedgehog_fit.py``'s ``log_scale``). ``all-hhtop`` keeps each row's ``--top``
+  largest kernel weights: a ranking diagnostic, not a state.
 
-Scored teacher-forced on the passkey evaluator's plain prompts with the key at depth 0 (beyond
-the window), as ``recall_probe.py`` scores them: top-1 over the key's tokens, its lead digit, NLL.
+A kernel rung also reports its weight on the needle against the base's, overall and in the heads
+and rows where the base puts more than half its weight beyond the window on the needle
+(``needle_mass_retrieval_heads``); an ``-lse`` rung its share against the base's.
+``--ppl-text`` scores perplexity with the oracle at every position instead of the tail (the
+``needle-`` rungs left out), the twin's gap read as closed -> exact.
+
+Scored teacher-forced on the passkey evaluator's plain prompts with the key at ``--depths``
+(default 0, beyond the window), as ``recall_probe.py`` scores them: top-1 over the key's tokens,
+its lead digit, NLL. ``--device cuda`` runs it on a GPU (``scripts/gpu/run.sh oracle-fit-512``).
 
     python scripts/research/oracle_memory.py runs/gpu-delta/smollm2-delta --lengths 2048 --trials 10 \
         --out runs/oracle/oracle.json
@@ -66,7 +79,7 @@ KERNELS = ("softmax", "relu", "cos", "taylor2", "relufeat", "expfeat", "hedgehog
 RUNGS = ("closed", "exact", *(f"needle-{k}" for k in KERNELS), "needle-delta", "needle-delta-nope",
          *(f"all-{k}" for k in KERNELS[1:]), "all-delta", "all-delta-nope", "model",
          # realizable writes and shares on the fitted Hedgehog read (and one ranking diagnostic)
-         "needle-hhdelta", "all-hhdelta", "all-hhtop", "all-hedgehog-gate", "all-hhdelta-gate")
+         "needle-hhdelta", "all-hhdelta", "all-hhtop", "all-hedgehog-gate", "all-hhdelta-gate", "all-hedgehog-lse")
 
 
 def kernel_read(q: torch.Tensor, k: torch.Tensor, scaling: float, keep: torch.Tensor, v: torch.Tensor,
@@ -133,13 +146,16 @@ def oracle_attend(layer: DeltaAttention, rung: str, needle: tuple[int, int], tai
                   maps=None, top: int = 32, stats: list | None = None):
     """An ``attend`` for ``layer`` with its memory replaced by ``rung``'s oracle at the last ``tail``
     positions (the question and the key; every position when ``tail`` >= T) and closed before them.
-    The share of the memory is the base's attention mass beyond the window, or with ``-gate`` the
-    layer's own trained gate. ``stats``: gets, per call of a kernel rung, the share of its weights
+    The share of the memory is the base's attention mass beyond the window, with ``-gate`` the
+    layer's own trained gate, with ``-lse`` one a layer could compute: the Hedgehog read's own mass
+    ``sum_j phi_q(q_t) . phi_k(k_j)`` times a fitted per-head scale (``hedgehog_fit.py``'s
+    ``log_scale``, linear in the query), against the window's log-sum-exp: ``sigmoid(log mass +
+    log_scale(q_t) - lse_window(t))``. ``stats``: gets, per call of a kernel rung, the share of its weights
     on the needle and the share of the base's weights beyond the window on the needle (means over
     heads and the tail's rows), and the sum and count of the former where the latter is over 1/2."""
     scope, _, kind = rung.partition("-")
-    own_gate = kind.endswith("-gate")
-    kind = kind.removesuffix("-gate")
+    own_gate, lse_share = kind.endswith("-gate"), kind.endswith("-lse")
+    kind = kind.removesuffix("-gate").removesuffix("-lse")
 
     def attend(q, k, v, valid, cache, *, hidden_states, position_embeddings):
         B, H, T, _ = q.shape
@@ -156,6 +172,17 @@ def oracle_attend(layer: DeltaAttention, rung: str, needle: tuple[int, int], tai
             scores = (q[:, :, -R:].float() @ kr.transpose(-1, -2)) * layer.scaling  # (B, H, R, T)
             probs = scores.masked_fill(j_idx > t_idx, float("-inf")).softmax(-1)
             share[:, :, -R:] = (probs * beyond).sum(-1)  # the full attention's mass beyond the window
+            if lse_share:  # realizable: the read's own mass (fitted scale) against the window's log-sum-exp
+                qt, oracle = q[:, :, -R:].float(), share[:, :, -R:].clone()
+                mass = (hedgehog(qt, maps[0]) @ hedgehog(kr, maps[1]).transpose(-1, -2) * beyond).sum(-1)
+                log_scale = torch.einsum("bhrd,hd->bhr", qt, maps[2][:, :-1]) + maps[2][:, -1][None, :, None]
+                lse_window = scores.masked_fill(beyond | (j_idx > t_idx), float("-inf")).logsumexp(-1)
+                share[:, :, -R:] = torch.where(mass > 0, torch.sigmoid(mass.clamp_min(1e-30).log() + log_scale
+                                                                       - lse_window), 0.0)
+                if stats is not None:
+                    ours = share[:, :, -R:]
+                    stats.append({"share_base": oracle.mean().item(), "share": ours.mean().item(),
+                                  "share_abs_err": (ours - oracle).abs().mean().item()})
             del scores
         share = share.clamp(1e-9, 1 - 1e-6)
         mix = torch.stack([torch.log1p(-share), torch.log(share)], dim=-1)
@@ -169,13 +196,14 @@ def oracle_attend(layer: DeltaAttention, rung: str, needle: tuple[int, int], tai
             read[:, :, -R:] = (probs * beyond) @ vr / share[:, :, -R:, None]
         elif kind in KERNELS or kind == "hhtop":
             keep = in_needle if scope == "needle" else beyond
-            if stats is not None and kind not in ("softmax", "additive") and not own_gate:
+            if stats is not None and kind not in ("softmax", "additive") and not own_gate and not lse_share:
                 read[:, :, -R:], weights = kernel_read(q[:, :, -R:].float(), kr, layer.scaling, keep, vr, kind, maps,
                                                        top, with_weights=True)
                 ours = (weights * in_needle).sum(-1)  # (B, H, R)
                 base = (probs * beyond * in_needle).sum(-1) / share[:, :, -R:]
                 sharp = base > 0.5  # heads and rows where the base reads mostly the needle (retrieval heads)
-                stats.append((ours.mean().item(), base.mean().item(), ours[sharp].sum().item(), int(sharp.sum())))
+                stats.append({"needle_mass": ours.mean().item(), "needle_mass_base": base.mean().item(),
+                              "sharp_sum": ours[sharp].sum().item(), "sharp_rows": int(sharp.sum())})
             else:
                 read[:, :, -R:] = kernel_read(q[:, :, -R:].float(), kr, layer.scaling, keep, vr, kind, maps, top)
         elif kind == "hhdelta":
@@ -202,8 +230,25 @@ def set_rung(model, rung: str, needle: tuple[int, int], tail: int, maps: dict | 
             m.__dict__.pop("attend", None)
         else:
             li = int(m.layer_idx)
-            layer_maps = (maps[f"layers.{li}.query"], maps[f"layers.{li}.key"]) if maps else None
+            layer_maps = (maps[f"layers.{li}.query"], maps[f"layers.{li}.key"],
+                          maps.get(f"layers.{li}.log_scale")) if maps else None
             m.attend = oracle_attend(m, rung, needle, tail, inv_freq, layer_maps, top, stats)
+
+
+def summarize(stats: list[dict], prompts: int) -> dict[str, float]:
+    """The means of what ``oracle_attend`` recorded over layers and forwards: the read's weight on the
+    needle against the base's (beyond the window; in retrieval heads, where the base's is over 1/2),
+    and a realizable share against the base's."""
+    out = {}
+    for key in ("needle_mass", "needle_mass_base", "share_base", "share", "share_abs_err"):
+        values = [s[key] for s in stats if key in s]
+        if values:
+            out[key] = sum(values) / len(values)
+    sharp = sum(s.get("sharp_rows", 0) for s in stats)
+    if sharp:
+        out["needle_mass_retrieval_heads"] = sum(s["sharp_sum"] for s in stats) / sharp
+        out["retrieval_head_rows"] = sharp / prompts
+    return out
 
 
 def passkey_rows(model, tokenizer, args, maps) -> list[dict]:
@@ -224,12 +269,7 @@ def passkey_rows(model, tokenizer, args, maps) -> list[dict]:
                 set_rung(model, "model", (0, 0), 0)
                 rows.append({"length": length, "depth": depth, "rung": rung, "trials": len(prompts),
                              **tally.scores("pk_")})
-                if stats:  # the read's weight on the needle against the base's (beyond the window)
-                    sharp = sum(s[3] for s in stats)
-                    rows[-1] |= {"needle_mass": sum(s[0] for s in stats) / len(stats),
-                                 "needle_mass_base": sum(s[1] for s in stats) / len(stats),
-                                 "needle_mass_retrieval_heads": sum(s[2] for s in stats) / max(sharp, 1),
-                                 "retrieval_head_rows": sharp / len(prompts)}
+                rows[-1] |= summarize(stats, len(prompts))
                 print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -244,16 +284,16 @@ def perplexity_rows(model, tokenizer, args, maps) -> list[dict]:
         if len(windows[-1]) < length:
             raise SystemExit(f"error: {args.ppl_text} has fewer than {args.ppl_windows} windows of {length} tokens")
         for rung in [r for r in args.ppl_rungs or args.rungs if not r.startswith("needle-")]:  # no needle here
-            nll, count = 0.0, 0
+            nll, count, stats = 0.0, 0, []
             for window in windows:
-                set_rung(model, rung, (0, 0), length, maps, args.top)
+                set_rung(model, rung, (0, 0), length, maps, args.top, stats)
                 x = torch.tensor([window], device=args.device)
                 logits = model(input_ids=x).logits[0, :-1].float()
                 nll += float(F.cross_entropy(logits, x[0, 1:], reduction="sum"))
                 count += length - 1
             set_rung(model, "model", (0, 0), 0)
             rows.append({"length": length, "rung": rung, "windows": len(windows), "nll": nll / count,
-                         "ppl": math.exp(nll / count)})
+                         "ppl": math.exp(nll / count), **summarize(stats, len(windows))})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
