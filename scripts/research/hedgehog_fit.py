@@ -11,7 +11,10 @@ al., 2024; LoLCATs' first stage) learns feature maps that are spiky like the sof
 fitted so that ``phi(q_t) . phi(k_j) / sum_j' phi(q_t) . phi(k_j')`` matches the softmax weights
 over ``j <= t``. This script fits one pair per head of every layer on the base's own queries and
 keys (post-RoPE, its own hidden states) over book text, and writes them to a safetensors file
-that ``oracle_memory.py --feature-maps`` reads (rungs ``needle-hedgehog``, ``all-hedgehog``).
+that ``oracle_memory.py --feature-maps`` reads (rungs ``*-hedgehog``, ``*-hh*``). Fitted beyond a
+window (``--beyond``), each layer also gets ``log_scale`` (per head, linear in the query): the
+offset from the read's own mass to the softmax's unnormalised mass beyond the window, which gives
+the ``all-hedgehog-lse`` rung a share a layer could compute.
 
     python scripts/research/hedgehog_fit.py --books ../shared/data/pg-books --out runs/oracle/hedgehog.safetensors
 """

@@ -150,9 +150,8 @@ def oracle_attend(layer: DeltaAttention, rung: str, needle: tuple[int, int], tai
     layer's own trained gate, with ``-lse`` one a layer could compute: the Hedgehog read's own mass
     ``sum_j phi_q(q_t) . phi_k(k_j)`` times a fitted per-head scale (``hedgehog_fit.py``'s
     ``log_scale``, linear in the query), against the window's log-sum-exp: ``sigmoid(log mass +
-    log_scale(q_t) - lse_window(t))``. ``stats``: gets, per call of a kernel rung, the share of its weights
-    on the needle and the share of the base's weights beyond the window on the needle (means over
-    heads and the tail's rows), and the sum and count of the former where the latter is over 1/2."""
+    log_scale(q_t) - lse_window(t))``. ``stats``: gets a dict per call of a kernel rung (its weight
+    on the needle and the base's, see ``summarize``) or of an ``-lse`` rung (its share and the base's)."""
     scope, _, kind = rung.partition("-")
     own_gate, lse_share = kind.endswith("-gate"), kind.endswith("-lse")
     kind = kind.removesuffix("-gate").removesuffix("-lse")
@@ -293,7 +292,8 @@ def perplexity_rows(model, tokenizer, args, maps) -> list[dict]:
                 count += length - 1
             set_rung(model, "model", (0, 0), 0)
             rows.append({"length": length, "rung": rung, "windows": len(windows), "nll": nll / count,
-                         "ppl": math.exp(nll / count), **summarize(stats, len(windows))})
+                         "ppl": math.exp(nll / count),
+                         **{k: v for k, v in summarize(stats, len(windows)).items() if not k.startswith("needle")}})
             print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -324,7 +324,7 @@ def main() -> None:
     model.eval()
     maps = load_file(str(args.feature_maps), device=args.device) if args.feature_maps else None
     if maps is not None:
-        maps = {name: w * args.hedgehog_scale for name, w in maps.items()}
+        maps = {name: w if name.endswith("log_scale") else w * args.hedgehog_scale for name, w in maps.items()}
     if maps is None and any("hedgehog" in r or "-hh" in r for r in args.rungs + (args.ppl_rungs or [])):
         raise SystemExit("error: the *-hedgehog and *-hh* rungs need --feature-maps (from hedgehog_fit.py)")
     if not all(isinstance(m, DeltaAttention) for m in converted_modules(model)):
