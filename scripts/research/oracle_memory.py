@@ -73,7 +73,7 @@ from retrofit.ops.rope import rope_to_origin
 from retrofit.surgery.distill import converted_modules
 
 from hedgehog_fit import hedgehog  # noqa: E402  (same folder)
-from recall_probe import _Tally  # noqa: E402
+from recall_probe import Tally  # noqa: E402
 
 KERNELS = ("softmax", "relu", "cos", "taylor2", "relufeat", "expfeat", "hedgehog", "additive")
 RUNGS = ("closed", "exact", *(f"needle-{k}" for k in KERNELS), "needle-delta", "needle-delta-nope",
@@ -257,7 +257,7 @@ def passkey_rows(model, tokenizer, args, maps) -> list[dict]:
         for depth in args.depths:
             prompts = prompt_grid(tokenizer, [length - 8], [depth], trials=args.trials, seed=0)
             for rung in args.rungs:
-                tally, stats = _Tally(), []
+                tally, stats = Tally(), []
                 for p in prompts:
                     key_ids = encode(tokenizer, " " + p["key"])
                     ids = p["ids"] + key_ids

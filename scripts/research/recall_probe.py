@@ -65,7 +65,7 @@ def lead_index(tokenizer, value_ids) -> int:
     return next((j for j, t in enumerate(value_ids) if tokenizer.decode([t]).strip()), 0)
 
 
-class _Tally:
+class Tally:
     """Teacher-forced scores of value tokens: top-1 over all, over each value's first token and over
     its lead token, and the mean NLL."""
 
@@ -94,7 +94,7 @@ class _Tally:
 def score(model, tokenizer, seqs: list[tuple[np.ndarray, list]]) -> dict[str, float]:
     """``acc``, ``first``, ``lead``, ``nll`` over every answer's value tokens, teacher-forced, and
     ``text_nll`` over every other token."""
-    tally, text = _Tally(), []
+    tally, text = Tally(), []
     for ids, plan in seqs:
         x = torch.from_numpy(ids)[None]
         logp = model(input_ids=x).logits[0].float().log_softmax(-1)
@@ -124,7 +124,7 @@ def passkey_prompts(tokenizer, *, trials: int, length: int, seed: int = 0) -> li
 @torch.no_grad()
 def score_passkey(model, tokenizer, prompts: list[tuple[list[int], list[int]]]) -> dict[str, float]:
     """``pk_acc``, ``pk_first``, ``pk_lead``, ``pk_nll`` over the keys' tokens, teacher-forced."""
-    tally = _Tally()
+    tally = Tally()
     for ids, key_ids in prompts:
         logp = model(input_ids=torch.tensor([ids])).logits[0].float().log_softmax(-1)
         tally.add(logp, len(ids) - len(key_ids), key_ids, tokenizer)
