@@ -67,6 +67,20 @@ def capture_qk(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tenso
     return out
 
 
+def sampled_rows(qs: torch.Tensor, ks: torch.Tensor, n: int, g: torch.Generator, queries: int, scaling: float,
+                 beyond: int, sinks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``queries`` random query rows of sequence ``n`` (with history beyond the window when ``beyond`` > 0):
+    ``q (1, H, R, d)``, ``k (1, H, T, d)``, the keys each row attends ``keep (R, T)`` (causal, or beyond
+    the window and past the ``sinks``) and the scaled scores ``(1, H, R, T)``."""
+    T = qs.shape[2]
+    lo = beyond + sinks + 16 if beyond else T // 8  # queries with some history (beyond the window)
+    rows = torch.randint(lo, T, (queries,), generator=g).sort().values.to(qs.device)
+    q, k = qs[n:n + 1, :, rows], ks[n:n + 1]
+    j = torch.arange(T, device=qs.device)[None, :]
+    keep = (j <= rows[:, None] - beyond) & (j >= sinks) if beyond else j <= rows[:, None]
+    return q, k, keep, (q @ k.transpose(-1, -2)) * scaling
+
+
 def fit_layer(qs: torch.Tensor, ks: torch.Tensor, scaling: float, features: int, steps: int, lr: float,
               queries: int, seed: int, beyond: int = 0, sinks: int = 0
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -84,12 +98,8 @@ def fit_layer(qs: torch.Tensor, ks: torch.Tensor, scaling: float, features: int,
     first = last = None
     for step in range(steps):
         n = int(torch.randint(N, (1,), generator=g))
-        lo = beyond + sinks + 16 if beyond else T // 8  # queries with some history (beyond the window)
-        rows = torch.randint(lo, T, (queries,), generator=g).sort().values.to(qs.device)
-        q, k = qs[n:n + 1, :, rows], ks[n:n + 1]
-        j = torch.arange(T, device=qs.device)[None, :]
-        causal = (j <= rows[:, None] - beyond) & (j >= sinks) if beyond else j <= rows[:, None]  # (R, T)
-        target = ((q @ k.transpose(-1, -2)) * scaling).masked_fill(~causal, float("-inf")).softmax(-1)
+        q, k, causal, scores = sampled_rows(qs, ks, n, g, queries, scaling, beyond, sinks)
+        target = scores.masked_fill(~causal, float("-inf")).softmax(-1)
         kappa = hedgehog(q, wq) @ hedgehog(k, wk).transpose(-1, -2) * causal
         logp = (kappa / kappa.sum(-1, keepdim=True)).clamp_min(1e-30).log()
         kl = (target * (target.clamp_min(1e-30).log() - logp)).sum(-1).mean((0, 2))  # (H,) KL(softmax || kernel)
@@ -112,15 +122,10 @@ def fit_log_scale(qs: torch.Tensor, ks: torch.Tensor, wq: torch.Tensor, wk: torc
     every sequence). Mixed with the window's log-sum-exp, it gives the memory a share that a layer
     can compute without the keys it no longer holds."""
     g = torch.Generator().manual_seed(seed)
-    N, H, T, d = qs.shape
-    lo = beyond + sinks + 16
     xs, ys = [], []
-    for n in range(N):
-        rows = torch.randint(lo, T, (queries,), generator=g).sort().values.to(qs.device)
-        q, k = qs[n:n + 1, :, rows], ks[n:n + 1]
-        j = torch.arange(T, device=qs.device)[None, :]
-        keep = (j <= rows[:, None] - beyond) & (j >= sinks)
-        lse = ((q @ k.transpose(-1, -2)) * scaling).masked_fill(~keep, float("-inf")).logsumexp(-1)  # (1, H, R)
+    for n in range(qs.shape[0]):
+        q, k, keep, scores = sampled_rows(qs, ks, n, g, queries, scaling, beyond, sinks)
+        lse = scores.masked_fill(~keep, float("-inf")).logsumexp(-1)  # (1, H, R)
         mass = (hedgehog(q, wq) @ hedgehog(k, wk).transpose(-1, -2) * keep).sum(-1).clamp_min(1e-30).log()
         xs.append(torch.cat([q[0], torch.ones_like(q[0, ..., :1])], dim=-1))  # (H, R, d + 1)
         ys.append((lse - mass)[0])  # (H, R)

@@ -84,13 +84,14 @@ RUNGS = ("closed", "exact", *(f"needle-{k}" for k in KERNELS), "needle-delta", "
 
 def kernel_read(q: torch.Tensor, k: torch.Tensor, scaling: float, keep: torch.Tensor, v: torch.Tensor,
                 kind: str, maps: tuple[torch.Tensor, torch.Tensor] | None = None, top: int = 32,
-                with_weights: bool = False):
+                details: bool = False):
     """``(B, H, R, D)``: the values ``v (B, H, T, D)`` over the keys in ``keep (R, T)``, weighted by
     ``kind``'s kernel of the queries ``q (B, H, R, d)`` and keys ``k (B, H, T, d)`` (rows with no key: 0).
     Normalised (weights summing to 1) except ``additive``; ``maps``: the layer's Hedgehog maps;
     ``hhtop``: the Hedgehog kernel kept at its ``top`` largest keys a row (a ranking diagnostic);
-    ``with_weights``: also the normalised weights ``(B, H, R, T)`` (not for softmax and additive)."""
-    x = (q @ k.transpose(-1, -2)) * scaling
+    ``details``: ``(read, weights (B, H, R, T), mass (B, H, R))``, the normalised weights and their
+    normaliser, the kernel's sum over the kept keys (not for softmax and additive)."""
+    x = (q @ k.transpose(-1, -2)) * scaling if kind in ("softmax", "relu", "taylor2") else None
     if kind == "softmax":
         return torch.nan_to_num(x.masked_fill(~keep, float("-inf")).softmax(-1)) @ v
     if kind == "relu":  # max(x, 0): sharp, but not a product of features (no linear-time state holds it)
@@ -117,8 +118,9 @@ def kernel_read(q: torch.Tensor, k: torch.Tensor, scaling: float, keep: torch.Te
     else:
         raise ValueError(kind)
     kappa = kappa * keep
-    weights = kappa / kappa.sum(-1, keepdim=True).clamp_min(1e-30)
-    return (weights @ v, weights) if with_weights else weights @ v
+    mass = kappa.sum(-1, keepdim=True)
+    weights = kappa / mass.clamp_min(1e-30)
+    return (weights @ v, weights, mass[..., 0]) if details else weights @ v
 
 
 def hedgehog_delta_read(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, maps: tuple[torch.Tensor, torch.Tensor],
@@ -173,7 +175,7 @@ def oracle_attend(layer: DeltaAttention, rung: str, needle: tuple[int, int], tai
             share[:, :, -R:] = (probs * beyond).sum(-1)  # the full attention's mass beyond the window
             if lse_share:  # realizable: the read's own mass (fitted scale) against the window's log-sum-exp
                 qt, oracle = q[:, :, -R:].float(), share[:, :, -R:].clone()
-                mass = (hedgehog(qt, maps[0]) @ hedgehog(kr, maps[1]).transpose(-1, -2) * beyond).sum(-1)
+                tail_read, _, mass = kernel_read(qt, kr, layer.scaling, beyond, vr, kind, maps, top, details=True)
                 log_scale = torch.einsum("bhrd,hd->bhr", qt, maps[2][:, :-1]) + maps[2][:, -1][None, :, None]
                 lse_window = scores.masked_fill(beyond | (j_idx > t_idx), float("-inf")).logsumexp(-1)
                 share[:, :, -R:] = torch.where(mass > 0, torch.sigmoid(mass.clamp_min(1e-30).log() + log_scale
@@ -193,11 +195,13 @@ def oracle_attend(layer: DeltaAttention, rung: str, needle: tuple[int, int], tai
         in_needle = beyond & (j_idx >= lo) & (j_idx < hi)
         if rung == "exact":
             read[:, :, -R:] = (probs * beyond) @ vr / share[:, :, -R:, None]
+        elif lse_share:  # the read its share came from
+            read[:, :, -R:] = tail_read
         elif kind in KERNELS or kind == "hhtop":
             keep = in_needle if scope == "needle" else beyond
-            if stats is not None and kind not in ("softmax", "additive") and not own_gate and not lse_share:
-                read[:, :, -R:], weights = kernel_read(q[:, :, -R:].float(), kr, layer.scaling, keep, vr, kind, maps,
-                                                       top, with_weights=True)
+            if stats is not None and kind not in ("softmax", "additive") and not own_gate:
+                read[:, :, -R:], weights, _ = kernel_read(q[:, :, -R:].float(), kr, layer.scaling, keep, vr, kind,
+                                                          maps, top, details=True)
                 ours = (weights * in_needle).sum(-1)  # (B, H, R)
                 base = (probs * beyond * in_needle).sum(-1) / share[:, :, -R:]
                 sharp = base > 0.5  # heads and rows where the base reads mostly the needle (retrieval heads)
