@@ -8,6 +8,7 @@ from retrofit.layers.base import RetrofitAttention
 from retrofit.layers.cache import RetrofitCache, RetrofitLayerCache, layer_cache
 from retrofit.layers.conv import CausalDepthwiseConv
 from retrofit.layers.delta import DeltaAttention, DeltaConfig
+from retrofit.layers.hedgehog import HedgehogAttention, HedgehogConfig
 from retrofit.layers.exp_linear import ExpLinearAttention, ExpLinearConfig
 from retrofit.layers.lavo import LavoAttention, LavoConfig, LavoLayerCache
 from retrofit.layers.llp import LLPAttention, LLPConfig, LLPLayerCache
@@ -24,6 +25,8 @@ __all__ = [
     "DeltaConfig",
     "ExpLinearAttention",
     "ExpLinearConfig",
+    "HedgehogAttention",
+    "HedgehogConfig",
     "LLPAttention",
     "LLPConfig",
     "LLPLayerCache",

@@ -106,11 +106,12 @@ class MacchiatoConfig(MethodConfig):
 
 
 def check_window_options(config: Any) -> None:
-    """Range checks of the window branch's options (``window``, ``init_swa_share``, ``sinks``,
-    ``sink_distance``, ``chunk_size``), shared by every config with Macchiato's window branch."""
+    """Range checks of the window branch's options (``window``, ``init_swa_share`` where the config
+    has one, ``sinks``, ``sink_distance``, ``chunk_size``), shared by every config with Macchiato's
+    window branch."""
     if config.window is not None and config.window < 1:
         raise SpecError(f"window must be >= 1 token, got {config.window}")
-    if not 0.0 < config.init_swa_share <= 1.0:
+    if hasattr(config, "init_swa_share") and not 0.0 < config.init_swa_share <= 1.0:
         raise SpecError(f"init_swa_share must be in (0, 1] (1 = latent path closed), got {config.init_swa_share}")
     if config.sinks < 0:
         raise SpecError(f"sinks must be >= 0 (0 = a plain sliding window), got {config.sinks}")
@@ -493,9 +494,27 @@ class MacchiatoAttention(RetrofitAttention):
         outputs), through the cache's slots when decoding: ``(B, Hq, T, D)``. A state of ``mix``
         beyond the window and the latents (a subclass's own) takes its share of the softmax and
         contributes nothing here."""
-        B, T = q.shape[0], q.shape[2]
+        T = q.shape[2]
         if self._takes_slot_step(T, cache):
             return self._slot_step(q, k, v, mix, lat, tail, valid, cache)
+        k_all, v_all, valid_all, num_past, sinks, seen, far = self.window_inputs(q, k, v, valid, cache)
+        out, state = macchiato_attention(
+            q, k_all, v_all, mix, lat, window=self.window, scaling=self.scaling, softcap=self.softcap,
+            key_padding_mask=valid_all, chunk_size=self.chunk_size, num_past=num_past, sinks=sinks, q_start=seen,
+            far_sinks=far,
+            initial_state=cache.state if cache is not None else None, output_final_state=cache is not None,
+        )
+        if cache is not None:
+            cache.store(k_all, v_all, valid_all, state, T, tail, sinks=sinks)
+        return out
+
+    def window_inputs(self, q, k, v, valid, cache):
+        """What the window branch reads for this call's ``q (B, Hq, T, d)``, ``k``, ``v`` ``(B, Hkv, T, .)``:
+        ``(k_all, v_all, valid_all, num_past, sinks, seen, far)``: the cached window keys and values
+        before the new ones (``num_past`` of them; ``valid_all`` ``(B, num_past + T)`` or None), the
+        sinks as :func:`retrofit.ops.sinks.first_valid` returns them (None without), the stream
+        position of the first new token and the sinks' capped scores (None unless capped)."""
+        B, T = q.shape[0], q.shape[2]
         if valid is None and cache is not None:
             valid = torch.ones(B, T, dtype=torch.bool, device=q.device)
         k_all, v_all, valid_all, num_past = k, v, valid, 0
@@ -517,15 +536,7 @@ class MacchiatoAttention(RetrofitAttention):
         far = None
         if sinks is not None and self.sink_inv_freq is not None:
             far = capped_sinks(q, sinks[2], sinks[0], seen, self.sink_distance, self.sink_inv_freq)
-        out, state = macchiato_attention(
-            q, k_all, v_all, mix, lat, window=self.window, scaling=self.scaling, softcap=self.softcap,
-            key_padding_mask=valid_all, chunk_size=self.chunk_size, num_past=num_past, sinks=sinks, q_start=seen,
-            far_sinks=far,
-            initial_state=cache.state if cache is not None else None, output_final_state=cache is not None,
-        )
-        if cache is not None:
-            cache.store(k_all, v_all, valid_all, state, T, tail, sinks=sinks)
-        return out
+        return k_all, v_all, valid_all, num_past, sinks, seen, far
 
     def _takes_slot_step(self, T: int, cache: MacchiatoLayerCache | None) -> bool:
         """Decoding one token after a prefill, with the sinks (if any) all known: the slot path."""

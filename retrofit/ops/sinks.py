@@ -176,7 +176,8 @@ def sink_window_attention(
     num_past: int = 0,
     far: FarSinks | None = None,
     backend: str | None = "auto",
-) -> torch.Tensor:
+    with_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over each query's window keys and its attention sinks, in one softmax.
 
     The window attention and its log-sum-exp are the dispatched ops (``backend=`` is passed to
@@ -200,9 +201,11 @@ def sink_window_attention(
         num_past: cached window keys in front of the queries' own.
         far: the capped scores of sink pairs more than ``far.distance`` apart (:func:`capped_sinks`).
         backend: the window ops' backend.
+        with_lse: also return the log-sum-exp of each query's scores over its window and sinks
+            (what another key set beside them is weighed against).
 
     Returns:
-        ``(B, Hq, Tq, Dv)``.
+        ``(B, Hq, Tq, Dv)``; with ``with_lse``, ``(out, lse (B, Hq, Tq) fp32)``.
 
     Example:
         >>> import torch
@@ -219,7 +222,8 @@ def sink_window_attention(
     scaling = d**-0.5 if scaling is None else scaling
     if Tq <= FUSED_MAX_QUERIES and far is None:
         return _one_dense_softmax(q, k, v, window, sink_k, sink_v, sink_idx, sink_valid, q_start=q_start,
-                                  scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask, num_past=num_past)
+                                  scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask, num_past=num_past,
+                                  with_lse=with_lse)
     window_kw = dict(scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask, num_past=num_past)
     if q.device.type == "cpu":  # the torch kernel is the only CPU window kernel; it gives both in one pass
         o_w, lse_w = sliding_window_attention_with_lse(q, k, v, window, **window_kw)
@@ -249,11 +253,13 @@ def sink_window_attention(
     out = o_w + w_s[..., None].to(o_w.dtype) * (o_s.to(o_w.dtype) - o_w)
     if key_padding_mask is not None:  # padded queries return zeros, as the window kernel does
         out = out * key_padding_mask[:, -Tq:].to(out.dtype)[:, None, :, None]
+    if with_lse:
+        return out, torch.where(any_seen.reshape(B, 1, Tq), torch.logaddexp(lse_w, lse_s), lse_w)
     return out
 
 
 def _one_dense_softmax(q, k, v, window, sink_k, sink_v, sink_idx, sink_valid, *, q_start, scaling, softcap,
-                       key_padding_mask, num_past) -> torch.Tensor:
+                       key_padding_mask, num_past, with_lse: bool = False):
     """A few queries (decoding, short chunks): one dense softmax over ``[sinks; the window's keys]``.
 
     The same function as the window kernel + log-sum-exp merge, in a tenth of the small ops:
@@ -278,10 +284,11 @@ def _one_dense_softmax(q, k, v, window, sink_k, sink_v, sink_idx, sink_valid, *,
         q_valid = kpm[:, num_past:]
         band = (band & kpm[:, None, :]) | ((k_pos == q_pos) & ~q_valid[:, :, None])
         seen = seen & q_valid[:, :, None]
-    out = masked_dense_attention(q, kk, vv, torch.cat([seen, band], dim=-1), scaling=scaling, softcap=softcap)
+    out, lse = masked_dense_attention(q, kk, vv, torch.cat([seen, band], dim=-1), scaling=scaling, softcap=softcap,
+                                      with_lse=True)
     if q_valid is not None:
         out = out * q_valid[:, None, :, None].to(out.dtype)
-    return out
+    return (out, lse) if with_lse else out
 
 
 def sink_window_attention_reference(

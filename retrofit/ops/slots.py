@@ -29,9 +29,11 @@ def masked_dense_attention(
     *,
     scaling: float,
     softcap: float | None = None,
-) -> torch.Tensor:
+    with_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``(B, Hq, Tq, D)``: one softmax per query over the keys ``allowed`` ``(B, Tq, S)`` marks
-    (fp32 scores at least). A query with no allowed key gets NaN; callers zero such rows."""
+    (fp32 scores at least). A query with no allowed key gets NaN; callers zero such rows.
+    ``with_lse``: also the log-sum-exp of each query's allowed scores ``(B, Hq, Tq)``."""
     B, Hq, Tq, d = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     group = Hq // Hkv
@@ -41,7 +43,8 @@ def masked_dense_attention(
         s = torch.tanh(s / softcap) * softcap
     s = s.view(B, Hkv, group, Tq, S).masked_fill(~allowed[:, None, None], float("-inf"))
     p = torch.softmax(s, dim=-1).to(v.dtype)
-    return torch.matmul(p.view(B, Hkv, group * Tq, S), v).view(B, Hq, Tq, v.shape[-1])
+    out = torch.matmul(p.view(B, Hkv, group * Tq, S), v).view(B, Hq, Tq, v.shape[-1])
+    return (out, torch.logsumexp(s, dim=-1).view(B, Hq, Tq)) if with_lse else out
 
 
 def slot_attention_step(

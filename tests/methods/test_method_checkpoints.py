@@ -13,6 +13,7 @@ SPECS = {
     "lavo-fixed-gate": dict(method="lavo", window=6, options={"global_weight": 0.3, "learn_global_weight": False, "relative_bias": False}),
     "llp": dict(method="llp", options={"segment": 6}),
     "delta": dict(method="delta", window=6, options={"sinks": 2, "init_swa_share": 0.6}),
+    "hedgehog": dict(method="hedgehog", window=6, options={"sinks": 2, "features": 8}),
 }
 
 

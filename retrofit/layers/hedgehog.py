@@ -1,0 +1,254 @@
+"""Pretrained attention as a sliding window plus a Hedgehog linear read of the keys beyond it.
+
+    o_t = (E_t SWA_t + e^{c(q_t)} num_t) / (E_t + e^{c(q_t)} mass_t)        then the pretrained o_proj
+        = (1 - p_t) SWA_t + p_t num_t / mass_t,      p_t = sigmoid(log mass_t + c(q_t) - log E_t)
+
+The LoLCATs-style hybrid (Zhang et al. 2024, "LoLCATs"): the frozen pretrained attention over the
+last ``window`` tokens (with attention sinks, exactly as in Latte Macchiato), and a linear
+attention in learned spiky feature maps (Hedgehog) over every older key, the two weighed in one
+normalisation as the full softmax would weigh them:
+
+* ``E_t``: the window's (and sinks') softmax mass, ``exp`` of its log-sum-exp;
+* ``num_t``, ``mass_t``: the Hedgehog read of the keys ``s <= t - w`` (not sinks), unnormalised,
+  and its normaliser ``sum_s phi_q(q_t) . phi_k(k_s)`` (:mod:`retrofit.ops.hedgehog`);
+* ``c(q_t) = a_h . q_t + b_h`` per query head (``memory_scale``): the log of the factor between
+  the kernel's mass and the softmax's unnormalised mass beyond the window (a product of features
+  is scaled unlike ``exp(q.k)``), so that ``p_t`` approximates the share of the full attention
+  beyond the window. Fitted maps and scales imitate the base without any network training
+  (BENCHMARKS.md, "A share a linear-time layer could compute"); the transfer objective trains them.
+
+Queries and keys are the pretrained post-RoPE ones (keys repeated over their GQA group), values
+the pretrained ones. The state per query head is ``(2f x D)`` plus ``2f``: constant in the length.
+
+New weights: ``feature_query`` and ``feature_key`` (``(H, f, d)`` maps, equal at conversion, random
+with std ``d^-1/2``) and ``memory_scale`` (``a_h = 0``, ``b_h = init_log_scale``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from retrofit.errors import SpecError
+from retrofit.layers.base import RetrofitAttention
+from retrofit.layers.macchiato import (
+    MacchiatoAttention, MacchiatoConfig, check_window_options, resolved_window_options,
+)
+from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, register_method
+from retrofit.ops import repeat_kv_heads, sink_window_attention
+from retrofit.ops.hedgehog import HedgehogState, hedgehog_features, hedgehog_read_chunked
+from retrofit.ops.sliding_window import sliding_window_attention_with_lse
+
+__all__ = ["DEFAULT_HEDGEHOG_FEATURES", "DEFAULT_INIT_LOG_SCALE", "FeatureMap", "HedgehogAttention",
+           "HedgehogConfig", "QueryAffine", "build_hedgehog"]
+
+# f: each map has 2 f features. 2 x 128 fitted to SmolLM2-135M's attention beyond a 1024-token window
+# closes 40% of its closed twin's 4K gap at the base's share, 2 x 512 60% (BENCHMARKS.md).
+DEFAULT_HEDGEHOG_FEATURES = 128
+# b_h at conversion. Fitted on SmolLM2-135M (2 x 128 features, 4K text) the biases average 5.1 (per
+# layer 3.4-7.0): the kernel's mass is e^5 times smaller than the softmax's. Starting lower keeps an
+# untrained read (random maps) at a few percent of the share it will earn.
+DEFAULT_INIT_LOG_SCALE = 2.0
+_SHARED_HELP = {f.name: f.metadata["help"] for f in dataclasses.fields(MacchiatoConfig)}
+
+
+@dataclass
+class HedgehogConfig(MethodConfig):
+    """Hyper-parameters of a window + Hedgehog linear read conversion (``retrofit convert --method hedgehog``)."""
+
+    method = "hedgehog"
+    window: int | None = opt(None, _SHARED_HELP["window"])
+    features: int = opt(DEFAULT_HEDGEHOG_FEATURES, "f: each Hedgehog feature map has 2 f features "
+                                                   "(softmax(Wx) and softmax(-Wx))")
+    init_log_scale: float = opt(DEFAULT_INIT_LOG_SCALE, "initial log-factor between the read's mass and the softmax's "
+                                                        "beyond the window (memory_scale's bias)")
+    sinks: int = opt(0, _SHARED_HELP["sinks"])
+    sink_distance: int | None = opt(None, _SHARED_HELP["sink_distance"])
+    chunk_size: int = opt(64, "chunk length of the chunked linear read")
+
+    def check(self) -> None:
+        check_window_options(self)
+        if self.features < 1:
+            raise SpecError(f"features must be >= 1, got {self.features}")
+        if not math.isfinite(self.init_log_scale):
+            raise SpecError(f"init_log_scale must be finite, got {self.init_log_scale}")
+
+    def resolved(self, model_config: Any, layers: Any) -> "HedgehogConfig":
+        return resolved_window_options(self, model_config, layers)
+
+
+class FeatureMap(nn.Module):
+    """Hedgehog feature maps, one per head: ``(B, H, T, d) -> (B, H, T, 2 f)`` fp32; ``weight (H, f, d)``."""
+
+    def __init__(self, heads: int, features: int, dim: int, **kw: Any):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(heads, features, dim, **kw))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return hedgehog_features(x, self.weight)
+
+
+class QueryAffine(nn.Module):
+    """``c(q) = a_h . q + b_h`` per head: ``(B, H, T, d) -> (B, H, T)`` fp32; ``weight (H, d)``, ``bias (H,)``."""
+
+    def __init__(self, heads: int, dim: int, **kw: Any):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(heads, dim, **kw))
+        self.bias = nn.Parameter(torch.empty(heads, **kw))
+
+    def forward(self, q: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("bhtd,hd->bht", q.float(), self.weight.float()) + self.bias.float()[:, None]
+
+
+class HedgehogAttention(MacchiatoAttention):
+    """Pretrained attention as a ``window``-token SWA with a Hedgehog linear read of the older keys.
+
+    Args:
+        original: the pretrained attention module (its projections and norms move into this layer).
+        patch: the family patch that builds q, k, v for it.
+        window: sliding window ``w`` in tokens.
+        features: ``f``; each feature map has ``2 f`` features.
+        init_log_scale: ``memory_scale``'s bias at conversion.
+        chunk_size: chunk length of the chunked linear read.
+        sinks, sink_distance: the window branch's attention sinks, as in :class:`MacchiatoAttention`.
+        generator: seeds the feature maps.
+
+    Returns:
+        Called as ``layer(hidden_states (B, T, hidden), position_embeddings=(cos, sin),
+        attention_mask=None | (B, past + T), past_key_values=None | Cache)``:
+        ``(attn_output (B, T, hidden), None)``.
+
+    Example::
+
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> from retrofit.layers.hedgehog import HedgehogAttention
+        >>> from retrofit.patches import get_patch
+        >>> model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4))
+        >>> attn = HedgehogAttention(model.model.layers[0].self_attn, get_patch(model), window=8, features=16)
+        >>> x = torch.randn(1, 12, 32)  # (B, T, hidden)
+        >>> attn(x, position_embeddings=model.model.rotary_emb(x, torch.arange(12)[None]))[0].shape
+        torch.Size([1, 12, 32])
+    """
+
+    method = "hedgehog"
+    new_module_names = ("feature_query", "feature_key", "memory_scale")
+
+    def __init__(
+        self,
+        original: nn.Module,
+        patch: Any,
+        *,
+        window: int = DEFAULT_WINDOW,
+        features: int = HedgehogConfig.features,
+        init_log_scale: float = HedgehogConfig.init_log_scale,
+        chunk_size: int = HedgehogConfig.chunk_size,
+        sinks: int = HedgehogConfig.sinks,
+        sink_distance: int | None = HedgehogConfig.sink_distance,
+        generator: torch.Generator | None = None,
+    ):
+        super().__init__(original, patch, window=window, latents=0, init_swa_share=1.0, chunk_size=chunk_size,
+                         sinks=sinks, sink_distance=sink_distance, generator=generator)
+        del self.latent_q
+        self.features = int(features)
+        self.init_log_scale = float(init_log_scale)
+        self.slot_decoding = False  # decoding reads the window through the general path (it needs its LSE)
+        kw = dict(device=self._weight_ref.device, dtype=self._weight_ref.dtype)
+        H, d = self.num_heads, self.head_dim
+        self.feature_query = FeatureMap(H, self.features, d, **kw)
+        self.feature_key = FeatureMap(H, self.features, d, **kw)
+        self.memory_scale = QueryAffine(H, d, **kw)
+        self.reset_new_parameters(generator)
+
+    @torch.no_grad()
+    def reset_new_parameters(self, generator: torch.Generator | None = None) -> None:
+        """Initial values described in the module docstring (``generator`` for reproducibility)."""
+        if getattr(self, "memory_scale", None) is None:  # the window's own init, while Macchiato builds it
+            return
+        w = self.feature_query.weight
+        maps = torch.randn(w.shape, generator=generator) * self.head_dim ** -0.5
+        self.feature_query.weight.copy_(maps)
+        self.feature_key.weight.copy_(maps)
+        self.memory_scale.weight.zero_()
+        self.memory_scale.bias.fill_(self.init_log_scale)
+
+    def supports(self, capability: str) -> bool:
+        return super(MacchiatoAttention, self).supports(capability)
+
+    @property
+    def memory_closed(self) -> bool:
+        return self.latent_path_closed
+
+    def window_with_lse(self, q, k_all, v_all, valid_all, num_past, sinks, seen, far):
+        """The window (and sinks) attention and its log-sum-exp: ``(B, Hq, T, D)``, ``(B, Hq, T)`` fp32."""
+        kw = dict(scaling=self.scaling, softcap=self.softcap, key_padding_mask=valid_all, num_past=num_past)
+        if sinks is not None:
+            idx, sink_valid, sink_k, sink_v = sinks
+            return sink_window_attention(q, k_all, v_all, self.window, sink_k, sink_v, idx, sink_valid, q_start=seen,
+                                         far=far, with_lse=True, **kw)
+        return sliding_window_attention_with_lse(q, k_all, v_all, self.window, **kw)
+
+    def memory_writes(self, B: int, num_keys: int, valid_all, sinks, first: int, device) -> torch.Tensor:
+        """``(B, num_keys)`` bool: the keys at stream positions ``first, first + 1, ...`` the memory
+        stores (real tokens that are not sinks: the window's softmax keeps those)."""
+        write = torch.ones(B, num_keys, dtype=torch.bool, device=device) if valid_all is None else valid_all.bool()
+        if sinks is not None:
+            pos = torch.arange(first, first + num_keys, device=device)
+            idx, sink_valid = sinks[0], sinks[1]
+            write = write & ~((idx[:, None, :] == pos[None, :, None]) & sink_valid[:, None, :]).any(-1)
+        return write
+
+    def attend(self, q, k, v, valid, cache, *, hidden_states, position_embeddings):
+        B, H, T, _ = q.shape
+        k_all, v_all, valid_all, num_past, sinks, seen, far = self.window_inputs(q, k, v, valid, cache)
+        swa, lse = self.window_with_lse(q, k_all, v_all, valid_all, num_past, sinks, seen, far)
+        state = None
+        out = swa
+        if not self.latent_path_closed:
+            first = (cache.cumulative_length if cache is not None else 0) - num_past  # stream position of k_all[0]
+            Tk = k_all.shape[2]
+            stored = max(min(T + num_past - self.window + 1, Tk), 0)  # keys a query (or the state) takes here
+            fq = self.feature_query(q)
+            fk = self.feature_key(repeat_kv_heads(k_all[:, :, :stored], H))
+            fk = F.pad(fk, (0, 0, 0, Tk - stored))  # later keys stay in the window for this whole call
+            write = self.memory_writes(B, Tk, valid_all, sinks, first, q.device)
+            num, mass, state = hedgehog_read_chunked(
+                fq, fk, repeat_kv_heads(v_all, H), write, window=self.window, num_past=num_past,
+                initial_state=cache.state if cache is not None else None, output_final_state=cache is not None,
+                chunk_size=self.chunk_size,
+            )
+            has = mass > 0
+            share = torch.where(has, torch.sigmoid(mass.clamp_min(1e-30).log() + self.memory_scale(q) - lse), 0.0)
+            read = num / torch.where(has, mass, 1.0)[..., None]
+            out = swa + (share[..., None] * (read - swa.float())).to(swa.dtype)
+            if valid_all is not None:  # padded queries output 0, as the window kernels do
+                out = torch.where(valid_all[:, None, -T:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+        if cache is not None:
+            cache.store(k_all, v_all, valid_all, state, T, None, sinks=sinks)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"{RetrofitAttention.extra_repr(self)}, window={self.window}, features={self.features}, "
+                f"init_log_scale={self.init_log_scale}" + self._sinks_repr())
+
+
+def build_hedgehog(original: nn.Module, patch: Any, spec: Any, layer_idx: int,
+                   generator: torch.Generator | None) -> HedgehogAttention:
+    """Method-registry builder: a :class:`HedgehogAttention` from ``spec.config`` (resolved window)."""
+    c: HedgehogConfig = spec.config
+    return HedgehogAttention(
+        original, patch, window=c.window if c.window is not None else DEFAULT_WINDOW, features=c.features,
+        init_log_scale=c.init_log_scale, chunk_size=c.chunk_size, sinks=c.sinks, sink_distance=c.sink_distance,
+        generator=generator,
+    )
+
+
+register_method(
+    "hedgehog", build_hedgehog, config=HedgehogConfig,
+    description="pretrained attention as a w-token sliding window + a Hedgehog linear read of the keys beyond it",
+)

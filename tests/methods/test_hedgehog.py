@@ -1,0 +1,151 @@
+"""``--method hedgehog``: the layer (pretrained weights shared by name, only the feature maps and the
+scale new and trainable) equals the one-normalisation formula written densely on the patch's q, k,
+v; closed, it is the window-with-sinks anchor; its decoding cache carries the read beyond the
+window across prefill chunks and single steps; it trains and round-trips through checkpoints."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from retrofit.errors import SpecError
+from retrofit.layers import HedgehogAttention
+from retrofit.ops import repeat_kv_heads
+from retrofit.patches import get_patch
+from retrofit.surgery import convert, new_parameter_names
+from retrofit.surgery.probe import closed_latent_path
+from tests.methods._common import attention_inputs, batch, pattern_reference, tiny_model
+from tests.methods._common import stepwise_logits as _steps
+
+W = 6
+NEW = {"feature_query", "feature_key", "memory_scale"}
+
+
+def _convert(family="llama", **options):
+    return convert(tiny_model(family), method="hedgehog", window=W, options={"features": 8, **options})
+
+
+def _perturb_new_weights(model, scale=0.5):
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(scale * torch.randn(p.shape, generator=g))
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])  # phi3: a fused qkv_proj
+def test_only_the_read_is_new_and_trainable(family):
+    model = tiny_model(family)
+    before = dict(model.state_dict())
+    convert(model, method="hedgehog", window=W, options={"features": 8, "init_log_scale": -1.5})
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn, HedgehogAttention)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    added = sorted(set(after) - set(before))
+    assert added == sorted(new_parameter_names(model))
+    assert {k.split("self_attn.")[1].split(".")[0] for k in added} == NEW
+    assert sorted(n for n, p in model.named_parameters() if p.requires_grad) == added
+    assert attn.feature_query.weight.shape == (attn.num_heads, 8, attn.head_dim)
+    assert torch.equal(attn.feature_query.weight, attn.feature_key.weight)
+    assert torch.equal(attn.memory_scale.bias, torch.full_like(attn.memory_scale.bias, -1.5))
+    assert not attn.memory_scale.weight.any()
+
+
+def _dense_expected(attn, patch, x, pe, mask, sinks):
+    """o_proj((sum_win e^s v + e^c sum_beyond phi_q.phi_k v) / (sum_win e^s + e^c sum_beyond phi_q.phi_k)),
+    the window holding the last W real tokens and the first ``sinks`` real ones, in float64."""
+    q, k, v = patch.project_qkv(attn, x, pe)
+    H = q.shape[1]
+    q, k, v = q.double(), repeat_kv_heads(k, H).double(), repeat_kv_heads(v, H).double()
+    T = q.shape[2]
+    s = (q @ k.transpose(-1, -2)) * patch.scaling(attn)
+    if patch.softcap(attn):
+        s = torch.tanh(s / patch.softcap(attn)) * patch.softcap(attn)
+    t, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    rank = mask.long().cumsum(1) - 1  # (B, T): real tokens' ranks (the window is index-based: no padding inside)
+    causal = (j <= t)[None] & mask[:, None, :]
+    window = causal & (j > t - W)[None]
+    sink = causal & (rank[:, None, :] < sinks)
+    softmax_keys = window | sink
+    beyond = causal & ~softmax_keys
+    z = lambda w: torch.einsum("bhtd,hfd->bhtf", w, attn.feature_query.weight.double())
+    zk = torch.einsum("bhtd,hfd->bhtf", k, attn.feature_key.weight.double())
+    phi_q = torch.cat([z(q).softmax(-1), (-z(q)).softmax(-1)], -1)
+    phi_k = torch.cat([zk.softmax(-1), (-zk).softmax(-1)], -1)
+    kappa = (phi_q @ phi_k.transpose(-1, -2)) * beyond[:, None]
+    c = torch.einsum("bhtd,hd->bht", q, attn.memory_scale.weight.double()) + attn.memory_scale.bias.double()[:, None]
+    e = s.masked_fill(~softmax_keys[:, None], float("-inf"))
+    m = e.amax(-1, keepdim=True)
+    num = (e - m).exp() @ v + (c[..., None] - m).exp() * (kappa @ v)
+    den = (e - m).exp().sum(-1, keepdim=True) + (c[..., None] - m).exp() * kappa.sum(-1, keepdim=True)
+    return patch.project_out(attn, (num / den).to(x.dtype))
+
+
+@pytest.mark.parametrize("family,sinks", [("llama", 0), ("llama", 2), ("gemma2", 1)])  # gemma2: GQA + softcap
+def test_layer_equals_one_normalisation_over_window_sinks_and_read(family, sinks):
+    model = _convert(family, sinks=sinks, sink_distance=0)
+    x, pe = attention_inputs(model)
+    patch = get_patch(model)
+    attn = model.model.layers[0].self_attn
+    _perturb_new_weights(model)
+    mask = torch.ones(2, 37, dtype=torch.bool)
+    mask[1, :5] = False
+    with torch.no_grad():
+        got, _ = attn(x, position_embeddings=pe, attention_mask=mask)
+        want = _dense_expected(attn, patch, x, pe, mask, sinks)
+    torch.testing.assert_close(got[mask], want[mask], rtol=1e-4, atol=1e-5)
+    assert (got[~mask] == 0).all()
+
+
+def test_closed_read_is_the_window_with_sinks_anchor():
+    base = tiny_model("qwen2")
+    ref = pattern_reference(base, lambda qr, kr: (kr <= qr) & ((kr > qr - W) | (kr < 2)))
+    model = convert(base, method="hedgehog", window=W, options={"sinks": 2, "features": 8})
+    _perturb_new_weights(model)
+    ids, mask, pos = batch(T=25)
+    real = mask.bool()
+    with torch.no_grad(), closed_latent_path(model) as closed:
+        got = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        want = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    assert closed == 2
+    torch.testing.assert_close(got[real], want[real], atol=2e-4, rtol=2e-4)
+    with torch.no_grad():
+        opened = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    assert not torch.allclose(opened[real], want[real], atol=1e-2)
+
+
+def test_only_new_weights_get_gradients():
+    model = _convert("qwen2", sinks=1)
+    model.train()
+    ids = torch.randint(3, 256, (2, 20))
+    model(ids, labels=ids).loss.backward()
+    new = set(new_parameter_names(model))
+    for n, p in model.named_parameters():
+        assert (p.grad is not None and p.grad.abs().sum() > 0) if n in new else p.grad is None, n
+    assert not model.model.layers[0].self_attn.supports("window_dropout")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_decoding_through_the_cache_equals_one_forward(family):
+    """A prefill, single steps, a 5-token chunk, then steps again: the state of the keys beyond the
+    window and the window travel through the cache; left-padded rows and a padded token while decoding."""
+    model = _convert(family, sinks=2, chunk_size=4)
+    _perturb_new_weights(model, scale=0.3)
+    ids = torch.randint(3, 256, (2, 50))
+    mask = torch.ones(2, 50, dtype=torch.long)
+    mask[1, :4] = 0
+    mask[0, 40] = 0
+    with torch.no_grad():
+        whole = model(ids, attention_mask=mask).logits
+    got, cache = _steps(model, ids, mask, 17, slots=True, chunk_after=31)
+    real = mask.bool()
+    torch.testing.assert_close(got[real], whole[real], rtol=1e-4, atol=1e-4)
+    attn = model.model.layers[0].self_attn
+    assert cache.layers[0].state.S.shape == (2, attn.num_heads, 16, attn.head_dim)
+
+
+def test_bad_options_are_spec_errors():
+    with pytest.raises(SpecError, match="features"):
+        _convert(features=0)
+    with pytest.raises(SpecError, match="init_log_scale"):
+        _convert(init_log_scale=float("inf"))
