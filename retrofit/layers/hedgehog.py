@@ -42,10 +42,11 @@ from retrofit.layers.macchiato import (
 from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, register_method
 from retrofit.ops import repeat_kv_heads, sink_window_attention
 from retrofit.ops.hedgehog import HedgehogState, hedgehog_features, hedgehog_read_chunked
+from retrofit.ops.rope import rope_rotate, rope_unrotate
 from retrofit.ops.sliding_window import sliding_window_attention_with_lse
 
 __all__ = ["DEFAULT_HEDGEHOG_FEATURES", "DEFAULT_INIT_LOG_SCALE", "FeatureMap", "HedgehogAttention",
-           "HedgehogConfig", "QueryAffine", "build_hedgehog"]
+           "HedgehogConfig", "HedgehogLayerState", "QueryAffine", "build_hedgehog"]
 
 # f: each map has 2 f features. 2 x 128 fitted to SmolLM2-135M's attention beyond a 1024-token window
 # closes 40% of its closed twin's 4K gap at the base's share, 2 x 512 60% (BENCHMARKS.md).
@@ -67,12 +68,17 @@ class HedgehogConfig(MethodConfig):
                                                    "(softmax(Wx) and softmax(-Wx))")
     init_log_scale: float = opt(DEFAULT_INIT_LOG_SCALE, "initial log-factor between the read's mass and the softmax's "
                                                         "beyond the window (memory_scale's bias)")
+    memory_distance: int | None = opt(None, "score every key beyond the window as if exactly this many tokens before "
+                                            "its query (RoPE distance): the read then depends on no position and holds "
+                                            "past the lengths it was fitted or trained on (None: true distances)")
     sinks: int = opt(0, _SHARED_HELP["sinks"])
     sink_distance: int | None = opt(None, _SHARED_HELP["sink_distance"])
     chunk_size: int = opt(64, "chunk length of the chunked linear read")
 
     def check(self) -> None:
         check_window_options(self)
+        if self.memory_distance is not None and self.memory_distance < 0:
+            raise SpecError(f"memory_distance must be >= 0 tokens (or null: true distances), got {self.memory_distance}")
         if self.features < 1:
             raise SpecError(f"features must be >= 1, got {self.features}")
         if not math.isfinite(self.init_log_scale):
@@ -105,6 +111,17 @@ class QueryAffine(nn.Module):
         return torch.einsum("bhtd,hd->bht", q.float(), self.weight.float()) + self.bias.float()[:, None]
 
 
+@dataclass
+class HedgehogLayerState:
+    """A layer's decoding state: the read's memory (:class:`HedgehogState`'s ``S``, ``z``) and, with
+    ``memory_distance``, the buffered window's keys rotated back to position 0 ``(B, Hkv, <= w - 1, d)``
+    (the memory stores them position-free when they leave the window)."""
+
+    S: torch.Tensor
+    z: torch.Tensor
+    window_keys: torch.Tensor | None = None
+
+
 class HedgehogAttention(MacchiatoAttention):
     """Pretrained attention as a ``window``-token SWA with a Hedgehog linear read of the older keys.
 
@@ -114,6 +131,7 @@ class HedgehogAttention(MacchiatoAttention):
         window: sliding window ``w`` in tokens.
         features: ``f``; each feature map has ``2 f`` features.
         init_log_scale: ``memory_scale``'s bias at conversion.
+        memory_distance: score the keys beyond the window at this RoPE distance (None: their own).
         chunk_size: chunk length of the chunked linear read.
         sinks, sink_distance: the window branch's attention sinks, as in :class:`MacchiatoAttention`.
         generator: seeds the feature maps.
@@ -147,6 +165,7 @@ class HedgehogAttention(MacchiatoAttention):
         window: int = DEFAULT_WINDOW,
         features: int = HedgehogConfig.features,
         init_log_scale: float = HedgehogConfig.init_log_scale,
+        memory_distance: int | None = HedgehogConfig.memory_distance,
         chunk_size: int = HedgehogConfig.chunk_size,
         sinks: int = HedgehogConfig.sinks,
         sink_distance: int | None = HedgehogConfig.sink_distance,
@@ -157,6 +176,9 @@ class HedgehogAttention(MacchiatoAttention):
         del self.latent_q
         self.features = int(features)
         self.init_log_scale = float(init_log_scale)
+        self.memory_distance = None if memory_distance is None else int(memory_distance)
+        if self.memory_distance is not None and self.rope_inv_freq is None:
+            raise ValueError("memory_distance needs the layer's rotary frequencies (a RoPE model)")
         self.slot_decoding = False  # decoding reads the window through the general path (it needs its LSE)
         kw = dict(device=self._weight_ref.device, dtype=self._weight_ref.dtype)
         H, d = self.num_heads, self.head_dim
@@ -203,8 +225,28 @@ class HedgehogAttention(MacchiatoAttention):
             write = write & ~((idx[:, None, :] == pos[None, :, None]) & sink_valid[:, None, :]).any(-1)
         return write
 
+    def memory_queries_and_keys(self, q, k_all, position_embeddings, previous: HedgehogLayerState | None):
+        """The read's queries ``(B, Hq, T, d)`` and keys ``(B, Hkv, P + T, d)``: the pretrained post-RoPE
+        ones, or with ``memory_distance`` D both position-free (keys rotated back to position 0, queries
+        to position D) and the new keys so rotated back, for the cache."""
+        if self.memory_distance is None:
+            return q, k_all, None
+        cos, sin = position_embeddings
+        T = q.shape[2]
+        inv_freq = self.rope_inv_freq.to(q.device)
+        mq = rope_rotate(rope_unrotate(q, cos, sin), torch.tensor(float(self.memory_distance)), inv_freq)
+        new_keys = rope_unrotate(k_all[:, :, -T:], cos, sin)
+        if k_all.shape[2] == T:
+            return mq, new_keys, new_keys
+        if previous is None or previous.window_keys is None:
+            raise RuntimeError("this cache was filled with the read closed (latent_path_closed); it cannot be "
+                               "continued with the read open: start a new cache")
+        mk = torch.cat([previous.window_keys.to(new_keys.dtype), new_keys], dim=2)
+        return mq, mk, mk
+
     def attend(self, q, k, v, valid, cache, *, hidden_states, position_embeddings):
         B, H, T, _ = q.shape
+        previous: HedgehogLayerState | None = cache.state if cache is not None else None
         k_all, v_all, valid_all, num_past, sinks, seen, far = self.window_inputs(q, k, v, valid, cache)
         swa, lse = self.window_with_lse(q, k_all, v_all, valid_all, num_past, sinks, seen, far)
         state = None
@@ -213,17 +255,22 @@ class HedgehogAttention(MacchiatoAttention):
             first = (cache.cumulative_length if cache is not None else 0) - num_past  # stream position of k_all[0]
             Tk = k_all.shape[2]
             stored = max(min(T + num_past - self.window + 1, Tk), 0)  # keys a query (or the state) takes here
-            fq = self.feature_query(q)
-            fk = self.feature_key(repeat_kv_heads(k_all[:, :, :stored], H))
+            mq, mk, window_keys = self.memory_queries_and_keys(q, k_all, position_embeddings, previous)
+            fq = self.feature_query(mq)
+            fk = self.feature_key(repeat_kv_heads(mk[:, :, :stored], H))
             fk = F.pad(fk, (0, 0, 0, Tk - stored))  # later keys stay in the window for this whole call
             write = self.memory_writes(B, Tk, valid_all, sinks, first, q.device)
-            num, mass, state = hedgehog_read_chunked(
+            initial = None if previous is None else HedgehogState(previous.S, previous.z)
+            num, mass, memory = hedgehog_read_chunked(
                 fq, fk, repeat_kv_heads(v_all, H), write, window=self.window, num_past=num_past,
-                initial_state=cache.state if cache is not None else None, output_final_state=cache is not None,
-                chunk_size=self.chunk_size,
+                initial_state=initial, output_final_state=cache is not None, chunk_size=self.chunk_size,
             )
+            if memory is not None:
+                keep = max(self.window - 1, 0)
+                kept = None if window_keys is None else window_keys[:, :, window_keys.shape[2] - min(keep, Tk):]
+                state = HedgehogLayerState(memory.S, memory.z, None if kept is None else kept.contiguous())
             has = mass > 0
-            share = torch.where(has, torch.sigmoid(mass.clamp_min(1e-30).log() + self.memory_scale(q) - lse), 0.0)
+            share = torch.where(has, torch.sigmoid(mass.clamp_min(1e-30).log() + self.memory_scale(mq) - lse), 0.0)
             read = num / torch.where(has, mass, 1.0)[..., None]
             out = swa + (share[..., None] * (read - swa.float())).to(swa.dtype)
             if valid_all is not None:  # padded queries output 0, as the window kernels do
@@ -234,7 +281,9 @@ class HedgehogAttention(MacchiatoAttention):
 
     def extra_repr(self) -> str:
         return (f"{RetrofitAttention.extra_repr(self)}, window={self.window}, features={self.features}, "
-                f"init_log_scale={self.init_log_scale}" + self._sinks_repr())
+                f"init_log_scale={self.init_log_scale}"
+                + (f", memory_distance={self.memory_distance}" if self.memory_distance is not None else "")
+                + self._sinks_repr())
 
 
 def build_hedgehog(original: nn.Module, patch: Any, spec: Any, layer_idx: int,
@@ -243,7 +292,7 @@ def build_hedgehog(original: nn.Module, patch: Any, spec: Any, layer_idx: int,
     c: HedgehogConfig = spec.config
     return HedgehogAttention(
         original, patch, window=c.window if c.window is not None else DEFAULT_WINDOW, features=c.features,
-        init_log_scale=c.init_log_scale, chunk_size=c.chunk_size, sinks=c.sinks, sink_distance=c.sink_distance,
+        init_log_scale=c.init_log_scale, memory_distance=c.memory_distance, chunk_size=c.chunk_size, sinks=c.sinks, sink_distance=c.sink_distance,
         generator=generator,
     )
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rope_rotate", "rope_to_origin"]
+__all__ = ["rope_rotate", "rope_to_origin", "rope_unrotate"]
 
 # (device, frequencies) -> (cos, sin) ``(n, F)`` fp32 of positions 0..n-1, grown by doubling
 _ORIGIN_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -73,3 +73,37 @@ def rope_to_origin(x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     c, s = cos[:n].to(x.dtype), sin[:n].to(x.dtype)  # rotation by -p: cos p, -sin p
     x1, x2, rest = x[..., :F], x[..., F : 2 * F], x[..., 2 * F :]
     return torch.cat([x1 * c + x2 * s, x2 * c - x1 * s, rest], dim=-1)
+
+
+def rope_unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` rotated back to position 0 with the ``cos`` / ``sin`` it was rotated with.
+
+    The inverse of the families' ``x * cos + rotate_half(x) * sin`` whatever the positions (left
+    padding, cache offsets): ``(y * cos - rotate_half(y) * sin) / (cos^2 + sin^2)`` (the division
+    undoes a RoPE attention scaling folded into cos / sin, as YaRN's). Dimensions past the rotary
+    ones (partial rotary) are returned as they are.
+
+    Args:
+        x: ``(B, H, T, d)`` post-RoPE queries or keys.
+        cos, sin: ``(B, T, d_rot)`` as the model's rotary embedding returns them (``d_rot <= d``).
+
+    Returns:
+        ``(B, H, T, d)`` in ``x.dtype``.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops.rope import rope_rotate, rope_unrotate
+        >>> inv_freq = 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8)
+        >>> angle = torch.arange(5)[:, None] * inv_freq
+        >>> cos, sin = torch.cat([angle.cos()] * 2, -1)[None], torch.cat([angle.sin()] * 2, -1)[None]
+        >>> x = torch.randn(1, 2, 5, 8)
+        >>> torch.allclose(rope_unrotate(rope_rotate(x, torch.arange(5), inv_freq), cos, sin), x, atol=1e-5)
+        True
+    """
+    r = cos.shape[-1]
+    cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    y, rest = x[..., :r], x[..., r:]
+    half = r // 2
+    rotated_half = torch.cat([-y[..., half:], y[..., :half]], dim=-1)
+    back = (y * cos - rotated_half * sin) / (cos * cos + sin * sin)
+    return torch.cat([back, rest], dim=-1) if rest.shape[-1] else back

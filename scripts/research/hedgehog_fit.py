@@ -33,7 +33,8 @@ from retrofit.data.packing import make_tokenize
 from retrofit.data.recall import RecallConfig, RecallInserter
 from retrofit.data.text import read_text
 from retrofit.fs.atomic import write_bytes_atomic
-from retrofit.ops import repeat_kv_heads
+from retrofit.ops import repeat_kv_heads, rope_rotate
+from retrofit.ops.rope import rope_to_origin
 from retrofit.patches import get_patch
 from retrofit.surgery.loading import load_any
 
@@ -68,28 +69,35 @@ def capture_qk(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tenso
 
 
 def sampled_rows(qs: torch.Tensor, ks: torch.Tensor, n: int, g: torch.Generator, queries: int, scaling: float,
-                 beyond: int, sinks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 beyond: int, sinks: int, feats: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``queries`` random query rows of sequence ``n`` (with history beyond the window when ``beyond`` > 0):
-    ``q (1, H, R, d)``, ``k (1, H, T, d)``, the keys each row attends ``keep (R, T)`` (causal, or beyond
-    the window and past the ``sinks``) and the scaled scores ``(1, H, R, T)``."""
+    the maps' inputs ``q (1, H, R, d)`` and ``k (1, H, T, d)`` (``feats``' queries and keys when given,
+    else ``qs``, ``ks`` themselves), the keys each row attends ``keep (R, T)`` (causal, or beyond the
+    window and past the ``sinks``) and the base's scaled scores ``(1, H, R, T)`` (from ``qs``, ``ks``)."""
     T = qs.shape[2]
     lo = beyond + sinks + 16 if beyond else T // 8  # queries with some history (beyond the window)
     rows = torch.randint(lo, T, (queries,), generator=g).sort().values.to(qs.device)
     q, k = qs[n:n + 1, :, rows], ks[n:n + 1]
     j = torch.arange(T, device=qs.device)[None, :]
     keep = (j <= rows[:, None] - beyond) & (j >= sinks) if beyond else j <= rows[:, None]
-    return q, k, keep, (q @ k.transpose(-1, -2)) * scaling
+    scores = (q @ k.transpose(-1, -2)) * scaling
+    if feats is not None:
+        q, k = feats[0][n:n + 1, :, rows], feats[1][n:n + 1]
+    return q, k, keep, scores
 
 
 def fit_layer(qs: torch.Tensor, ks: torch.Tensor, scaling: float, features: int, steps: int, lr: float,
-              queries: int, seed: int, beyond: int = 0, sinks: int = 0
+              queries: int, seed: int, beyond: int = 0, sinks: int = 0,
+              feats: tuple[torch.Tensor, torch.Tensor] | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Hedgehog maps ``(Wq, Wk)`` ``(H, f, d)`` for one layer from ``qs``, ``ks`` ``(N, H, T, d)``;
     returns them with each head's first and last KL(softmax weights || kernel weights) per query
     (nats, ``(H,)``). The heads are fitted independently (Adam's steps are per weight), so the
     heads of several layers stacked along ``H`` fit in one call as they would one layer at a time.
     ``beyond`` > 0: fit the softmax restricted to the keys more than ``beyond`` - 1 tokens back
-    (past the window) and not among the first ``sinks`` (what a memory beside the window returns)."""
+    (past the window) and not among the first ``sinks`` (what a memory beside the window returns).
+    ``feats``: the maps' inputs when they are not ``qs``, ``ks`` (position-free ones, ``--distance``)."""
     g = torch.Generator().manual_seed(seed)
     N, H, T, d = qs.shape
     wq = torch.nn.Parameter((torch.randn(H, features, d, generator=g) * d ** -0.5).to(qs.device))
@@ -98,7 +106,7 @@ def fit_layer(qs: torch.Tensor, ks: torch.Tensor, scaling: float, features: int,
     first = last = None
     for step in range(steps):
         n = int(torch.randint(N, (1,), generator=g))
-        q, k, causal, scores = sampled_rows(qs, ks, n, g, queries, scaling, beyond, sinks)
+        q, k, causal, scores = sampled_rows(qs, ks, n, g, queries, scaling, beyond, sinks, feats)
         target = scores.masked_fill(~causal, float("-inf")).softmax(-1)
         kappa = hedgehog(q, wq) @ hedgehog(k, wk).transpose(-1, -2) * causal
         logp = (kappa / kappa.sum(-1, keepdim=True)).clamp_min(1e-30).log()
@@ -114,7 +122,8 @@ def fit_layer(qs: torch.Tensor, ks: torch.Tensor, scaling: float, features: int,
 
 @torch.no_grad()
 def fit_log_scale(qs: torch.Tensor, ks: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, scaling: float,
-                  beyond: int, sinks: int, queries: int, seed: int) -> torch.Tensor:
+                  beyond: int, sinks: int, queries: int, seed: int,
+                  feats: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``(H, d + 1)``: per head, a linear function of the query whose value approximates
     ``log sum_j exp(s_tj) - log sum_j phi_q(q_t) . phi_k(k_j)`` over the keys ``j`` beyond the window,
     so that ``log K_t + [q_t, 1] . coef`` estimates the softmax's unnormalised mass beyond the
@@ -124,7 +133,7 @@ def fit_log_scale(qs: torch.Tensor, ks: torch.Tensor, wq: torch.Tensor, wk: torc
     g = torch.Generator().manual_seed(seed)
     xs, ys = [], []
     for n in range(qs.shape[0]):
-        q, k, keep, scores = sampled_rows(qs, ks, n, g, queries, scaling, beyond, sinks)
+        q, k, keep, scores = sampled_rows(qs, ks, n, g, queries, scaling, beyond, sinks, feats)
         lse = scores.masked_fill(~keep, float("-inf")).logsumexp(-1)  # (1, H, R)
         mass = (hedgehog(q, wq) @ hedgehog(k, wk).transpose(-1, -2) * keep).sum(-1).clamp_min(1e-30).log()
         xs.append(torch.cat([q[0], torch.ones_like(q[0, ..., :1])], dim=-1))  # (H, R, d + 1)
@@ -147,6 +156,9 @@ def main() -> None:
     ap.add_argument("--sinks", type=int, default=4, help="with --beyond: the first tokens left out (the window's sinks)")
     ap.add_argument("--repeats", type=int, default=0,
                     help="write this many long-range repeats (retrofit.data.recall, style repeats) into each sequence")
+    ap.add_argument("--distance", type=int, default=None,
+                    help="fit position-free maps: queries at this RoPE distance from keys rotated back to 0 "
+                         "(the hedgehog method's memory_distance), against the base's true attention")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--joint", action="store_true",
@@ -176,12 +188,17 @@ def main() -> None:
     for group in groups:  # the layers fitted together: their heads stacked along H
         qs = torch.cat([torch.cat([p[li][0] for p in per_seq]) for li in group], dim=1)
         ks = torch.cat([torch.cat([p[li][1] for p in per_seq]) for li in group], dim=1)
+        feats = None
+        if args.distance is not None:  # every sequence sits at positions 0..T-1: rotate back to 0, queries to D
+            inv_freq = get_patch(model).rope_inv_freq(layers[group[0]]).to(qs.device)
+            feats = (rope_rotate(rope_to_origin(qs, inv_freq), torch.tensor(float(args.distance)), inv_freq),
+                     rope_to_origin(ks, inv_freq))
         wq, wk, first, last = fit_layer(qs, ks, layers[group[0]].scaling, args.features, args.steps, args.lr,
                                         args.queries, args.seed + group[0], args.beyond,
-                                        args.sinks if args.beyond else 0)
+                                        args.sinks if args.beyond else 0, feats)
         scale = fit_log_scale(qs, ks, wq, wk, layers[group[0]].scaling, args.beyond, args.sinks,
-                              args.queries, args.seed + group[0]) if args.beyond else None
-        del qs, ks
+                              args.queries, args.seed + group[0], feats) if args.beyond else None
+        del qs, ks, feats
         for i, li in enumerate(group):
             heads = slice(i * wq.shape[0] // len(group), (i + 1) * wq.shape[0] // len(group))
             tensors[f"layers.{li}.query"] = wq[heads].cpu().contiguous()

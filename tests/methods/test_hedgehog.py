@@ -9,7 +9,7 @@ import torch
 
 from retrofit.errors import SpecError
 from retrofit.layers import HedgehogAttention
-from retrofit.ops import repeat_kv_heads
+from retrofit.ops import repeat_kv_heads, rope_rotate
 from retrofit.patches import get_patch
 from retrofit.surgery import convert, new_parameter_names
 from retrofit.surgery.probe import closed_latent_path
@@ -51,13 +51,18 @@ def test_only_the_read_is_new_and_trainable(family):
     assert not attn.memory_scale.weight.any()
 
 
-def _dense_expected(attn, patch, x, pe, mask, sinks):
+def _dense_expected(attn, patch, x, pe, mask, sinks, distance=None):
     """o_proj((sum_win e^s v + e^c sum_beyond phi_q.phi_k v) / (sum_win e^s + e^c sum_beyond phi_q.phi_k)),
-    the window holding the last W real tokens and the first ``sinks`` real ones, in float64."""
+    the window holding the last W real tokens and the first ``sinks`` real ones, in float64. With
+    ``distance``, the read's queries and keys are the pre-RoPE ones at positions ``distance`` and 0."""
     q, k, v = patch.project_qkv(attn, x, pe)
     H = q.shape[1]
     q, k, v = q.double(), repeat_kv_heads(k, H).double(), repeat_kv_heads(v, H).double()
     T = q.shape[2]
+    mq, mk = q, k
+    if distance is not None:  # attention_inputs puts every row at positions 0..T-1
+        pre_q, pre_k = (rope_rotate(x, -torch.arange(T), attn.rope_inv_freq) for x in (q, k))
+        mq, mk = rope_rotate(pre_q, torch.full((T,), distance), attn.rope_inv_freq), pre_k
     s = (q @ k.transpose(-1, -2)) * patch.scaling(attn)
     if patch.softcap(attn):
         s = torch.tanh(s / patch.softcap(attn)) * patch.softcap(attn)
@@ -68,12 +73,12 @@ def _dense_expected(attn, patch, x, pe, mask, sinks):
     sink = causal & (rank[:, None, :] < sinks)
     softmax_keys = window | sink
     beyond = causal & ~softmax_keys
-    z = lambda w: torch.einsum("bhtd,hfd->bhtf", w, attn.feature_query.weight.double())
-    zk = torch.einsum("bhtd,hfd->bhtf", k, attn.feature_key.weight.double())
-    phi_q = torch.cat([z(q).softmax(-1), (-z(q)).softmax(-1)], -1)
+    zq = torch.einsum("bhtd,hfd->bhtf", mq, attn.feature_query.weight.double())
+    zk = torch.einsum("bhtd,hfd->bhtf", mk, attn.feature_key.weight.double())
+    phi_q = torch.cat([zq.softmax(-1), (-zq).softmax(-1)], -1)
     phi_k = torch.cat([zk.softmax(-1), (-zk).softmax(-1)], -1)
     kappa = (phi_q @ phi_k.transpose(-1, -2)) * beyond[:, None]
-    c = torch.einsum("bhtd,hd->bht", q, attn.memory_scale.weight.double()) + attn.memory_scale.bias.double()[:, None]
+    c = torch.einsum("bhtd,hd->bht", mq, attn.memory_scale.weight.double()) + attn.memory_scale.bias.double()[:, None]
     e = s.masked_fill(~softmax_keys[:, None], float("-inf"))
     m = e.amax(-1, keepdim=True)
     num = (e - m).exp() @ v + (c[..., None] - m).exp() * (kappa @ v)
@@ -81,9 +86,10 @@ def _dense_expected(attn, patch, x, pe, mask, sinks):
     return patch.project_out(attn, (num / den).to(x.dtype))
 
 
-@pytest.mark.parametrize("family,sinks", [("llama", 0), ("llama", 2), ("gemma2", 1)])  # gemma2: GQA + softcap
-def test_layer_equals_one_normalisation_over_window_sinks_and_read(family, sinks):
-    model = _convert(family, sinks=sinks, sink_distance=0)
+@pytest.mark.parametrize("family,sinks,distance", [("llama", 0, None), ("llama", 2, None), ("gemma2", 1, None),
+                                                    ("llama", 2, 9), ("qwen2", 0, 0)])  # gemma2: GQA + softcap
+def test_layer_equals_one_normalisation_over_window_sinks_and_read(family, sinks, distance):
+    model = _convert(family, sinks=sinks, sink_distance=0, memory_distance=distance)
     x, pe = attention_inputs(model)
     patch = get_patch(model)
     attn = model.model.layers[0].self_attn
@@ -92,7 +98,7 @@ def test_layer_equals_one_normalisation_over_window_sinks_and_read(family, sinks
     mask[1, :5] = False
     with torch.no_grad():
         got, _ = attn(x, position_embeddings=pe, attention_mask=mask)
-        want = _dense_expected(attn, patch, x, pe, mask, sinks)
+        want = _dense_expected(attn, patch, x, pe, mask, sinks, distance)
     torch.testing.assert_close(got[mask], want[mask], rtol=1e-4, atol=1e-5)
     assert (got[~mask] == 0).all()
 
@@ -125,11 +131,12 @@ def test_only_new_weights_get_gradients():
     assert not model.model.layers[0].self_attn.supports("window_dropout")
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_decoding_through_the_cache_equals_one_forward(family):
+@pytest.mark.parametrize("family,distance", [("llama", None), ("gemma2", None), ("llama", 7)])
+def test_decoding_through_the_cache_equals_one_forward(family, distance):
     """A prefill, single steps, a 5-token chunk, then steps again: the state of the keys beyond the
-    window and the window travel through the cache; left-padded rows and a padded token while decoding."""
-    model = _convert(family, sinks=2, chunk_size=4)
+    window (with ``memory_distance``, the window's keys rotated back) and the window travel through
+    the cache; left-padded rows (whose positions count real tokens) and a padded token while decoding."""
+    model = _convert(family, sinks=2, chunk_size=4, memory_distance=distance)
     _perturb_new_weights(model, scale=0.3)
     ids = torch.randint(3, 256, (2, 50))
     mask = torch.ones(2, 50, dtype=torch.long)
@@ -149,3 +156,25 @@ def test_bad_options_are_spec_errors():
         _convert(features=0)
     with pytest.raises(SpecError, match="init_log_scale"):
         _convert(init_log_scale=float("inf"))
+    with pytest.raises(SpecError, match="memory_distance"):
+        _convert(memory_distance=-1)
+
+
+@pytest.mark.parametrize("distance", [None, 5])
+def test_memory_distance_makes_the_layer_blind_to_absolute_position(distance):
+    """Every score then depends on distances only (the window's on its own, the read's on none): the
+    same tokens at positions 0.. and 1000.. give the same output; with true distances the read's
+    features see the rotation and they do not."""
+    model = _convert("llama", sinks=1, sink_distance=0, memory_distance=distance)
+    _perturb_new_weights(model)
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(1, 30, model.config.hidden_size)
+    outs = []
+    with torch.no_grad():
+        for start in (0, 1000):
+            pe = model.model.rotary_emb(x, torch.arange(start, start + 30)[None])
+            outs.append(attn(x, position_embeddings=pe)[0])
+    if distance is None:
+        assert not torch.allclose(outs[0], outs[1], atol=1e-3)
+    else:
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
