@@ -11,17 +11,17 @@ normalisation as the full softmax would weigh them:
 * ``E_t``: the window's (and sinks') softmax mass, ``exp`` of its log-sum-exp;
 * ``num_t``, ``mass_t``: the Hedgehog read of the keys ``s <= t - w`` (not sinks), unnormalised,
   and its normaliser ``sum_s phi_q(q_t) . phi_k(k_s)`` (:mod:`retrofit.ops.hedgehog`);
-* ``c(q_t) = a_h . q_t + b_h`` per query head (``memory_scale``): the log of the factor between
-  the kernel's mass and the softmax's unnormalised mass beyond the window (a product of features
-  is scaled unlike ``exp(q.k)``), so that ``p_t`` approximates the share of the full attention
-  beyond the window. Fitted maps and scales imitate the base without any network training
+* ``c(q_t) = a_h . q_t + b_h + g_h log n_t`` per query head (``memory_scale``; ``n_t`` the keys in
+  the memory): the log of the factor between the kernel's mass and the softmax's unnormalised mass
+  beyond the window (a product of features is scaled unlike ``exp(q.k)``), so that ``p_t``
+  approximates the share of the full attention beyond the window. Fitted maps and scales imitate the base without any network training
   (BENCHMARKS.md, "A share a linear-time layer could compute"); the transfer objective trains them.
 
 Queries and keys are the pretrained post-RoPE ones (keys repeated over their GQA group), values
 the pretrained ones. The state per query head is ``(2f x D)`` plus ``2f``: constant in the length.
 
 New weights: ``feature_query`` and ``feature_key`` (``(H, f, d)`` maps, equal at conversion, random
-with std ``d^-1/2``) and ``memory_scale`` (``a_h = 0``, ``b_h = init_log_scale``).
+with std ``d^-1/2``) and ``memory_scale`` (``a_h = 0``, ``b_h = init_log_scale``, ``g_h = 0``).
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from retrofit.ops.rope import rope_rotate, rope_unrotate
 from retrofit.ops.sliding_window import sliding_window_attention_with_lse
 
 __all__ = ["DEFAULT_HEDGEHOG_FEATURES", "DEFAULT_INIT_LOG_SCALE", "FeatureMap", "HedgehogAttention",
-           "HedgehogConfig", "HedgehogLayerState", "QueryAffine", "build_hedgehog"]
+           "HedgehogConfig", "HedgehogLayerState", "MemoryScale", "build_hedgehog"]
 
 # f: each map has 2 f features. 2 x 128 fitted to SmolLM2-135M's attention beyond a 1024-token window
 # closes 40% of its closed twin's 4K gap at the base's share, 2 x 512 60% (BENCHMARKS.md).
@@ -99,16 +99,21 @@ class FeatureMap(nn.Module):
         return hedgehog_features(x, self.weight)
 
 
-class QueryAffine(nn.Module):
-    """``c(q) = a_h . q + b_h`` per head: ``(B, H, T, d) -> (B, H, T)`` fp32; ``weight (H, d)``, ``bias (H,)``."""
+class MemoryScale(nn.Module):
+    """``c(q, n) = a_h . q + b_h + g_h log n`` per head, ``n`` the keys in the memory: ``(B, H, T, d)``
+    and ``log n (B, 1 | H, T)`` ``-> (B, H, T)`` fp32; ``weight (H, d)``, ``bias (H,)``, ``count_weight (H,)``.
+    ``g_h < 0`` lets the read's share grow slower than its key count (the softmax's far keys score
+    lower the farther they are; a position-free read cannot see that)."""
 
     def __init__(self, heads: int, dim: int, **kw: Any):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(heads, dim, **kw))
         self.bias = nn.Parameter(torch.empty(heads, **kw))
+        self.count_weight = nn.Parameter(torch.empty(heads, **kw))
 
-    def forward(self, q: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("bhtd,hd->bht", q.float(), self.weight.float()) + self.bias.float()[:, None]
+    def forward(self, q: torch.Tensor, log_count: torch.Tensor) -> torch.Tensor:
+        return (torch.einsum("bhtd,hd->bht", q.float(), self.weight.float()) + self.bias.float()[:, None]
+                + self.count_weight.float()[:, None] * log_count.float())
 
 
 @dataclass
@@ -184,7 +189,7 @@ class HedgehogAttention(MacchiatoAttention):
         H, d = self.num_heads, self.head_dim
         self.feature_query = FeatureMap(H, self.features, d, **kw)
         self.feature_key = FeatureMap(H, self.features, d, **kw)
-        self.memory_scale = QueryAffine(H, d, **kw)
+        self.memory_scale = MemoryScale(H, d, **kw)
         self.reset_new_parameters(generator)
 
     @torch.no_grad()
@@ -198,6 +203,7 @@ class HedgehogAttention(MacchiatoAttention):
         self.feature_key.weight.copy_(maps)
         self.memory_scale.weight.zero_()
         self.memory_scale.bias.fill_(self.init_log_scale)
+        self.memory_scale.count_weight.zero_()
 
     def supports(self, capability: str) -> bool:
         return super(MacchiatoAttention, self).supports(capability)
@@ -244,6 +250,16 @@ class HedgehogAttention(MacchiatoAttention):
         mk = torch.cat([previous.window_keys.to(new_keys.dtype), new_keys], dim=2)
         return mq, mk, mk
 
+    def memory_count(self, write: torch.Tensor, num_past: int, T: int, previous: HedgehogLayerState | None):
+        """``(B, T)`` fp32: the keys in the memory each new query reads (the state's, whose every key adds
+        2 to ``z``'s sum since each half of a feature vector sums to 1, plus this call's ``j <= i + P - w``)."""
+        seen = F.pad(write.float().cumsum(-1), (1, 0))  # seen[n]: written keys among the first n
+        upto = (torch.arange(T, device=write.device) + num_past - self.window + 1).clamp(0, write.shape[-1])
+        count = seen[:, upto]
+        if previous is not None:
+            count = count + previous.z[:, 0].float().sum(-1, keepdim=True) / 2
+        return count
+
     def attend(self, q, k, v, valid, cache, *, hidden_states, position_embeddings):
         B, H, T, _ = q.shape
         previous: HedgehogLayerState | None = cache.state if cache is not None else None
@@ -269,8 +285,10 @@ class HedgehogAttention(MacchiatoAttention):
                 keep = max(self.window - 1, 0)
                 kept = None if window_keys is None else window_keys[:, :, window_keys.shape[2] - min(keep, Tk):]
                 state = HedgehogLayerState(memory.S, memory.z, None if kept is None else kept.contiguous())
+            count = self.memory_count(write, num_past, T, previous)
             has = mass > 0
-            share = torch.where(has, torch.sigmoid(mass.clamp_min(1e-30).log() + self.memory_scale(mq) - lse), 0.0)
+            scale = self.memory_scale(mq, count.clamp_min(1.0).log()[:, None])
+            share = torch.where(has, torch.sigmoid(mass.clamp_min(1e-30).log() + scale - lse), 0.0)
             read = num / torch.where(has, mass, 1.0)[..., None]
             out = swa + (share[..., None] * (read - swa.float())).to(swa.dtype)
             if valid_all is not None:  # padded queries output 0, as the window kernels do

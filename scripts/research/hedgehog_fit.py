@@ -124,9 +124,9 @@ def fit_layer(qs: torch.Tensor, ks: torch.Tensor, scaling: float, features: int,
 def fit_log_scale(qs: torch.Tensor, ks: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, scaling: float,
                   beyond: int, sinks: int, queries: int, seed: int,
                   feats: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """``(H, d + 1)``: per head, a linear function of the query whose value approximates
+    """``(H, d + 2)``: per head, a linear function of the query whose value approximates
     ``log sum_j exp(s_tj) - log sum_j phi_q(q_t) . phi_k(k_j)`` over the keys ``j`` beyond the window,
-    so that ``log K_t + [q_t, 1] . coef`` estimates the softmax's unnormalised mass beyond the
+    and of the log of their count ``n_t``, so that ``log K_t + [q_t, 1, log n_t] . coef`` estimates the softmax's unnormalised mass beyond the
     window from the linear state's normaliser ``K_t`` alone (least squares over sampled rows of
     every sequence). Mixed with the window's log-sum-exp, it gives the memory a share that a layer
     can compute without the keys it no longer holds."""
@@ -136,10 +136,11 @@ def fit_log_scale(qs: torch.Tensor, ks: torch.Tensor, wq: torch.Tensor, wk: torc
         q, k, keep, scores = sampled_rows(qs, ks, n, g, queries, scaling, beyond, sinks, feats)
         lse = scores.masked_fill(~keep, float("-inf")).logsumexp(-1)  # (1, H, R)
         mass = (hedgehog(q, wq) @ hedgehog(k, wk).transpose(-1, -2) * keep).sum(-1).clamp_min(1e-30).log()
-        xs.append(torch.cat([q[0], torch.ones_like(q[0, ..., :1])], dim=-1))  # (H, R, d + 1)
+        log_count = keep.sum(-1).clamp_min(1).float().log()[None, :, None].expand(q.shape[1], -1, 1).to(q.device)
+        xs.append(torch.cat([q[0], torch.ones_like(q[0, ..., :1]), log_count], dim=-1))  # (H, R, d + 2)
         ys.append((lse - mass)[0])  # (H, R)
     x, y = torch.cat(xs, dim=1), torch.cat(ys, dim=1)
-    return torch.linalg.lstsq(x, y[..., None]).solution[..., 0]  # (H, d + 1)
+    return torch.linalg.lstsq(x, y[..., None]).solution[..., 0]  # (H, d + 2)
 
 
 def main() -> None:

@@ -55,8 +55,11 @@ def main() -> None:
                 raise SystemExit(f"error: {args.maps} has no layers.{li}.log_scale: fit it with hedgehog_fit.py --beyond")
             attn.feature_query.weight.copy_(maps[f"layers.{li}.query"])
             attn.feature_key.weight.copy_(maps[f"layers.{li}.key"])
-            attn.memory_scale.weight.copy_(scale[:, :-1])
-            attn.memory_scale.bias.copy_(scale[:, -1])
+            d = attn.head_dim  # (H, d + 1): [a, b]; (H, d + 2): [a, b, g] (fitted with the key count)
+            attn.memory_scale.weight.copy_(scale[:, :d])
+            attn.memory_scale.bias.copy_(scale[:, d])
+            if scale.shape[1] == d + 2:
+                attn.memory_scale.count_weight.copy_(scale[:, d + 1])
     save_delta(model, args.out, base_model=args.model, overwrite=args.overwrite)
     print(f"saved {args.out}")
 

@@ -176,7 +176,10 @@ def oracle_attend(layer: DeltaAttention, rung: str, needle: tuple[int, int], tai
             if lse_share:  # realizable: the read's own mass (fitted scale) against the window's log-sum-exp
                 qt, oracle = q[:, :, -R:].float(), share[:, :, -R:].clone()
                 tail_read, _, mass = kernel_read(qt, kr, layer.scaling, beyond, vr, kind, maps, top, details=True)
-                log_scale = torch.einsum("bhrd,hd->bhr", qt, maps[2][:, :-1]) + maps[2][:, -1][None, :, None]
+                d = qt.shape[-1]  # log_scale (H, d + 1): [a, b]; (H, d + 2): [a, b, g] with g . log(key count)
+                log_scale = torch.einsum("bhrd,hd->bhr", qt, maps[2][:, :d]) + maps[2][:, d][None, :, None]
+                if maps[2].shape[1] == d + 2:
+                    log_scale = log_scale + maps[2][:, d + 1][None, :, None] * beyond.sum(-1).clamp_min(1).log()
                 lse_window = scores.masked_fill(beyond | (j_idx > t_idx), float("-inf")).logsumexp(-1)
                 share[:, :, -R:] = torch.where(mass > 0, torch.sigmoid(mass.clamp_min(1e-30).log() + log_scale
                                                                        - lse_window), 0.0)

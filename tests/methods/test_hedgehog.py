@@ -48,7 +48,7 @@ def test_only_the_read_is_new_and_trainable(family):
     assert attn.feature_query.weight.shape == (attn.num_heads, 8, attn.head_dim)
     assert torch.equal(attn.feature_query.weight, attn.feature_key.weight)
     assert torch.equal(attn.memory_scale.bias, torch.full_like(attn.memory_scale.bias, -1.5))
-    assert not attn.memory_scale.weight.any()
+    assert not attn.memory_scale.weight.any() and not attn.memory_scale.count_weight.any()
 
 
 def _dense_expected(attn, patch, x, pe, mask, sinks, distance=None):
@@ -78,7 +78,9 @@ def _dense_expected(attn, patch, x, pe, mask, sinks, distance=None):
     phi_q = torch.cat([zq.softmax(-1), (-zq).softmax(-1)], -1)
     phi_k = torch.cat([zk.softmax(-1), (-zk).softmax(-1)], -1)
     kappa = (phi_q @ phi_k.transpose(-1, -2)) * beyond[:, None]
-    c = torch.einsum("bhtd,hd->bht", mq, attn.memory_scale.weight.double()) + attn.memory_scale.bias.double()[:, None]
+    n = beyond.double().sum(-1).clamp_min(1)[:, None]  # (B, 1, T) keys in the memory
+    c = (torch.einsum("bhtd,hd->bht", mq, attn.memory_scale.weight.double()) + attn.memory_scale.bias.double()[:, None]
+         + attn.memory_scale.count_weight.double()[:, None] * n.log())
     e = s.masked_fill(~softmax_keys[:, None], float("-inf"))
     m = e.amax(-1, keepdim=True)
     num = (e - m).exp() @ v + (c[..., None] - m).exp() * (kappa @ v)
