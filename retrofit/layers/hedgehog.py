@@ -244,9 +244,6 @@ class HedgehogAttention(MacchiatoAttention):
         new_keys = rope_unrotate(k_all[:, :, -T:], cos, sin)
         if k_all.shape[2] == T:
             return mq, new_keys, new_keys
-        if previous is None or previous.window_keys is None:
-            raise RuntimeError("this cache was filled with the read closed (latent_path_closed); it cannot be "
-                               "continued with the read open: start a new cache")
         mk = torch.cat([previous.window_keys.to(new_keys.dtype), new_keys], dim=2)
         return mq, mk, mk
 
@@ -268,6 +265,9 @@ class HedgehogAttention(MacchiatoAttention):
         state = None
         out = swa
         if not self.latent_path_closed:
+            if cache is not None and cache.cumulative_length and previous is None:
+                raise RuntimeError("this cache was filled with the read closed (latent_path_closed), so it holds no "
+                                   "memory of the keys before: start a new cache to decode with the read open")
             first = (cache.cumulative_length if cache is not None else 0) - num_past  # stream position of k_all[0]
             Tk = k_all.shape[2]
             stored = max(min(T + num_past - self.window + 1, Tk), 0)  # keys a query (or the state) takes here

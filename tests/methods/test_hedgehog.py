@@ -180,3 +180,18 @@ def test_memory_distance_makes_the_layer_blind_to_absolute_position(distance):
         assert not torch.allclose(outs[0], outs[1], atol=1e-3)
     else:
         torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=1e-4)
+
+
+def test_a_cache_filled_with_the_read_closed_refuses_to_continue_open():
+    """Closed, the layer keeps no memory of the keys leaving its window; reopening on that cache
+    would silently read nothing of them, so it raises instead."""
+    from retrofit.layers.cache import RetrofitCache
+
+    model = _convert("llama", memory_distance=4)
+    ids = torch.randint(3, 256, (1, 20))
+    cache = RetrofitCache(model)
+    with torch.no_grad():
+        with closed_latent_path(model):
+            model(ids[:, :12], past_key_values=cache, use_cache=True)
+        with pytest.raises(RuntimeError, match="start a new cache"):
+            model(ids[:, 12:], past_key_values=cache, use_cache=True)
