@@ -28,7 +28,6 @@ New weights: ``memory_gate``, ``memory_beta``, ``memory_decay`` (each Linear(hid
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -40,8 +39,7 @@ from torch import nn
 from retrofit.errors import SpecError
 from retrofit.layers.base import RetrofitAttention
 from retrofit.layers.macchiato import (
-    SATURATED_LOGIT, MacchiatoAttention, MacchiatoConfig, check_window_options,
-    resolved_window_options,
+    SATURATED_LOGIT, MacchiatoAttention, check_window_options, resolved_window_options, window_option_help,
 )
 from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, register_method
 from retrofit.ops import DeltaState, delta_rule_chunked, delta_rule_step, repeat_kv_heads
@@ -59,7 +57,7 @@ DEFAULT_MEMORY_HALF_LIFE = 4096
 # hurts nothing, retrieval past the window is learnt a little later (2 points behind on a copy).
 DEFAULT_DELTA_SWA_SHARE = 0.98
 # the window branch's options mean what they mean in Macchiato: one help text each
-_SHARED_HELP = {f.name: f.metadata["help"] for f in dataclasses.fields(MacchiatoConfig)}
+_SHARED_HELP = window_option_help()
 
 
 @dataclass

@@ -25,7 +25,6 @@ with std ``d^-1/2``) and ``memory_scale`` (``a_h = 0``, ``b_h = init_log_scale``
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +36,7 @@ from torch import nn
 from retrofit.errors import SpecError
 from retrofit.layers.base import RetrofitAttention
 from retrofit.layers.macchiato import (
-    MacchiatoAttention, MacchiatoConfig, check_window_options, resolved_window_options,
+    MacchiatoAttention, check_window_options, resolved_window_options, window_option_help,
 )
 from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, register_method
 from retrofit.ops import repeat_kv_heads, sink_window_attention
@@ -55,7 +54,7 @@ DEFAULT_HEDGEHOG_FEATURES = 128
 # layer 3.4-7.0): the kernel's mass is e^5 times smaller than the softmax's. Starting lower keeps an
 # untrained read (random maps) at a few percent of the share it will earn.
 DEFAULT_INIT_LOG_SCALE = 2.0
-_SHARED_HELP = {f.name: f.metadata["help"] for f in dataclasses.fields(MacchiatoConfig)}
+_SHARED_HELP = window_option_help()
 
 
 @dataclass

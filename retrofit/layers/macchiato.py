@@ -26,6 +26,8 @@ symmetry between latents; the conv starts as the identity.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import warnings
 from dataclasses import dataclass
@@ -103,6 +105,12 @@ class MacchiatoConfig(MethodConfig):
                  f"conv_size={self.conv_size}"]
         sinks = [f"sinks={self.sinks}"] + ([f"sink_distance={self.sink_distance}"] if self.sink_distance else [])
         return ", ".join(parts + (sinks if self.sinks else []))
+
+
+def window_option_help() -> dict[str, str]:
+    """The help text of each of Macchiato's options, for the window branch's options of the
+    methods that share it (one text per option, written once in :class:`MacchiatoConfig`)."""
+    return {f.name: f.metadata["help"] for f in dataclasses.fields(MacchiatoConfig)}
 
 
 def check_window_options(config: Any) -> None:

@@ -131,3 +131,26 @@ def stepwise_logits(model, ids, mask, prefill, slots: bool, chunk_after: int | N
             outs.append(model(ids[:, t : t + n], attention_mask=mask[:, : t + n], past_key_values=cache, use_cache=True).logits)
             t += n
     return torch.cat(outs, dim=1), cache
+
+
+def assert_closed_is_the_window_with_sinks(method: str, window: int, options: dict, perturb) -> None:
+    """Closed (the eval's `closed` variant, the probe), a ``method`` conversion with 2 sinks is the
+    base run with a ``window``-token window plus those sinks, whatever ``perturb(model)`` did to its
+    new weights; open, it is not."""
+    from retrofit.surgery import convert
+    from retrofit.surgery.probe import closed_latent_path
+
+    base = tiny_model("qwen2")
+    ref = pattern_reference(base, lambda qr, kr: (kr <= qr) & ((kr > qr - window) | (kr < 2)))
+    model = convert(base, method=method, window=window, options={"sinks": 2, **options})
+    perturb(model)
+    ids, mask, pos = batch(T=25)
+    real = mask.bool()
+    with torch.no_grad(), closed_latent_path(model) as closed:
+        got = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        want = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    assert closed == 2
+    torch.testing.assert_close(got[real], want[real], atol=2e-4, rtol=2e-4)
+    with torch.no_grad():
+        opened = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    assert not torch.allclose(opened[real], want[real], atol=1e-2)

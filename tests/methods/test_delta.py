@@ -12,8 +12,7 @@ from retrofit.layers import DeltaAttention
 from retrofit.ops import delta_rule_reference, repeat_kv_heads, sliding_window_attention_reference
 from retrofit.patches import get_patch
 from retrofit.surgery import convert, new_parameter_names
-from retrofit.surgery.probe import closed_latent_path
-from tests.methods._common import attention_inputs, batch, pattern_reference, tiny_model
+from tests.methods._common import assert_closed_is_the_window_with_sinks, attention_inputs, batch, pattern_reference, tiny_model
 from tests.methods._common import stepwise_logits as _steps
 
 W = 6
@@ -91,22 +90,8 @@ def test_layer_equals_the_dense_references_of_its_branches(family):
 
 
 def test_closed_memory_is_the_window_with_sinks_anchor():
-    """Closed (the eval's `closed` variant, the probe): every layer is the w-token window plus 2
-    sinks, whatever the trained memory weights; open, it is not."""
-    base = tiny_model("qwen2")
-    ref = pattern_reference(base, lambda qr, kr: (kr <= qr) & ((kr > qr - W) | (kr < 2)))
-    model = convert(base, method="delta", window=W, options={"sinks": 2})
-    _perturb_new_weights(model)
-    ids, mask, pos = batch(T=25)
-    real = mask.bool()
-    with torch.no_grad(), closed_latent_path(model) as closed:
-        got = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-        want = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-    assert closed == 2
-    torch.testing.assert_close(got[real], want[real], atol=2e-4, rtol=2e-4)
-    with torch.no_grad():
-        opened = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
-    assert not torch.allclose(opened[real], want[real], atol=1e-2)
+    """Closed, every layer is the w-token window plus 2 sinks, whatever its trained weights; open, it is not."""
+    assert_closed_is_the_window_with_sinks("delta", W, {}, _perturb_new_weights)
 
 
 def test_init_share_one_starts_closed():
