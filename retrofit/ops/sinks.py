@@ -284,8 +284,9 @@ def _one_dense_softmax(q, k, v, window, sink_k, sink_v, sink_idx, sink_valid, *,
         q_valid = kpm[:, num_past:]
         band = (band & kpm[:, None, :]) | ((k_pos == q_pos) & ~q_valid[:, :, None])
         seen = seen & q_valid[:, :, None]
-    out, lse = masked_dense_attention(q, kk, vv, torch.cat([seen, band], dim=-1), scaling=scaling, softcap=softcap,
-                                      with_lse=True)
+    result = masked_dense_attention(q, kk, vv, torch.cat([seen, band], dim=-1), scaling=scaling, softcap=softcap,
+                                    with_lse=with_lse)
+    out, lse = result if with_lse else (result, None)
     if q_valid is not None:
         out = out * q_valid[:, None, :, None].to(out.dtype)
     return (out, lse) if with_lse else out

@@ -315,3 +315,27 @@ def test_capped_sink_keys_give_one_query_the_capped_scores():
     plain = torch.matmul(grp, sk_rot.transpose(-1, -2))
     is_far = (t - sidx) > distance  # (B, n): row 1's sink at 9 is within the cap
     torch.testing.assert_close(via_keys, torch.where(is_far[:, None, None], via_far, plain))
+
+
+@pytest.mark.parametrize("T", [9, 37])  # 9: the one dense softmax of few queries; 37: the window kernel + merge
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_with_lse_returns_the_log_sum_exp_over_window_and_sinks(T, softcap):
+    """``with_lse``: the same output, and the log-sum-exp of each query's scores over its window keys
+    and the sinks before its window, against the scores written densely (left padding)."""
+    q, k, v = _inputs(T=T)
+    window, n = 4, 2
+    mask = _padding(2, T, (0, 3))
+    idx = torch.arange(T).expand(2, T)
+    sidx, svalid, sk, sv = first_valid(n, idx, mask, k, v)
+    out, lse = sink_window_attention(q, k, v, window, sk, sv, sidx, svalid, softcap=softcap, key_padding_mask=mask,
+                                     with_lse=True)
+    torch.testing.assert_close(out, _whole(q, k, v, window, n, mask, softcap), atol=1e-12, rtol=1e-12)
+    s = (q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    t, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    rank = mask.long().cumsum(1) - 1
+    allowed = (j <= t) & mask[:, None, :] & ((j > t - window) | (rank[:, None, :] < n))
+    want = s.masked_fill(~allowed[:, None], float("-inf")).logsumexp(-1)
+    real = mask[:, None, :].expand_as(want)
+    torch.testing.assert_close(lse[real], want[real], atol=1e-10, rtol=1e-10)
