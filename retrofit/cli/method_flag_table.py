@@ -10,7 +10,7 @@ TABLE: dict[str, dict] = {'window': {'flag': '--window',
             'kind': 'int',
             'nullable': True,
             'help': "sliding window w in tokens (default 128, or the family's native window with --layers "
-                    'global) [macchiato: None, delta: None, lavo: None]'},
+                    'global) [macchiato: None, delta: None, hedgehog: None, lavo: None]'},
  'latents': {'flag': '--latents',
              'kind': 'int',
              'nullable': False,
@@ -28,24 +28,41 @@ TABLE: dict[str, dict] = {'window': {'flag': '--window',
  'sinks': {'flag': '--sinks',
            'kind': 'int',
            'nullable': False,
-           'help': 'attention sinks: the window branch also sees the first n tokens [macchiato: 0, delta: '
-                   '0]'},
+           'help': 'attention sinks: the window branch also sees the first n tokens [macchiato: 0, delta: 0, '
+                   'hedgehog: 0]'},
  'sink_distance': {'flag': '--sink-distance',
                    'kind': 'int',
                    'nullable': True,
                    'help': 'cap on the RoPE distance a query sees to a sink (StreamingLLM-style '
                            "re-positioning; default the base's max_position_embeddings - 1, so nothing "
-                           'changes inside its context; 0 = no cap) [macchiato: None, delta: None]'},
+                           'changes inside its context; 0 = no cap) [macchiato: None, delta: None, hedgehog: '
+                           'None]'},
  'chunk_size': {'flag': '--chunk-size',
                 'kind': 'int',
                 'nullable': False,
                 'help': 'chunk length of the chunkwise-parallel scan over the new state [macchiato: 64, '
-                        'delta: 64, exp-linear: 64]'},
+                        'delta: 64, exp-linear: 64, hedgehog: 64]'},
  'memory_half_life': {'flag': '--memory-half-life',
                       'kind': 'int',
                       'nullable': False,
                       'help': "tokens over which a stored value halves at conversion (the decay gate's "
                               'initial bias; 0 = no decay) [delta: 4096]'},
+ 'features': {'flag': '--features',
+              'kind': 'int',
+              'nullable': False,
+              'help': 'f: each Hedgehog feature map has 2 f features (softmax(Wx) and softmax(-Wx)) '
+                      '[hedgehog: 128]'},
+ 'init_log_scale': {'flag': '--init-log-scale',
+                    'kind': 'float',
+                    'nullable': False,
+                    'help': "initial log-factor between the read's mass and the softmax's beyond the window "
+                            "(memory_scale's bias) [hedgehog: 2.0]"},
+ 'memory_distance': {'flag': '--memory-distance',
+                     'kind': 'int',
+                     'nullable': True,
+                     'help': 'score every key beyond the window as if exactly this many tokens before its '
+                             'query (RoPE distance): the read then depends on no position and holds past the '
+                             'lengths it was fitted or trained on (None: true distances) [hedgehog: None]'},
  'bases': {'flag': '--bases',
            'kind': 'int',
            'nullable': True,
