@@ -154,3 +154,12 @@ def assert_closed_is_the_window_with_sinks(method: str, window: int, options: di
     with torch.no_grad():
         opened = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
     assert not torch.allclose(opened[real], want[real], atol=1e-2)
+
+
+def perturb_new_weights(model: torch.nn.Module, scale: float = 0.5) -> None:
+    """Add seeded noise to every trainable weight (trained-looking new weights)."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(scale * torch.randn(p.shape, generator=g))

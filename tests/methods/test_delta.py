@@ -12,7 +12,7 @@ from retrofit.layers import DeltaAttention
 from retrofit.ops import delta_rule_reference, repeat_kv_heads, sliding_window_attention_reference
 from retrofit.patches import get_patch
 from retrofit.surgery import convert, new_parameter_names
-from tests.methods._common import assert_closed_is_the_window_with_sinks, attention_inputs, batch, pattern_reference, tiny_model
+from tests.methods._common import assert_closed_is_the_window_with_sinks, perturb_new_weights, attention_inputs, batch, pattern_reference, tiny_model
 from tests.methods._common import stepwise_logits as _steps
 
 W = 6
@@ -21,14 +21,6 @@ MEMORY = {"memory_gate", "memory_beta", "memory_decay", "memory_query_map", "mem
 
 def _convert(family="llama", **options):
     return convert(tiny_model(family), method="delta", window=W, options=options)
-
-
-def _perturb_new_weights(model, scale=0.5):
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(scale * torch.randn(p.shape, generator=g))
 
 
 @pytest.mark.parametrize("family", ["llama", "phi3"])  # phi3: a fused qkv_proj
@@ -70,7 +62,7 @@ def test_layer_equals_the_dense_references_of_its_branches(family):
     x, pe = attention_inputs(model)
     patch = get_patch(model)
     attn = model.model.layers[0].self_attn
-    _perturb_new_weights(model)
+    perturb_new_weights(model)
     mask = torch.ones(2, 37, dtype=torch.bool)
     mask[1, :5] = False
     with torch.no_grad():
@@ -91,7 +83,7 @@ def test_layer_equals_the_dense_references_of_its_branches(family):
 
 def test_closed_memory_is_the_window_with_sinks_anchor():
     """Closed, every layer is the w-token window plus 2 sinks, whatever its trained weights; open, it is not."""
-    assert_closed_is_the_window_with_sinks("delta", W, {}, _perturb_new_weights)
+    assert_closed_is_the_window_with_sinks("delta", W, {}, perturb_new_weights)
 
 
 def test_init_share_one_starts_closed():
@@ -127,7 +119,7 @@ def test_decoding_through_the_cache_equals_one_forward(family, slots):
     """A prefill, single steps, a 5-token chunk, then steps again: the memory state and the window
     travel through the cache; left-padded rows and a padded token while decoding."""
     model = _convert(family, sinks=2, memory_half_life=30, chunk_size=4)
-    _perturb_new_weights(model, scale=0.3)
+    perturb_new_weights(model, scale=0.3)
     ids = torch.randint(3, 256, (2, 50))
     mask = torch.ones(2, 50, dtype=torch.long)
     mask[1, :4] = 0

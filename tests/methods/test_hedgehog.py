@@ -13,7 +13,7 @@ from retrofit.ops import repeat_kv_heads, rope_rotate
 from retrofit.patches import get_patch
 from retrofit.surgery import convert, new_parameter_names
 from retrofit.surgery.probe import closed_latent_path
-from tests.methods._common import assert_closed_is_the_window_with_sinks, attention_inputs, tiny_model
+from tests.methods._common import assert_closed_is_the_window_with_sinks, perturb_new_weights, attention_inputs, tiny_model
 from tests.methods._common import stepwise_logits as _steps
 
 W = 6
@@ -22,14 +22,6 @@ NEW = {"feature_query", "feature_key", "memory_scale"}
 
 def _convert(family="llama", **options):
     return convert(tiny_model(family), method="hedgehog", window=W, options={"features": 8, **options})
-
-
-def _perturb_new_weights(model, scale=0.5):
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(scale * torch.randn(p.shape, generator=g))
 
 
 @pytest.mark.parametrize("family", ["llama", "phi3"])  # phi3: a fused qkv_proj
@@ -95,7 +87,7 @@ def test_layer_equals_one_normalisation_over_window_sinks_and_read(family, sinks
     x, pe = attention_inputs(model)
     patch = get_patch(model)
     attn = model.model.layers[0].self_attn
-    _perturb_new_weights(model)
+    perturb_new_weights(model)
     mask = torch.ones(2, 37, dtype=torch.bool)
     mask[1, :5] = False
     with torch.no_grad():
@@ -107,7 +99,7 @@ def test_layer_equals_one_normalisation_over_window_sinks_and_read(family, sinks
 
 def test_closed_read_is_the_window_with_sinks_anchor():
     """Closed, every layer is the w-token window plus 2 sinks, whatever its trained weights; open, it is not."""
-    assert_closed_is_the_window_with_sinks("hedgehog", W, {"features": 8}, _perturb_new_weights)
+    assert_closed_is_the_window_with_sinks("hedgehog", W, {"features": 8}, perturb_new_weights)
 
 
 def test_only_new_weights_get_gradients():
@@ -127,7 +119,7 @@ def test_decoding_through_the_cache_equals_one_forward(family, distance):
     window (with ``memory_distance``, the window's keys rotated back) and the window travel through
     the cache; left-padded rows (whose positions count real tokens) and a padded token while decoding."""
     model = _convert(family, sinks=2, chunk_size=4, memory_distance=distance)
-    _perturb_new_weights(model, scale=0.3)
+    perturb_new_weights(model, scale=0.3)
     ids = torch.randint(3, 256, (2, 50))
     mask = torch.ones(2, 50, dtype=torch.long)
     mask[1, :4] = 0
@@ -156,7 +148,7 @@ def test_memory_distance_makes_the_layer_blind_to_absolute_position(distance):
     same tokens at positions 0.. and 1000.. give the same output; with true distances the read's
     features see the rotation and they do not."""
     model = _convert("llama", sinks=1, sink_distance=0, memory_distance=distance)
-    _perturb_new_weights(model)
+    perturb_new_weights(model)
     attn = model.model.layers[0].self_attn
     x = torch.randn(1, 30, model.config.hidden_size)
     outs = []
