@@ -19,6 +19,14 @@ normalisation as the full softmax would weigh them:
 
 Queries and keys are the pretrained post-RoPE ones (keys repeated over their GQA group), values
 the pretrained ones. The state per query head is ``(2f x D)`` plus ``2f``: constant in the length.
+Decoding reads the window from the cache's in-place slots (as Macchiato does) with its
+log-sum-exp, and moves the key leaving the window into the state (:func:`hedgehog_read_step`).
+
+With ``memory_distance`` the read is position-free: keys rotated back to position 0 with the
+cos / sin they were rotated with, queries to position ``memory_distance``. A cached key is rotated
+back from the new token's position and its distance to it (the cache keeps no positions), which
+assumes consecutive real tokens sit at consecutive positions, as transformers' default positions
+and ``generate``'s left-padded ones do.
 
 New weights: ``feature_query`` and ``feature_key`` (``(H, f, d)`` maps, equal at conversion, random
 with std ``d^-1/2``) and ``memory_scale`` (``a_h = 0``, ``b_h = init_log_scale``, ``g_h = 0``).
@@ -39,13 +47,13 @@ from retrofit.layers.macchiato import (
     MacchiatoAttention, check_window_options, resolved_window_options, window_option_help,
 )
 from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, register_method
-from retrofit.ops import repeat_kv_heads, sink_window_attention
-from retrofit.ops.hedgehog import HedgehogState, hedgehog_features, hedgehog_read_chunked
+from retrofit.ops import capped_sink_keys, repeat_kv_heads, sink_window_attention, slot_attention_step
+from retrofit.ops.hedgehog import HedgehogState, hedgehog_features, hedgehog_read_chunked, hedgehog_read_step
 from retrofit.ops.rope import rope_rotate, rope_unrotate
 from retrofit.ops.sliding_window import sliding_window_attention_with_lse
 
 __all__ = ["DEFAULT_HEDGEHOG_FEATURES", "DEFAULT_INIT_LOG_SCALE", "FeatureMap", "HedgehogAttention",
-           "HedgehogConfig", "HedgehogLayerState", "MemoryScale", "build_hedgehog"]
+           "HedgehogConfig", "MemoryScale", "build_hedgehog"]
 
 # f: each map has 2 f features. 2 x 128 fitted to SmolLM2-135M's attention beyond a 1024-token window
 # closes 40% of its closed twin's 4K gap at the base's share, 2 x 512 60% (BENCHMARKS.md).
@@ -115,17 +123,6 @@ class MemoryScale(nn.Module):
                 + self.count_weight.float()[:, None] * log_count.float())
 
 
-@dataclass
-class HedgehogLayerState:
-    """A layer's decoding state: the read's memory (:class:`HedgehogState`'s ``S``, ``z``) and, with
-    ``memory_distance``, the buffered window's keys rotated back to position 0 ``(B, Hkv, <= w - 1, d)``
-    (the memory stores them position-free when they leave the window)."""
-
-    S: torch.Tensor
-    z: torch.Tensor
-    window_keys: torch.Tensor | None = None
-
-
 class HedgehogAttention(MacchiatoAttention):
     """Pretrained attention as a ``window``-token SWA with a Hedgehog linear read of the older keys.
 
@@ -183,7 +180,6 @@ class HedgehogAttention(MacchiatoAttention):
         self.memory_distance = None if memory_distance is None else int(memory_distance)
         if self.memory_distance is not None and self.rope_inv_freq is None:
             raise ValueError("memory_distance needs the layer's rotary frequencies (a RoPE model)")
-        self.slot_decoding = False  # decoding reads the window through the general path (it needs its LSE)
         kw = dict(device=self._weight_ref.device, dtype=self._weight_ref.dtype)
         H, d = self.num_heads, self.head_dim
         self.feature_query = FeatureMap(H, self.features, d, **kw)
@@ -230,23 +226,27 @@ class HedgehogAttention(MacchiatoAttention):
             write = write & ~((idx[:, None, :] == pos[None, :, None]) & sink_valid[:, None, :]).any(-1)
         return write
 
-    def memory_queries_and_keys(self, q, k_all, position_embeddings, previous: HedgehogLayerState | None):
+    def memory_queries_and_keys(self, q, k_all, position_embeddings, num_past: int):
         """The read's queries ``(B, Hq, T, d)`` and keys ``(B, Hkv, P + T, d)``: the pretrained post-RoPE
-        ones, or with ``memory_distance`` D both position-free (keys rotated back to position 0, queries
-        to position D) and the new keys so rotated back, for the cache."""
+        ones, or with ``memory_distance`` D both position-free (keys rotated back to position 0,
+        queries to position D; the ``P`` cached keys from the first new token's position)."""
         if self.memory_distance is None:
-            return q, k_all, None
+            return q, k_all
         cos, sin = position_embeddings
-        T = q.shape[2]
-        inv_freq = self.rope_inv_freq.to(q.device)
-        mq = rope_rotate(rope_unrotate(q, cos, sin), torch.tensor(float(self.memory_distance)), inv_freq)
-        new_keys = rope_unrotate(k_all[:, :, -T:], cos, sin)
-        if k_all.shape[2] == T:
-            return mq, new_keys, new_keys
-        mk = torch.cat([previous.window_keys.to(new_keys.dtype), new_keys], dim=2)
-        return mq, mk, mk
+        mq = self.memory_query(q, cos, sin)
+        mk = rope_unrotate(k_all[:, :, num_past:], cos, sin)
+        if num_past:
+            before = rope_rotate(rope_unrotate(k_all[:, :, :num_past], cos[:, :1], sin[:, :1]),
+                                 torch.arange(num_past, 0, -1, device=q.device), self.rope_inv_freq.to(q.device))
+            mk = torch.cat([before, mk], dim=2)
+        return mq, mk
 
-    def memory_count(self, write: torch.Tensor, num_past: int, T: int, previous: HedgehogLayerState | None):
+    def memory_query(self, q, cos, sin):
+        """``q (B, Hq, T, d)`` moved to RoPE position ``memory_distance``."""
+        return rope_rotate(rope_unrotate(q, cos, sin), torch.tensor(float(self.memory_distance)),
+                           self.rope_inv_freq.to(q.device))
+
+    def memory_count(self, write: torch.Tensor, num_past: int, T: int, previous: HedgehogState | None):
         """``(B, T)`` fp32: the keys in the memory each new query reads (the state's, whose every key adds
         2 to ``z``'s sum since each half of a feature vector sums to 1, plus this call's ``j <= i + P - w``)."""
         seen = F.pad(write.float().cumsum(-1), (1, 0))  # seen[n]: written keys among the first n
@@ -256,44 +256,88 @@ class HedgehogAttention(MacchiatoAttention):
             count = count + previous.z[:, 0].float().sum(-1, keepdim=True) / 2
         return count
 
+    def mixed_with_memory(self, swa, lse, num, mass, mq, count) -> torch.Tensor:
+        """``(1 - p) SWA + p num / mass`` with ``p = sigmoid(log mass + c(q, n) - lse)`` (0 where the
+        memory is empty): ``(B, Hq, T, D)`` in ``swa``'s dtype."""
+        has = mass > 0
+        scale = self.memory_scale(mq, count.clamp_min(1.0).log()[:, None])
+        share = torch.where(has, torch.sigmoid(mass.clamp_min(1e-30).log() + scale - lse), 0.0)
+        read = num / torch.where(has, mass, 1.0)[..., None]
+        return swa + (share[..., None] * (read - swa.float())).to(swa.dtype)
+
+    def check_cache_has_memory(self, cache, previous: HedgehogState | None) -> None:
+        if cache is not None and cache.cumulative_length and previous is None and not self.latent_path_closed:
+            raise RuntimeError("this cache was filled with the read closed (latent_path_closed), so it holds no "
+                               "memory of the keys before: start a new cache to decode with the read open")
+
     def attend(self, q, k, v, valid, cache, *, hidden_states, position_embeddings):
         B, H, T, _ = q.shape
-        previous: HedgehogLayerState | None = cache.state if cache is not None else None
+        previous: HedgehogState | None = cache.state if cache is not None else None
+        self.check_cache_has_memory(cache, previous)
+        if self._takes_slot_step(T, cache):
+            return self._memory_slot_step(q, k, v, valid, cache, position_embeddings)
         k_all, v_all, valid_all, num_past, sinks, seen, far = self.window_inputs(q, k, v, valid, cache)
-        swa, lse = self.window_with_lse(q, k_all, v_all, valid_all, num_past, sinks, seen, far)
+        out, lse = self.window_with_lse(q, k_all, v_all, valid_all, num_past, sinks, seen, far)
         state = None
-        out = swa
         if not self.latent_path_closed:
-            if cache is not None and cache.cumulative_length and previous is None:
-                raise RuntimeError("this cache was filled with the read closed (latent_path_closed), so it holds no "
-                                   "memory of the keys before: start a new cache to decode with the read open")
             first = (cache.cumulative_length if cache is not None else 0) - num_past  # stream position of k_all[0]
             Tk = k_all.shape[2]
             stored = max(min(T + num_past - self.window + 1, Tk), 0)  # keys a query (or the state) takes here
-            mq, mk, window_keys = self.memory_queries_and_keys(q, k_all, position_embeddings, previous)
+            mq, mk = self.memory_queries_and_keys(q, k_all, position_embeddings, num_past)
             fq = self.feature_query(mq)
             fk = self.feature_key(repeat_kv_heads(mk[:, :, :stored], H))
             fk = F.pad(fk, (0, 0, 0, Tk - stored))  # later keys stay in the window for this whole call
             write = self.memory_writes(B, Tk, valid_all, sinks, first, q.device)
-            initial = None if previous is None else HedgehogState(previous.S, previous.z)
-            num, mass, memory = hedgehog_read_chunked(
+            num, mass, state = hedgehog_read_chunked(
                 fq, fk, repeat_kv_heads(v_all, H), write, window=self.window, num_past=num_past,
-                initial_state=initial, output_final_state=cache is not None, chunk_size=self.chunk_size,
+                initial_state=previous, output_final_state=cache is not None, chunk_size=self.chunk_size,
             )
-            if memory is not None:
-                keep = max(self.window - 1, 0)
-                kept = None if window_keys is None else window_keys[:, :, window_keys.shape[2] - min(keep, Tk):]
-                state = HedgehogLayerState(memory.S, memory.z, None if kept is None else kept.contiguous())
-            count = self.memory_count(write, num_past, T, previous)
-            has = mass > 0
-            scale = self.memory_scale(mq, count.clamp_min(1.0).log()[:, None])
-            share = torch.where(has, torch.sigmoid(mass.clamp_min(1e-30).log() + scale - lse), 0.0)
-            read = num / torch.where(has, mass, 1.0)[..., None]
-            out = swa + (share[..., None] * (read - swa.float())).to(swa.dtype)
+            out = self.mixed_with_memory(out, lse, num, mass, mq, self.memory_count(write, num_past, T, previous))
             if valid_all is not None:  # padded queries output 0, as the window kernels do
                 out = torch.where(valid_all[:, None, -T:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
         if cache is not None:
             cache.store(k_all, v_all, valid_all, state, T, None, sinks=sinks)
+        return out
+
+    def _memory_slot_step(self, q, k, v, valid, cache, position_embeddings) -> torch.Tensor:
+        """One decoding token: the window through the cache's slots (as :meth:`_slot_step`) with its
+        log-sum-exp, the read of the state, and the key leaving the window written into the state:
+        ``(B, Hq, 1, D)``."""
+        H = q.shape[1]
+        cache.enter_slots()
+        cache.write_slot(k, v, valid)
+        slot_k, slot_v, allowed = cache.slots()
+        t = cache.cumulative_length  # this token's stream index
+        n = slot_k.shape[2] - cache.slot_filled
+        if self.sink_inv_freq is not None and cache.sinks is not None and t > self.sink_distance:
+            idx, _, sink_k, _ = cache.sinks
+            slot_k[:, :, :n] = capped_sink_keys(sink_k, idx, t, self.sink_distance, self.sink_inv_freq)
+        out, lse = slot_attention_step(q, slot_k, slot_v, allowed, scaling=self.scaling, softcap=self.softcap,
+                                       with_lse=True)
+        state = cache.state
+        if not self.latent_path_closed:
+            # the oldest token of this query's window, t - w + 1, is in no later window: the state takes it
+            # (once the ring is full it sits in the slot the next token overwrites)
+            i = n + cache.slot_next
+            full = cache.slot_filled == self.window
+            k_old, v_old = slot_k[:, :, i : i + 1], slot_v[:, :, i : i + 1]
+            write = allowed[:, i : i + 1] & full
+            if cache.sinks is not None:
+                idx, sink_ok = cache.sinks[0], cache.sinks[1]
+                write = write & ~((idx == t - self.window + 1) & sink_ok).any(-1, keepdim=True)
+            mq = q
+            if self.memory_distance is not None:
+                cos, sin = position_embeddings
+                mq = self.memory_query(q, cos, sin)
+                k_old = rope_rotate(rope_unrotate(k_old, cos, sin), torch.tensor(float(self.window - 1)),
+                                    self.rope_inv_freq.to(q.device))
+            count = (state.z[:, 0].float().sum(-1, keepdim=True) / 2) if state is not None else q.new_zeros(q.shape[0], 1)
+            num, mass, state = hedgehog_read_step(self.feature_query(mq), self.feature_key(repeat_kv_heads(k_old, H)),
+                                                  repeat_kv_heads(v_old, H), write, state)
+            out = self.mixed_with_memory(out, lse, num, mass, mq, count)
+        if valid is not None:  # a padded query outputs 0 (it may see no slot at all)
+            out = torch.where(valid[:, None, :, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
+        cache.advance(state, None)
         return out
 
     def extra_repr(self) -> str:

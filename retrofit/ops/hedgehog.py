@@ -27,6 +27,8 @@ at ``t0 - P + j``, so query i reads the keys ``j <= i + P - w``.
 Two forms, tested against each other: :func:`hedgehog_read_reference` (dense scores, the
 definition) and :func:`hedgehog_read_chunked` (the visible keys shifted onto their first reader,
 then causal linear attention in chunks of C tokens: O(T (C F + F D))). Both are differentiable.
+Decoding takes :func:`hedgehog_read_step`: one query reads the state, then the state takes the one
+key that leaves the window behind it (``O(F D)`` per token and head).
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["HedgehogState", "hedgehog_features", "hedgehog_read_chunked", "hedgehog_read_reference"]
+__all__ = ["HedgehogState", "hedgehog_features", "hedgehog_read_chunked", "hedgehog_read_reference",
+           "hedgehog_read_step"]
 
 DEFAULT_HEDGEHOG_CHUNK = 64
 
@@ -201,3 +204,43 @@ def hedgehog_read_chunked(
             z = z + fk[:, :, last]
         state = HedgehogState(S, z)
     return num, mass, state
+
+
+def hedgehog_read_step(
+    fq: torch.Tensor,
+    fk_leaving: torch.Tensor,
+    v_leaving: torch.Tensor,
+    write_leaving: torch.Tensor,
+    state: HedgehogState | None,
+) -> tuple[torch.Tensor, torch.Tensor, HedgehogState]:
+    """One decoding token: query ``t`` reads ``state`` (the keys ``s <= t - w``), then the state takes
+    key ``t - w + 1``, the oldest of the query's window, which no later window holds.
+
+    The same function as :func:`hedgehog_read_reference` on one query with ``num_past = w - 1``
+    cached keys (the test runs a sequence through both).
+
+    Args:
+        fq: ``(B, H, 1, F)`` the query's features.
+        fk_leaving: ``(B, H, 1, F)`` features of key ``t - w + 1``.
+        v_leaving: ``(B, H, 1, D)`` its value.
+        write_leaving: ``(B, 1)`` bool: whether the memory stores it (False: no such key yet,
+            padding, a sink).
+        state: the memory before the token (None: empty).
+
+    Returns:
+        ``(num (B, H, 1, D), mass (B, H, 1), state)``, fp32 at least.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops.hedgehog import hedgehog_read_step
+        >>> fq, fk, v = torch.rand(1, 2, 1, 6), torch.rand(1, 2, 1, 6), torch.randn(1, 2, 1, 4)
+        >>> num, mass, state = hedgehog_read_step(fq, fk, v, torch.ones(1, 1, dtype=torch.bool), None)
+        >>> float(mass.abs().sum()), state.S.shape
+        (0.0, torch.Size([1, 2, 6, 4]))
+    """
+    S, z = _initial(state, fq, v_leaving.shape[-1])
+    q = _up(fq)
+    num = q @ S
+    mass = (q @ z[..., None])[..., 0]
+    fk, v = _written(fk_leaving, v_leaving, write_leaving)
+    return num, mass, HedgehogState(S + fk.transpose(-1, -2) @ v, z + fk[:, :, 0])

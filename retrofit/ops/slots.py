@@ -55,7 +55,8 @@ def slot_attention_step(
     *,
     scaling: float | None = None,
     softcap: float | None = None,
-) -> torch.Tensor:
+    with_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One decoding query per row over the key slots ``allowed`` marks.
 
     Args:
@@ -66,9 +67,11 @@ def slot_attention_step(
             the window).
         scaling: score scale (default ``d ** -0.5``).
         softcap: ``softcap * tanh(score / softcap)`` when set.
+        with_lse: also return the log-sum-exp of the allowed scores ``(B, Hq, 1)`` fp32 (a layer
+            that weighs the window against another memory in one normalisation needs it).
 
     Returns:
-        ``(B, Hq, 1, D)``.
+        ``(B, Hq, 1, D)``, or with ``with_lse`` ``(out, lse)``.
 
     Example:
         >>> import torch
@@ -81,8 +84,8 @@ def slot_attention_step(
     if q.shape[2] != 1:
         raise ValueError(f"slot_attention_step takes one query per row, got {q.shape[2]}")
     scaling = q.shape[-1] ** -0.5 if scaling is None else scaling
-    if softcap:
-        return masked_dense_attention(q, k, v, allowed[:, None, :], scaling=scaling, softcap=softcap)
+    if softcap or with_lse:
+        return masked_dense_attention(q, k, v, allowed[:, None, :], scaling=scaling, softcap=softcap, with_lse=with_lse)
     # one fused kernel (scores, mask, softmax, values) instead of six ops: most of a decoding step's
     # per-layer cost on a CPU is the number of small kernels, not their arithmetic
     return gqa_sdpa(q, k, v, attn_mask=allowed[:, None, None, :], scale=scaling)

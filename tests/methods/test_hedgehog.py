@@ -13,7 +13,10 @@ from retrofit.ops import repeat_kv_heads, rope_rotate
 from retrofit.patches import get_patch
 from retrofit.surgery import convert, new_parameter_names
 from retrofit.surgery.probe import closed_latent_path
-from tests.methods._common import assert_closed_is_the_window_with_sinks, perturb_new_weights, attention_inputs, tiny_model
+from tests.methods._common import (
+    assert_closed_is_the_window_with_sinks, assert_generate_batched_equals_single, attention_inputs, perturb_new_weights,
+    tiny_model,
+)
 from tests.methods._common import stepwise_logits as _steps
 
 W = 6
@@ -113,11 +116,14 @@ def test_only_new_weights_get_gradients():
     assert not model.model.layers[0].self_attn.supports("window_dropout")
 
 
+@pytest.mark.parametrize("slots", [True, False])
 @pytest.mark.parametrize("family,distance", [("llama", None), ("gemma2", None), ("llama", 7)])
-def test_decoding_through_the_cache_equals_one_forward(family, distance):
-    """A prefill, single steps, a 5-token chunk, then steps again: the state of the keys beyond the
-    window (with ``memory_distance``, the window's keys rotated back) and the window travel through
-    the cache; left-padded rows (whose positions count real tokens) and a padded token while decoding."""
+def test_decoding_through_the_cache_equals_one_forward(family, distance, slots):
+    """A prefill, single steps, a 5-token chunk, then steps again, through the decoding slots (the
+    key leaving the window moved into the state each step) or the general path: the state of the
+    keys beyond the window and the window travel through the cache (with ``memory_distance``, the
+    cached keys rotated back from the new tokens' positions); a left-padded row and a padded token
+    while decoding."""
     model = _convert(family, sinks=2, chunk_size=4, memory_distance=distance)
     perturb_new_weights(model, scale=0.3)
     ids = torch.randint(3, 256, (2, 50))
@@ -126,11 +132,19 @@ def test_decoding_through_the_cache_equals_one_forward(family, distance):
     mask[0, 40] = 0
     with torch.no_grad():
         whole = model(ids, attention_mask=mask).logits
-    got, cache = _steps(model, ids, mask, 17, slots=True, chunk_after=31)
+    got, cache = _steps(model, ids, mask, 17, slots=slots, chunk_after=31)
     real = mask.bool()
     torch.testing.assert_close(got[real], whole[real], rtol=1e-4, atol=1e-4)
     attn = model.model.layers[0].self_attn
     assert cache.layers[0].state.S.shape == (2, attn.num_heads, 16, attn.head_dim)
+
+
+def test_generate_batched_equals_single():
+    """``generate`` numbers a left-padded row's positions from its first real token; the position-free
+    read rotates cached keys back from the new token's position, which must agree."""
+    model = _convert("llama", sinks=2, memory_distance=5)
+    perturb_new_weights(model, scale=0.3)
+    assert_generate_batched_equals_single(model, T=20, pad=5, max_new_tokens=12)
 
 
 def test_bad_options_are_spec_errors():

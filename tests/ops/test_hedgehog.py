@@ -7,7 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from retrofit.ops.hedgehog import HedgehogState, hedgehog_features, hedgehog_read_chunked, hedgehog_read_reference
+from retrofit.ops.hedgehog import (
+    HedgehogState, hedgehog_features, hedgehog_read_chunked, hedgehog_read_reference, hedgehog_read_step,
+)
 from tests.ops._grads import assert_values_and_grads_match
 
 
@@ -62,6 +64,25 @@ def test_chunked_matches_reference(T, P, window, chunk, with_state):
     want = hedgehog_read_reference(fq, fk, v, write, **kw)
     for a, b in [(got[0], want[0]), (got[1], want[1]), (got[2].S, want[2].S), (got[2].z, want[2].z)]:
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("window,with_state,spread", [(1, False, 1.0), (5, True, 1.0), (8, False, 30.0)])
+def test_steps_equal_the_reference(window, with_state, spread):
+    """Token by token (each query reads the state, then the state takes key t - w + 1) = one dense call."""
+    T = 23
+    fq, fk, v, write = _inputs(T=T, spread=spread)
+    S0 = _state() if with_state else None
+    num, mass, final = hedgehog_read_reference(fq, fk, v, write, window=window, initial_state=S0, output_final_state=True)
+    state = S0
+    for t in range(T):
+        j = t - window + 1
+        leaving = slice(max(j, 0), max(j, 0) + 1)
+        ok = write[:, leaving] & (j >= 0)
+        n_t, m_t, state = hedgehog_read_step(fq[:, :, t : t + 1], fk[:, :, leaving], v[:, :, leaving], ok, state)
+        torch.testing.assert_close(n_t[:, :, 0], num[:, :, t])
+        torch.testing.assert_close(m_t[:, :, 0], mass[:, :, t])
+    torch.testing.assert_close(state.S, final.S)
+    torch.testing.assert_close(state.z, final.z)
 
 
 @pytest.mark.parametrize("T,P,window,chunk", [(37, 0, 8, 16), (29, 7, 8, 5), (3, 5, 6, 64)])

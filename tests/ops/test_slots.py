@@ -47,6 +47,18 @@ def test_step_matches_dense_softmax_forward_and_backward(softcap, Hkv):
     assert g_got[1][:, :, ~allowed[0]][0].abs().max() == 0
 
 
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_step_log_sum_exp_is_the_allowed_scores(softcap):
+    q, k, v, allowed = _slots(Hkv=2, scale=4.0)  # large logits
+    out, lse = slot_attention_step(q, k, v, allowed, scaling=0.3, softcap=softcap, with_lse=True)
+    torch.testing.assert_close(out, slot_attention_step(q, k, v, allowed, scaling=0.3, softcap=softcap))
+    s = q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) * 0.3
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    want = torch.logsumexp(s.masked_fill(~allowed[:, None, None, :], float("-inf")), -1)
+    torch.testing.assert_close(lse, want, atol=1e-12, rtol=1e-12)
+
+
 def test_slot_order_and_masked_contents_do_not_matter():
     q, k, v, allowed = _slots()
     perm = torch.randperm(k.shape[2])
