@@ -1,5 +1,5 @@
 """A compiled one-token decoding step for a model whose every attention layer is Macchiato (or the
-delta method: Macchiato's window with a delta-rule memory).
+delta or hedgehog method: Macchiato's window with a delta-rule memory or a Hedgehog read beyond it).
 
 Eager decoding runs each token through transformers' forward: per layer a dozen module calls,
 the cache entry's Python bookkeeping and some forty small kernels, about a quarter of a CPU step
@@ -17,12 +17,14 @@ to logits, is one function over fixed-shape buffers that ``torch.compile`` turns
 * the layer's own mixing logits and :func:`retrofit.ops.macchiato_slot_step` (the eager slot
   step's arithmetic), the latent state ``m (B, H, L, D)``, ``z (B, H, L)`` copied back in place;
   for the delta method, :func:`retrofit.ops.delta_rule_step` on the memory ``S (B, H, d, D)``, also
-  copied back in place.
+  copied back in place; for the hedgehog method the window's log-sum-exp, the layer's
+  :meth:`~retrofit.layers.hedgehog.HedgehogAttention.memory_step` on the read's state ``S (B, H, F, D)``,
+  ``z (B, H, F)`` (copied back in place), the key it takes read from ring slot ``(t + 1) % w``.
 
 The pretrained parts run as the model's own modules (norms, q/k/v/o through the family patch,
 the MLP, the rotary embedding), so the step is the eager step's arithmetic, compared in the
 tests token by token. Supported: decoder layers of LLaMA shape (``input_layernorm -> attention
--> post_attention_layernorm -> mlp``: LLaMA, Mistral, Qwen2/3, Phi-3), every layer Macchiato or delta,
+-> post_attention_layernorm -> mlp``: LLaMA, Mistral, Qwen2/3, Phi-3), every layer Macchiato, delta or hedgehog,
 no soft-capping, a RoPE type with fixed frequencies, prompts without padding. Anything else is
 refused with the reason (decode it eagerly).
 """
@@ -39,10 +41,12 @@ from torch import nn
 from retrofit.errors import RetrofitError
 from retrofit.layers.cache import cache_keyword, output_cache
 from retrofit.layers.delta import DeltaAttention
+from retrofit.layers.hedgehog import HedgehogAttention
 from retrofit.layers.macchiato import MacchiatoAttention, MacchiatoLayerCache
-from retrofit.ops import DeltaState, LatteState, capped_sink_keys, macchiato_slot_step
+from retrofit.ops import DeltaState, LatteState, capped_sink_keys, macchiato_slot_step, slot_attention_step
 # the torch kernel itself, not the dispatched op: the backend registry's lookups stay out of the traced step
 from retrofit.ops.delta_rule import delta_rule_step
+from retrofit.ops.hedgehog import HedgehogState
 from retrofit.surgery.rope_scaling import dynamic_rope_modules
 
 __all__ = ["CompiledDecoder", "SUPPORTED_FAMILIES", "compiled_decoding_support", "compiler_missing",
@@ -67,7 +71,7 @@ def compiled_decoding_support(model: nn.Module) -> str | None:
         attn = getattr(layer, "self_attn", None)
         if not isinstance(attn, MacchiatoAttention):
             kind = type(attn).__name__
-            return (f"compiled decoding needs every attention layer converted to Macchiato or delta; layer {i} "
+            return (f"compiled decoding needs every attention layer converted to Macchiato, delta or hedgehog; layer {i} "
                     f"is {kind}")
         if attn.patch.family not in SUPPORTED_FAMILIES:
             return (f"compiled decoding supports the families {', '.join(SUPPORTED_FAMILIES)} (LLaMA-shaped decoder "
@@ -110,6 +114,8 @@ class _LayerBuffers:
     m: torch.Tensor | None  # (B, H, L, D) latent value means, or None without latent states
     z: torch.Tensor | None  # (B, H, L) log-normalisers
     memory: torch.Tensor | None  # (B, H, d, D) the delta-rule memory (fp32 at least), or None: not a delta layer
+    read_S: torch.Tensor | None  # (B, H, F, D) the Hedgehog read's state (fp32 at least), or None: not a hedgehog layer
+    read_z: torch.Tensor | None  # (B, H, F) its normaliser
     conv_tail: torch.Tensor | None  # (B, conv_size - 1, hidden)
 
 
@@ -117,7 +123,7 @@ class CompiledDecoder:
     """Decode a converted model one token per call through one compiled step.
 
     Args:
-        model: a converted causal LM (every attention layer Macchiato or delta; see
+        model: a converted causal LM (every attention layer Macchiato, delta or hedgehog; see
             :func:`compiled_decoding_support`), in eval mode.
         compile: compile the step with ``torch.compile(fullgraph=True)``; False runs the same
             step eagerly (the reference the tests compare the compiled one to).
@@ -294,19 +300,30 @@ def _adopt_layer(attn: MacchiatoAttention, entry: MacchiatoLayerCache) -> _Layer
         memory = state.memory.clone() if isinstance(state, DeltaState) else torch.zeros(
             B, attn.num_heads, d, values.shape[-1], dtype=torch.promote_types(values.dtype, torch.float32),
             device=keys.device)
+    read_S = read_z = None
+    if isinstance(attn, HedgehogAttention):
+        if state is None and not attn.latent_path_closed:
+            raise RetrofitError("the prompt was run with the Hedgehog read closed, so the cache holds no memory of its "
+                                "keys: prefill again with the read open")
+        F = 2 * attn.features
+        read_S = state.S.clone() if state is not None else torch.zeros(
+            B, attn.num_heads, F, values.shape[-1], dtype=torch.promote_types(values.dtype, torch.float32),
+            device=keys.device)
+        read_z = state.z.clone() if state is not None else read_S.new_zeros(B, attn.num_heads, F)
     tail = None
     if attn.conv is not None:
         tail = entry.conv_tail.clone() if entry.conv_tail is not None else keys.new_zeros(
             B, attn.conv.kernel_size - 1, attn.hidden_size)
-    return _LayerBuffers(slot_k, slot_v, sink_k.clone(), sink_idx.clone(), sink_ok.clone(), m, z, memory, tail)
+    return _LayerBuffers(slot_k, slot_v, sink_k.clone(), sink_idx.clone(), sink_ok.clone(), m, z, memory, read_S,
+                         read_z, tail)
 
 
 def _attention_step(attn: MacchiatoAttention, buf: _LayerBuffers, h: torch.Tensor, cos_sin, t: torch.Tensor):
-    """One token through one Macchiato (or delta) layer over its fixed buffers: ``(B, 1, hidden)``."""
+    """One token through one Macchiato (delta, hedgehog) layer over its fixed buffers: ``(B, 1, hidden)``."""
     B = h.shape[0]
     q, k, v = attn.patch.project_qkv(attn, h, cos_sin)  # (B, Hq|Hkv, 1, d)
     n, w = buf.sink_k.shape[2], attn.window
-    slot = (n + t % w).view(1)
+    slot = (n + (t + 1) % w).view(1)
     buf.slot_k.index_copy_(2, slot, k)
     buf.slot_v.index_copy_(2, slot, v)
     allowed_ring = (torch.arange(w, device=h.device) <= t).expand(B, w)
@@ -318,6 +335,8 @@ def _attention_step(attn: MacchiatoAttention, buf: _LayerBuffers, h: torch.Tenso
         allowed = torch.cat([sinks_seen, allowed_ring], dim=1)
     else:
         allowed = allowed_ring
+    if buf.read_S is not None:
+        return attn.patch.project_out(attn, _hedgehog_step(attn, buf, q, allowed, cos_sin, t))
     mix, lat, tail = attn.mixing_logits(h, None, buf.conv_tail)
     state = None if buf.m is None else LatteState(buf.m, buf.z)
     out, state = macchiato_slot_step(q, buf.slot_k, buf.slot_v, allowed, v, mix, lat, state,
@@ -332,3 +351,22 @@ def _attention_step(attn: MacchiatoAttention, buf: _LayerBuffers, h: torch.Tenso
     if tail is not None:
         buf.conv_tail.copy_(tail)
     return attn.patch.project_out(attn, out)
+
+
+def _hedgehog_step(attn: HedgehogAttention, buf: _LayerBuffers, q: torch.Tensor, allowed: torch.Tensor, cos_sin,
+                   t: torch.Tensor) -> torch.Tensor:
+    """The eager hedgehog slot step's arithmetic over the fixed buffers: ``(B, Hq, 1, D)``."""
+    out, lse = slot_attention_step(q, buf.slot_k, buf.slot_v, allowed, scaling=attn.scaling, with_lse=True)
+    if attn.latent_path_closed:
+        return out
+    n, w = buf.sink_k.shape[2], attn.window
+    leaving = t - w + 1  # the oldest token of this query's window: no later window holds it
+    slot = (n + (t + 1) % w).view(1)
+    write = (leaving >= 0).view(1, 1).expand(q.shape[0], 1)
+    if n:
+        write = write & ~((buf.sink_idx == leaving) & buf.sink_ok).any(-1, keepdim=True)
+    out, state = attn.memory_step(q, buf.slot_k.index_select(2, slot), buf.slot_v.index_select(2, slot), write,
+                                  HedgehogState(buf.read_S, buf.read_z), cos_sin, out, lse)
+    buf.read_S.copy_(state.S)
+    buf.read_z.copy_(state.z)
+    return out

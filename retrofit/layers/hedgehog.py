@@ -299,11 +299,28 @@ class HedgehogAttention(MacchiatoAttention):
             cache.store(k_all, v_all, valid_all, state, T, None, sinks=sinks)
         return out
 
+    def memory_step(self, q, k_old, v_old, write, state: HedgehogState | None, position_embeddings, swa, lse):
+        """One decoding token's read and state update, after its window: ``q (B, Hq, 1, d)`` reads the
+        state (the keys ``s <= t - w``), which then takes the post-RoPE key ``k_old (B, Hkv, 1, d)``
+        (value ``v_old``) of token ``t - w + 1`` where ``write (B, 1)``. ``swa`` ``(B, Hq, 1, D)`` and
+        ``lse`` ``(B, Hq, 1)``: the window's attention and log-sum-exp. Returns ``(out, state)``."""
+        H = q.shape[1]
+        mq = q
+        if self.memory_distance is not None:
+            cos, sin = position_embeddings
+            mq = self.memory_query(q, cos, sin)
+            # the key sits w - 1 positions before the query (consecutive real tokens)
+            k_old = rope_rotate(rope_unrotate(k_old, cos, sin), torch.tensor(float(self.window - 1)),
+                                self.rope_inv_freq.to(q.device))
+        count = (state.z[:, 0].sum(-1, keepdim=True) / 2) if state is not None else q.new_zeros(q.shape[0], 1)
+        num, mass, state = hedgehog_read_step(self.feature_query(mq), self.feature_key(repeat_kv_heads(k_old, H)),
+                                              repeat_kv_heads(v_old, H), write, state)
+        return self.mixed_with_memory(swa, lse, num, mass, mq, count), state
+
     def _memory_slot_step(self, q, k, v, valid, cache, position_embeddings) -> torch.Tensor:
         """One decoding token: the window through the cache's slots (as :meth:`_slot_step`) with its
         log-sum-exp, the read of the state, and the key leaving the window written into the state:
         ``(B, Hq, 1, D)``."""
-        H = q.shape[1]
         cache.enter_slots()
         cache.write_slot(k, v, valid)
         slot_k, slot_v, allowed = cache.slots()
@@ -319,22 +336,12 @@ class HedgehogAttention(MacchiatoAttention):
             # the oldest token of this query's window, t - w + 1, is in no later window: the state takes it
             # (once the ring is full it sits in the slot the next token overwrites)
             i = n + cache.slot_next
-            full = cache.slot_filled == self.window
-            k_old, v_old = slot_k[:, :, i : i + 1], slot_v[:, :, i : i + 1]
-            write = allowed[:, i : i + 1] & full
+            write = allowed[:, i : i + 1] & (cache.slot_filled == self.window)
             if cache.sinks is not None:
                 idx, sink_ok = cache.sinks[0], cache.sinks[1]
                 write = write & ~((idx == t - self.window + 1) & sink_ok).any(-1, keepdim=True)
-            mq = q
-            if self.memory_distance is not None:
-                cos, sin = position_embeddings
-                mq = self.memory_query(q, cos, sin)
-                k_old = rope_rotate(rope_unrotate(k_old, cos, sin), torch.tensor(float(self.window - 1)),
-                                    self.rope_inv_freq.to(q.device))
-            count = (state.z[:, 0].float().sum(-1, keepdim=True) / 2) if state is not None else q.new_zeros(q.shape[0], 1)
-            num, mass, state = hedgehog_read_step(self.feature_query(mq), self.feature_key(repeat_kv_heads(k_old, H)),
-                                                  repeat_kv_heads(v_old, H), write, state)
-            out = self.mixed_with_memory(out, lse, num, mass, mq, count)
+            out, state = self.memory_step(q, slot_k[:, :, i : i + 1], slot_v[:, :, i : i + 1], write, state,
+                                          position_embeddings, out, lse)
         if valid is not None:  # a padded query outputs 0 (it may see no slot at all)
             out = torch.where(valid[:, None, :, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
         cache.advance(state, None)

@@ -22,9 +22,12 @@ STEPS = 30  # past the window (ring wraps) and past the sinks' RoPE cap (max_pos
 
 
 def _converted(family="llama", *, method="macchiato", dtype=torch.float32, latents=8, sinks=2, conv_size=0, share=0.5,
-               scale=1.0):
+               scale=1.0, memory_distance=5):
     base = tiny_model(family, max_position_embeddings=32)
-    if method == "delta":
+    if method == "hedgehog":
+        spec = ConversionSpec(method="hedgehog", window=WINDOW, sinks=sinks, features=8, memory_distance=memory_distance,
+                              seed=0)
+    elif method == "delta":
         spec = ConversionSpec(method="delta", window=WINDOW, sinks=sinks, init_swa_share=share, memory_half_life=16,
                               seed=0)
     else:
@@ -34,6 +37,12 @@ def _converted(family="llama", *, method="macchiato", dtype=torch.float32, laten
     with torch.no_grad():  # trained-looking new weights; scale > 1 pushes the mixing and latent logits far out
         for layer in model.model.layers:
             attn = layer.self_attn
+            if method == "hedgehog":
+                for p in (attn.feature_query.weight, attn.feature_key.weight):
+                    p.add_(torch.randn_like(p), alpha=0.3 * scale)
+                attn.memory_scale.weight.normal_(0.0, 0.3 * scale)
+                attn.memory_scale.count_weight.normal_(0.0, 0.3)
+                continue
             if method == "delta":
                 for name in ("memory_gate", "memory_beta", "memory_decay"):
                     getattr(attn, name).weight.normal_(0.0, 0.3 * scale)
@@ -83,6 +92,10 @@ CASES = {
     "delta memory, llama, sinks past the RoPE cap": dict(family="llama", method="delta"),
     "delta memory, large logits, no sinks": dict(family="llama", method="delta", sinks=0, scale=30.0),
     "delta memory, phi3 (fused qkv, partial RoPE)": dict(family="phi3", method="delta"),
+    "hedgehog read, llama, position-free, sinks past the RoPE cap": dict(family="llama", method="hedgehog"),
+    "hedgehog read, large logits, true distances, no sinks": dict(family="llama", method="hedgehog", sinks=0,
+                                                                  scale=30.0, memory_distance=None),
+    "hedgehog read, phi3 (fused qkv, partial RoPE)": dict(family="phi3", method="hedgehog"),
 }
 
 
@@ -96,7 +109,7 @@ def test_step_equals_the_models_own_decoding(case):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4, msg=f"{case}: token {i}")
 
 
-@pytest.mark.parametrize("method", ["macchiato", "delta"])
+@pytest.mark.parametrize("method", ["macchiato", "delta", "hedgehog"])
 def test_closed_latent_path_is_the_window_alone(method):
     model = _converted(method=method)
     for layer in model.model.layers:
@@ -128,7 +141,7 @@ def test_prompt_shorter_than_the_window_then_past_it():
 
 
 @pytest.mark.skipif(not cpu_compiler_available(), reason="torch.compile on a CPU needs a C++ compiler")
-@pytest.mark.parametrize("method", ["macchiato", "delta"])
+@pytest.mark.parametrize("method", ["macchiato", "delta", "hedgehog"])
 def test_compiled_step_is_one_graph_and_equals_the_eager_step(method):
     model = _converted(method=method)
     prompt = _prompt()
@@ -159,7 +172,7 @@ def test_compiled_step_is_one_graph_and_equals_the_eager_step(method):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("method", ["macchiato", "delta"])
+@pytest.mark.parametrize("method", ["macchiato", "delta", "hedgehog"])
 def test_state_is_constant_in_the_context_length(method):
     model = _converted(method=method)
     sizes = []
@@ -168,13 +181,27 @@ def test_state_is_constant_in_the_context_length(method):
         decoder.prefill(_prompt(batch=1, length=length))
         sizes.append(decoder.memory_bytes())
     assert sizes[0] == sizes[1] > 0
-    if method == "delta":  # the memories are held: (B, H, d, d) fp32 per layer beyond the window's slots
-        cfg = model.config
+    if method != "macchiato":  # the memories are held beyond the window's slots, fp32: delta (B, H, d, d),
+        cfg = model.config     # hedgehog (B, H, 2 f, d) and (B, H, 2 f)
         d = cfg.hidden_size // cfg.num_attention_heads
         window_only = _converted(method="macchiato", latents=0)
         decoder = CompiledDecoder(window_only, compile=False)
         decoder.prefill(_prompt(batch=1, length=16))
-        assert sizes[0] - decoder.memory_bytes() == cfg.num_hidden_layers * cfg.num_attention_heads * d * d * 4
+        per_head = d * d if method == "delta" else 2 * 8 * (d + 1)
+        assert sizes[0] - decoder.memory_bytes() == cfg.num_hidden_layers * cfg.num_attention_heads * per_head * 4
+
+
+def test_a_prompt_run_with_the_hedgehog_read_closed_is_refused_open():
+    model = _converted(method="hedgehog")
+    for layer in model.model.layers:
+        layer.self_attn.latent_path_closed = True
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=_prompt(batch=1), use_cache=True, past_key_values=cache)
+    for layer in model.model.layers:
+        layer.self_attn.latent_path_closed = False
+    with pytest.raises(RetrofitError, match="read closed"):
+        CompiledDecoder(model, compile=False).adopt(cache)
 
 
 @pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3"])
