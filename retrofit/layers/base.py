@@ -29,7 +29,11 @@ replaced, :meth:`original_attention` (full causal softmax, or the layer's native
   ``transfer_loss``: the mean squared error of its output against the teacher's after o_proj
   (the error the residual stream actually receives), divided by the teacher output's mean
   square, so every layer's term is a relative error whatever the scale of its o_proj
-  (positions weighted by ``transfer_position_weights`` ``(B, T)`` when set, e.g. recall answers).
+  (positions weighted by ``transfer_position_weights`` ``(B, T)`` when set, e.g. recall answers);
+* ``"weights"``: as ``"transfer"`` (the teacher's output downstream), but ``transfer_loss`` is
+  :meth:`~RetrofitAttention.attention_weights_loss`: the KL divergence from the pretrained
+  softmax's attention weights to the layer's own, for methods whose output is an explicit
+  distribution over the keys (``capabilities`` ``"attention_weights"``; Hedgehog's objective).
 """
 from __future__ import annotations
 
@@ -43,9 +47,11 @@ from retrofit.layers.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.method import registered_method
 from retrofit.ops import capped_rope_attention, gqa_sdpa, sliding_window_attention
 
-__all__ = ["DISTILL_MODES", "RetrofitAttention", "adapters_off"]
+__all__ = ["DEFAULT_TRANSFER_QUERIES", "DISTILL_MODES", "RetrofitAttention", "adapters_off"]
 
-DISTILL_MODES = (None, "teacher", "transfer")
+DISTILL_MODES = (None, "teacher", "transfer", "weights")
+# query rows per sequence whose attention weights the "weights" mode compares (a (B, H, R, T) score block)
+DEFAULT_TRANSFER_QUERIES = 64
 
 
 @contextlib.contextmanager
@@ -132,6 +138,7 @@ class RetrofitAttention(nn.Module):
         self.distill_mode: str | None = None
         self.transfer_loss: torch.Tensor | None = None
         self.transfer_position_weights: torch.Tensor | None = None  # (B, T) weights of transfer_loss's positions
+        self.transfer_queries = DEFAULT_TRANSFER_QUERIES  # query rows per sequence of the "weights" mode
         # the layer's RoPE frequencies, fp32 and kept off the buffers (model.to(bf16) cannot round
         # them); None for a RoPE type whose frequencies follow the sequence
         self.rope_inv_freq = patch.rope_inv_freq(original)
@@ -204,7 +211,16 @@ class RetrofitAttention(nn.Module):
             kwargs["past_key_values"] = None
             student, _ = super().__call__(hidden_states, **kwargs)
             self.transfer_loss = self._relative_mse(student, teacher, attention_mask)
+        elif self.distill_mode == "weights":
+            self.transfer_loss = self.attention_weights_loss(hidden_states, position_embeddings, attention_mask)
         return teacher, None
+
+    def attention_weights_loss(self, hidden_states: torch.Tensor, position_embeddings: Any,
+                               attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """Scalar: KL(pretrained attention weights || this layer's) on ``hidden_states (B, T, hidden)``,
+        for methods declaring the ``"attention_weights"`` capability."""
+        raise NotImplementedError(f"method {self.method!r} defines no attention weights to distil "
+                                  "(train.objective weights needs the attention_weights capability)")
 
     def _relative_mse(self, student: torch.Tensor, teacher: torch.Tensor, attention_mask: Any) -> torch.Tensor:
         """``sum_t w_t |student_t - teacher_t|^2 / sum_t w_t |teacher_t|^2``: w = the real tokens times

@@ -70,6 +70,7 @@ class HedgehogConfig(MethodConfig):
     """Hyper-parameters of a window + Hedgehog linear read conversion (``retrofit convert --method hedgehog``)."""
 
     method = "hedgehog"
+    capabilities = frozenset({"attention_weights"})
     window: int | None = opt(None, _SHARED_HELP["window"])
     features: int = opt(DEFAULT_HEDGEHOG_FEATURES, "f: each Hedgehog feature map has 2 f features "
                                                    "(softmax(Wx) and softmax(-Wx))")
@@ -255,6 +256,69 @@ class HedgehogAttention(MacchiatoAttention):
         if previous is not None:
             count = count + previous.z[:, 0].float().sum(-1, keepdim=True) / 2
         return count
+
+    # ------------------------------------------------------------------ attention-weights distillation
+    def attention_distributions(self, hidden_states: torch.Tensor, position_embeddings, attention_mask,
+                                rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-weights over the keys of the query rows ``rows`` ``(R,)`` (positions in the sequence):
+        ``(teacher, student, values)``; ``teacher`` and ``student`` ``(B, Hq, R, T)`` fp32, ``-inf``
+        where a row gives a key no weight, ``values`` ``(B, Hq, T, D)``.
+
+        ``teacher``: the pretrained softmax (causal, or the layer's native window). ``student``: this layer's, ``(1 - p)`` times the
+        window's softmax (its ``w`` last keys and the sinks) and ``p`` times the read's kernel weights
+        ``phi_q(q) . phi_k(k_j) / mass`` on the older keys, so ``exp(student) @ values`` is the layer's
+        output before o_proj (the test checks it). Sinks are the first ``sinks`` real tokens at their
+        own distance (``sink_distance`` only caps them past the base's context, which a teacher
+        without a RoPE cap does not reach)."""
+        B, T, _ = hidden_states.shape
+        H = self.num_heads
+        cap = self.teacher_rope_cap
+        if cap and T - 1 > cap:
+            raise ValueError(f"attention weights are distilled within the base's context: {T} tokens > {cap + 1}")
+        with torch.no_grad():
+            q, k, v = self.patch.project_qkv(self, hidden_states, position_embeddings)
+        valid = self.key_padding(attention_mask, T)
+        real = torch.ones(B, T, dtype=torch.bool, device=q.device) if valid is None else valid
+        s = (q[:, :, rows].float() @ repeat_kv_heads(k, H).float().transpose(-1, -2)) * self.scaling
+        if self.softcap:
+            s = torch.tanh(s / self.softcap) * self.softcap
+        i, j = rows.to(q.device)[:, None], torch.arange(T, device=q.device)[None, :]
+        causal = (j <= i)[None, None] & real[:, None, None, :]  # (B, 1, R, T)
+        sink = real & (real.long().cumsum(-1) <= self.sinks)
+        window = causal & ((j > i - self.window)[None, None] | sink[:, None, None, :])
+        memory = causal & ~window
+        seen = causal & (j > i - self.native_window)[None, None] if self.native_window else causal  # the teacher's keys
+        teacher = s.masked_fill(~seen, float("-inf")).log_softmax(-1)
+        lse = s.masked_fill(~window, float("-inf")).logsumexp(-1)  # (B, H, R)
+        mq, mk = self.memory_queries_and_keys(q, k, position_embeddings, 0)
+        mq = mq[:, :, rows]
+        kappa = self.feature_query(mq) @ self.feature_key(repeat_kv_heads(mk, H)).transpose(-1, -2)
+        kappa = kappa.masked_fill(~memory, 0.0)
+        mass = kappa.sum(-1)
+        scale = self.memory_scale(mq, memory[:, 0].sum(-1).float().clamp_min(1.0).log()[:, None])
+        has = mass > 0
+        logit = mass.clamp_min(1e-30).log() + scale - lse
+        keep = torch.where(has, F.logsigmoid(-logit), 0.0)[..., None]  # log(1 - p)
+        read = (torch.where(has, F.logsigmoid(logit), 0.0)[..., None] + kappa.clamp_min(1e-30).log()
+                - mass.clamp_min(1e-30).log()[..., None])
+        student = torch.where(window, keep + s - lse[..., None], torch.where(memory, read, float("-inf")))
+        return teacher, student, repeat_kv_heads(v, H)
+
+    def attention_weights_loss(self, hidden_states, position_embeddings, attention_mask) -> torch.Tensor:
+        """KL(teacher || student) of :meth:`attention_distributions` in nats per query row and head,
+        averaged over ``transfer_queries`` rows spread evenly from the first one with a key beyond
+        the window (and its sinks) to the last (real rows only)."""
+        T = hidden_states.shape[1]
+        first = min(self.window + self.sinks, T - 1)
+        rows = torch.linspace(first, T - 1, self.transfer_queries).round().long().unique()
+        teacher, student, _ = self.attention_distributions(hidden_states, position_embeddings, attention_mask, rows)
+        weights = teacher.exp()
+        kl = torch.where(weights > 0, weights * (teacher - student), 0.0).sum(-1)  # (B, H, R)
+        valid = self.key_padding(attention_mask, T)
+        if valid is None:
+            return kl.mean()
+        ok = valid[:, rows].to(kl.dtype)[:, None]
+        return (kl * ok).sum() / (ok.sum() * kl.shape[1]).clamp_min(1.0)
 
     def mixed_with_memory(self, swa, lse, num, mass, mq, count) -> torch.Tensor:
         """``(1 - p) SWA + p num / mass`` with ``p = sigmoid(log mass + c(q, n) - lse)`` (0 where the

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from retrofit.errors import SpecError
-from retrofit.layers.base import DISTILL_MODES, adapters_off
+from retrofit.layers.base import DEFAULT_TRANSFER_QUERIES, DISTILL_MODES, adapters_off
 
 __all__ = ["converted_modules", "distill_mode", "transfer_losses"]
 
@@ -32,11 +32,13 @@ def converted_modules(model: nn.Module) -> list[nn.Module]:
 
 @contextlib.contextmanager
 def distill_mode(model: nn.Module, mode: str | None, layers: Iterable[int] | None = None, *,
-                 position_weights: torch.Tensor | None = None) -> Iterator[list[nn.Module]]:
+                 position_weights: torch.Tensor | None = None,
+                 queries: int = DEFAULT_TRANSFER_QUERIES) -> Iterator[list[nn.Module]]:
     """Put the converted layers (all, or those in ``layers``) in ``mode`` for the ``with`` block.
 
     ``position_weights`` ``(B, T)`` (``"transfer"`` only): each position's weight in every layer's
-    relative error (None: all alike).
+    relative error (None: all alike). ``queries`` (``"weights"``): the query rows per sequence
+    whose attention weights each layer compares.
 
     ``"teacher"`` over the whole model also bypasses its PEFT adapters (:func:`adapters_off`): the
     teacher is the original model even while LoRA trains its projections. (``"transfer"`` layers
@@ -52,11 +54,19 @@ def distill_mode(model: nn.Module, mode: str | None, layers: Iterable[int] | Non
         modules = [m for m in modules if int(m.layer_idx) in wanted]
     if position_weights is not None and mode != "transfer":
         raise SpecError(f"position_weights weigh the transfer loss; distill mode {mode!r} has none")
+    if queries < 1:
+        raise SpecError(f"queries must be >= 1, got {queries}")
+    if mode == "weights":
+        lacking = sorted({m.method for m in modules if not m.supports("attention_weights")})
+        if lacking:
+            raise SpecError(f"attention-weights distillation needs layers whose output is an explicit distribution "
+                            f"over the keys (method hedgehog); these layers are {', '.join(lacking)}")
     before = [(m, m.distill_mode) for m in modules]
     for m in modules:
         m.distill_mode = mode
         m.transfer_loss = None
         m.transfer_position_weights = position_weights
+        m.transfer_queries = int(queries)
     try:
         with adapters_off(model) if mode == "teacher" and layers is None else contextlib.nullcontext():
             yield modules

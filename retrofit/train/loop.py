@@ -256,7 +256,7 @@ class _Run:
         per_layer = layer_weights(r.train.layer_weights)
         self.objective = Objective(objective_weights(r.train.objective, r.train.objective_weights),
                                    head_positions=r.train.head_positions, layer_weights=per_layer,
-                                   answer_weight=r.data.recall.answer_weight)
+                                   answer_weight=r.data.recall.answer_weight, weights_queries=r.train.weights_queries)
         if per_layer:
             from retrofit.surgery.distill import converted_modules
 
@@ -290,10 +290,20 @@ class _Run:
                 raise SpecError(f"train.objective={r.train.objective} trains converted layers against their original "
                                 "attention, but nothing inside a converted layer is trainable (exp-linear adds no "
                                 "weights: use trainable.mode lora or attention)")
-        if r.train.gradient_checkpointing and "attention" in self.objective.weights:
+        if "weights" in self.objective.weights:
+            from retrofit.surgery.distill import converted_modules
+
+            lacking = sorted({m.method for m in converted_modules(model) if not m.supports("attention_weights")})
+            if lacking:
+                raise SpecError(f"train.objective's weights term distils a layer's attention weights, which the converted "
+                                f"layers of method(s) {', '.join(lacking)} do not expose as one distribution (method "
+                                "hedgehog does): use objective attention or kl")
+        distilled = sorted({"attention", "weights"} & set(self.objective.weights))
+        if r.train.gradient_checkpointing and distilled:
             # the transfer pass keeps a graph only through the new weights of converted layers;
             # recomputing a decoder layer in backward would run it outside the transfer mode
-            self.log("[retrofit] note: gradient checkpointing is off for the attention objective (nothing to save)")
+            self.log(f"[retrofit] note: gradient checkpointing is off for the {' and '.join(distilled)} objective "
+                     "(nothing to save)")
         elif r.train.gradient_checkpointing:
             from retrofit.surgery.recompute import set_activation_checkpointing
 

@@ -10,10 +10,17 @@
 * ``kl``: KL(p_orig || p_conv) over next tokens, the teacher being the same model with its
   converted layers switched back to their original attention under ``no_grad``. Logits live
   one slice of positions at a time (recomputed in backward), never whole;
+* ``weights``: each converted layer's attention weights vs the frozen original attention's on
+  the original model's hidden states: KL(softmax || layer) over the keys of ``train.weights_queries``
+  query rows per sequence, averaged over rows and heads and summed over the layers (each times its
+  ``train.layer_weights`` weight). For methods whose output is an explicit distribution over the
+  keys (``hedgehog``: the window at ``1 - p``, the read's kernel weights at ``p``), it trains the
+  feature maps and the share's scale together: Hedgehog's and LoLCATs' attention-weight
+  distillation, with no output projection, no values and no LM head;
 * ``recall``: next-token cross-entropy of the recall answers' value tokens only (the positions
   ``data.recall`` marks, :meth:`retrofit.data.recall.RecallInserter.answer_mask`), end to end
   through the converted model: retrieval beyond the window trained directly, with no teacher;
-* ``mix``: ``sum_k train.objective_weights[k] * loss_k`` over any of the four.
+* ``mix``: ``sum_k train.objective_weights[k] * loss_k`` over any of the five.
 
 ``data.recall.answer_weight`` > 1 weighs the answers' positions up in the ``attention`` term instead.
 
@@ -35,6 +42,7 @@ import torch
 from torch import nn
 
 from retrofit.errors import SpecError
+from retrofit.layers.base import DEFAULT_TRANSFER_QUERIES
 from retrofit.ops import linear_cross_entropy
 from retrofit.surgery.distill import distill_mode
 from retrofit.surgery.lm_head import (
@@ -43,7 +51,7 @@ from retrofit.surgery.lm_head import (
 
 __all__ = ["OBJECTIVES", "TERMS", "Objective", "heldout_nll", "layer_weights", "objective_weights"]
 
-TERMS = ("lm", "attention", "kl", "recall")
+TERMS = ("lm", "attention", "weights", "kl", "recall")
 OBJECTIVES = TERMS + ("mix",)
 
 
@@ -103,15 +111,18 @@ class Objective:
 
     def __init__(self, weights: dict[str, float], *, logit_budget: int = DEFAULT_LOGIT_BUDGET,
                  head_positions: int | None = None, sliced_head: bool = False,
-                 layer_weights: dict[int, float] | None = None, answer_weight: float = 1.0):
+                 layer_weights: dict[int, float] | None = None, answer_weight: float = 1.0,
+                 weights_queries: int | None = None):
         """``sliced_head``: the lm-only objective, too, runs the head one slice of ``logit_budget``
         logits at a time (as kl and mix always do) instead of the model's own loss, whose
         ``(B, T, V)`` logits are 17 GB of fp32 for one 16K-token Gemma 3 sequence.
         ``layer_weights``: ``{layer index: weight}`` of the attention term's per-layer losses (1 if absent).
-        ``answer_weight``: the attention term's weight of the positions an answer mask marks (others 1)."""
+        ``answer_weight``: the attention term's weight of the positions an answer mask marks (others 1).
+        ``weights_queries``: query rows per sequence of the weights term (None: the layers' default)."""
         self.weights = dict(weights)
         self.layer_weights = dict(layer_weights or {})
         self.answer_weight = float(answer_weight)
+        self.weights_queries = DEFAULT_TRANSFER_QUERIES if weights_queries is None else int(weights_queries)
         self.logit_budget = int(logit_budget)
         self.head_positions = head_positions
         self.sliced_head = sliced_head
@@ -139,9 +150,16 @@ class Objective:
             with distill_mode(causal_lm, "transfer", position_weights=position_weights) as modules:
                 model(input_ids=input_ids, logits_to_keep=1)  # decoder on teacher states; 1 head position
                 terms = [(int(m.layer_idx), m.transfer_loss) for m in modules if m.transfer_loss is not None]
-            att = torch.stack([t * self.layer_weights.get(i, 1.0) if self.layer_weights else t for i, t in terms]).sum()
+            att = self._layer_sum(terms)
             parts["attention"] = float(att.detach())
             total = self.weights["attention"] * att
+        if "weights" in self.weights:
+            with distill_mode(causal_lm, "weights", queries=self.weights_queries) as modules:
+                model(input_ids=input_ids, logits_to_keep=1)
+                terms = [(int(m.layer_idx), m.transfer_loss) for m in modules if m.transfer_loss is not None]
+            kl = self._layer_sum(terms)
+            parts["weights"] = float(kl.detach())
+            total = self.weights["weights"] * kl if total is None else total + self.weights["weights"] * kl
         if "kl" in self.weights or "lm" in self.weights or "recall" in self.weights:
             teacher = None
             if "kl" in self.weights:
@@ -166,6 +184,10 @@ class Objective:
                 parts[term] = float(value.detach())
                 total = self.weights[term] * value if total is None else total + self.weights[term] * value
         return total, parts
+
+    def _layer_sum(self, terms: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """``sum_i layer_weights[i] * loss_i`` over the converted layers' per-layer terms."""
+        return torch.stack([t * self.layer_weights.get(i, 1.0) for i, t in terms]).sum()
 
     def _recall_term(self, causal_lm: nn.Module, student: torch.Tensor, input_ids: torch.Tensor,
                      answer_mask: torch.Tensor) -> torch.Tensor:

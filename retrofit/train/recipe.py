@@ -123,10 +123,11 @@ class TrainSection:
     betas: list = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     grad_clip: float = 1.0
-    objective: str = "lm"  # lm | attention | kl | recall | mix (see retrofit.train.objectives)
+    objective: str = "lm"  # lm | attention | weights | kl | recall | mix (see retrofit.train.objectives)
     objective_weights: dict = field(default_factory=dict)  # mix only: {lm: w, attention: w, kl: w}
     head_positions: int | None = None  # kl / lm terms: the LM head runs on this many sampled positions per sequence
-    layer_weights: dict = field(default_factory=dict)  # attention term: {"13-29": 4.0} weighs those layers' losses (others 1)
+    layer_weights: dict = field(default_factory=dict)  # attention / weights terms: {"13-29": 4.0} weighs those layers' losses (others 1)
+    weights_queries: int | None = None  # weights term: query rows per sequence compared (None: retrofit.layers.base's default, 64)
     window_dropout: float = 0.0  # Macchiato: P(a layer's window branch is dropped for a sequence) at step 0 ...
     window_dropout_until: float = 1.0  # ... decaying linearly to 0 at this fraction of the steps (train/window_dropout.py)
     gradient_checkpointing: bool = True
@@ -241,7 +242,7 @@ class Recipe:
         from retrofit.train.objectives import objective_weights
 
         terms = objective_weights(t.objective, t.objective_weights)  # SpecError naming the bad key
-        teacher_terms = sorted(set(terms) & {"attention", "kl"})
+        teacher_terms = sorted(set(terms) & {"attention", "weights", "kl"})
         if teacher_terms and self.trainable.mode in ("attention", "all"):
             raise SpecError(f"train.objective {t.objective!r} distils toward the model's own frozen pretrained weights "
                             f"({', '.join(teacher_terms)}), which trainable.mode {self.trainable.mode!r} would train, "
@@ -251,9 +252,15 @@ class Recipe:
             from retrofit.train.objectives import layer_weights
 
             layer_weights(t.layer_weights)  # SpecError naming the bad key
-            if "attention" not in terms:
-                raise SpecError(f"train.layer_weights weighs the attention term's per-layer losses, but train.objective "
-                                f"{t.objective!r} has no attention term: drop layer_weights or use objective attention / mix")
+            if not {"attention", "weights"} & set(terms):
+                raise SpecError(f"train.layer_weights weighs the attention (or weights) term's per-layer losses, but "
+                                f"train.objective {t.objective!r} has neither: drop layer_weights or use objective "
+                                "attention / weights / mix")
+        if "weights" in terms:
+            q = t.weights_queries
+            if q is not None and (isinstance(q, bool) or not isinstance(q, int) or q < 1):
+                raise SpecError(f"train.weights_queries must be a positive integer or null (the default), got {q!r}")
+            self._check_attention_weights()
         if d.recall.answer_weight != 1.0 and "attention" not in terms:
             raise SpecError(f"data.recall.answer_weight weighs the answers' positions in the attention term, but "
                             f"train.objective {t.objective!r} has none: set it to 1 here (a stage may override it) "
@@ -281,6 +288,21 @@ class Recipe:
             raise SpecError("data.holdout_last needs local data.files (a streamed hub dataset has no file order)")
         self._check_output_outside_data()
         return self
+
+    def _check_attention_weights(self) -> None:
+        """The conversion's method has attention weights to distil (an empty conversion: the model is
+        converted already, checked when the objective first runs)."""
+        from retrofit.layers.method import registered_method
+
+        conversion = self.conversion if isinstance(self.conversion, dict) else {}
+        method = conversion.get("method")
+        if not conversion:
+            return
+        info = registered_method(method or "macchiato")
+        if info is None or "attention_weights" not in info.config.capabilities:
+            raise SpecError(f"train.objective's weights term distils a layer's attention weights, which conversion.method "
+                            f"{method!r} does not expose as one distribution (method hedgehog does): use objective "
+                            "attention or kl")
 
     def _check_window_dropout(self) -> None:
         """The conversion's method declares the ``window_dropout`` capability and its config allows it

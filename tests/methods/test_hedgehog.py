@@ -20,6 +20,10 @@ from tests.methods._common import (
 from tests.methods._common import stepwise_logits as _steps
 
 W = 6
+
+
+def tiny_model_macchiato():
+    return convert(tiny_model("llama"), method="macchiato", window=W, options={"latents": 8})
 NEW = {"feature_query", "feature_key", "memory_scale"}
 
 
@@ -137,6 +141,54 @@ def test_decoding_through_the_cache_equals_one_forward(family, distance, slots):
     torch.testing.assert_close(got[real], whole[real], rtol=1e-4, atol=1e-4)
     attn = model.model.layers[0].self_attn
     assert cache.layers[0].state.S.shape == (2, attn.num_heads, 16, attn.head_dim)
+
+
+@pytest.mark.parametrize("family,sinks,distance", [("llama", 2, None), ("gemma2", 1, None), ("llama", 2, 9)])
+def test_attention_weights_are_the_layers_and_the_pretrained_softmaxs(family, sinks, distance):
+    """The distributions the weights objective compares are the real ones: the student's weights
+    times the values are the layer's output, the teacher's the pretrained attention's (left padding,
+    sinks, GQA + softcap, ``memory_distance``)."""
+    model = _convert(family, sinks=sinks, sink_distance=0, memory_distance=distance)
+    x, pe = attention_inputs(model)
+    attn = model.model.layers[0].self_attn
+    perturb_new_weights(model)
+    mask = torch.ones(2, 37, dtype=torch.bool)
+    mask[1, :5] = False
+    rows = torch.tensor([6, 11, 20, 36])
+    with torch.no_grad():
+        got, _ = attn(x, position_embeddings=pe, attention_mask=mask)
+        base = attn.original_attention(x, pe, mask)
+        teacher, student, values = attn.attention_distributions(x, pe, mask, rows)
+    assert torch.allclose(student.exp().sum(-1), torch.ones(())) and torch.allclose(teacher.exp().sum(-1), torch.ones(()))
+    for dist, want in ((student, got), (teacher, base)):
+        out = attn.patch.project_out(attn, (dist.exp() @ values.float()).to(x.dtype))
+        torch.testing.assert_close(out, want[:, rows], rtol=1e-4, atol=1e-5)
+
+
+def test_attention_weights_loss_trains_only_the_read_and_falls():
+    """``train.objective: weights``'s per-layer term: KL >= 0, gradients on the new weights only, and a
+    few Adam steps on it lower it."""
+    from retrofit.surgery.distill import distill_mode, transfer_losses
+
+    model = _convert("llama", sinks=2, memory_distance=6)
+    ids = torch.randint(3, 256, (2, 40))
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-2)
+    losses = []
+    for _ in range(15):
+        with distill_mode(model, "weights", queries=16):
+            model(ids, logits_to_keep=1)
+            loss = torch.stack(transfer_losses(model)).sum()
+        opt.zero_grad()
+        loss.backward()
+        losses.append(float(loss))
+        opt.step()
+    assert all(x >= 0 for x in losses) and losses[-1] < 0.8 * losses[0], losses
+    new = set(new_parameter_names(model))
+    for n, p in model.named_parameters():
+        assert (p.grad is not None) == (n in new), n
+    with pytest.raises(SpecError, match="hedgehog"):
+        with distill_mode(tiny_model_macchiato(), "weights"):
+            pass
 
 
 def test_generate_batched_equals_single():

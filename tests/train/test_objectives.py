@@ -445,3 +445,80 @@ def test_recall_objective_trains_through_the_trainer_and_needs_recall_facts(conv
     steps = [r for r in rows if "loss_recall" in r]
     assert len(steps) == 2 and all(r["loss_recall"] > 0 and "loss_kl" in r for r in steps)
     assert (tmp_path / "out" / "final").is_dir()
+
+
+def _hedgehog(**options):
+    model = convert(tiny_model("llama"), ConversionSpec(method="hedgehog", window=6, features=8, sinks=1,
+                                                        memory_distance=6, **options))
+    with torch.no_grad():  # fitted-looking maps: queries and keys no longer share one map
+        for layer in model.model.layers:
+            layer.self_attn.feature_key.weight.add_(torch.randn_like(layer.self_attn.feature_key.weight), alpha=0.5)
+    return model
+
+
+def test_weights_term_is_the_layers_attention_weight_kl_summed():
+    """objective weights: sum over layers of each layer's KL(softmax || its own weights) on the base's
+    hidden states (the teacher's output flows downstream, so the logits are the base's); only the
+    new weights get gradients; layer_weights and mix weigh it like the attention term."""
+    model = _hedgehog()
+    ids = _ids()
+    with torch.no_grad(), distill_mode(model, "weights", queries=8) as modules:
+        out = model(input_ids=ids).logits
+        per_layer = [float(m.transfer_loss) for m in modules]
+    with torch.no_grad(), distill_mode(model, "teacher"):
+        base = model(input_ids=ids).logits
+    torch.testing.assert_close(out, base)
+    assert len(per_layer) == 2 and min(per_layer) > 0
+    loss, parts = Objective({"weights": 1.0}, weights_queries=8)(model, ids)
+    assert parts["weights"] == pytest.approx(sum(per_layer), rel=1e-5)
+    _, parts = Objective({"weights": 1.0}, weights_queries=8, layer_weights={1: 3.0})(model, ids)
+    assert parts["weights"] == pytest.approx(per_layer[0] + 3.0 * per_layer[1], rel=1e-5)
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    grads = {n.split("self_attn.")[1].split(".")[0] for n, p in model.named_parameters() if p.grad is not None}
+    assert grads == {"feature_query", "feature_key", "memory_scale"}
+    mixed, parts = Objective({"weights": 1.0, "attention": 0.5}, weights_queries=8)(model, ids)
+    assert float(mixed) == pytest.approx(parts["weights"] + 0.5 * parts["attention"], rel=1e-5)
+
+
+def test_weights_term_needs_a_method_with_attention_weights():
+    from retrofit.train.recipe import recipe_from_dict
+
+    macchiato = convert(tiny_model("llama"), ConversionSpec(window=6, latents=8, init_swa_share=0.5))
+    with pytest.raises(SpecError, match="hedgehog"):
+        Objective({"weights": 1.0})(macchiato, _ids())
+    data = {"model": {"name": "m"}, "conversion": {"method": "macchiato", "window": 8},
+            "train": {"objective": "weights", "max_steps": 1}}
+    with pytest.raises(SpecError, match="does not expose"):
+        recipe_from_dict(data).validate()
+    data["conversion"] = {"method": "hedgehog", "window": 8}
+    recipe_from_dict(data).validate()
+    data["train"]["weights_queries"] = 0
+    with pytest.raises(SpecError, match="weights_queries"):
+        recipe_from_dict(data).validate()
+
+
+def test_the_trainer_fits_a_hedgehog_read_with_the_weights_term(books, tmp_path):
+    """A recipe converting a base to hedgehog and training with objective weights: runs, logs the
+    term, lowers it, and saves feature maps that moved."""
+    import json
+
+    from retrofit.train import train
+    from retrofit.train.recipe import recipe_from_dict
+    from tests.train import tiny
+
+    base = tiny.save_base(tmp_path / "base")
+    conversion = {"method": "hedgehog", "window": 8, "features": 8, "sinks": 1, "memory_distance": 8}
+    recipe = recipe_from_dict(tiny.recipe_dict(base, books, tmp_path / "out", conversion=conversion,
+                                               data={"seq_len": 64},
+                                               train={"objective": "weights", "weights_queries": 16, "max_steps": 8,
+                                                      "lr": 3e-2}))
+    train(recipe)
+    rows = [json.loads(x) for x in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss_weights"] for r in rows if r.get("kind") == "train"]
+    assert len(losses) == 8 and losses[-1] < losses[0], losses
+    from tests.methods._common import saved_weights
+
+    saved = saved_weights(tmp_path / "out" / "final")
+    keys = [k for k in saved if "feature_key" in k]
+    assert keys and all(not torch.equal(saved[k], saved[k.replace("feature_key", "feature_query")]) for k in keys)
