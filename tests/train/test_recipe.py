@@ -234,6 +234,6 @@ def test_layer_weights_are_checked_with_the_recipe():
     assert r.train.layer_weights == {"13-29": 4, 0: 0.5}
     for bad, message in ((["train.layer_weights={all: 2}"], "by index"),
                          (["train.layer_weights={3: -1}"], ">= 0"),
-                         (["train.layer_weights={3: 2}", "train.objective=kl"], "no attention term")):
+                         (["train.layer_weights={3: 2}", "train.objective=kl"], "has neither")):
         with pytest.raises(SpecError, match=message):
             load_recipe(cfg, bad)
