@@ -323,7 +323,7 @@ def _attention_step(attn: MacchiatoAttention, buf: _LayerBuffers, h: torch.Tenso
     B = h.shape[0]
     q, k, v = attn.patch.project_qkv(attn, h, cos_sin)  # (B, Hq|Hkv, 1, d)
     n, w = buf.sink_k.shape[2], attn.window
-    slot = (n + (t + 1) % w).view(1)
+    slot = (n + t % w).view(1)
     buf.slot_k.index_copy_(2, slot, k)
     buf.slot_v.index_copy_(2, slot, v)
     allowed_ring = (torch.arange(w, device=h.device) <= t).expand(B, w)
