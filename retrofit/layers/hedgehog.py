@@ -47,7 +47,7 @@ from retrofit.layers.macchiato import (
     MacchiatoAttention, check_window_options, resolved_window_options, window_option_help,
 )
 from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, register_method
-from retrofit.ops import capped_sink_keys, repeat_kv_heads, sink_window_attention, slot_attention_step
+from retrofit.ops import repeat_kv_heads, sink_window_attention, slot_attention_step
 from retrofit.ops.hedgehog import HedgehogState, hedgehog_features, hedgehog_read_chunked, hedgehog_read_step
 from retrofit.ops.rope import rope_rotate, rope_unrotate
 from retrofit.ops.sliding_window import sliding_window_attention_with_lse
@@ -382,17 +382,12 @@ class HedgehogAttention(MacchiatoAttention):
         return self.mixed_with_memory(swa, lse, num, mass, mq, count), state
 
     def _memory_slot_step(self, q, k, v, valid, cache, position_embeddings) -> torch.Tensor:
-        """One decoding token: the window through the cache's slots (as :meth:`_slot_step`) with its
+        """One decoding token: the window through the cache's slots (:meth:`slot_window`) with its
         log-sum-exp, the read of the state, and the key leaving the window written into the state:
         ``(B, Hq, 1, D)``."""
-        cache.enter_slots()
-        cache.write_slot(k, v, valid)
-        slot_k, slot_v, allowed = cache.slots()
+        slot_k, slot_v, allowed = self.slot_window(k, v, valid, cache)
         t = cache.cumulative_length  # this token's stream index
-        n = slot_k.shape[2] - cache.slot_filled
-        if self.sink_inv_freq is not None and cache.sinks is not None and t > self.sink_distance:
-            idx, _, sink_k, _ = cache.sinks
-            slot_k[:, :, :n] = capped_sink_keys(sink_k, idx, t, self.sink_distance, self.sink_inv_freq)
+        n = slot_k.shape[2] - cache.slot_filled  # sink slots
         out, lse = slot_attention_step(q, slot_k, slot_v, allowed, scaling=self.scaling, softcap=self.softcap,
                                        with_lse=True)
         state = cache.state

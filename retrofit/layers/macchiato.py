@@ -552,8 +552,9 @@ class MacchiatoAttention(RetrofitAttention):
             return False
         return not self.sinks or cache.sinks_full
 
-    def _slot_step(self, q, k, v, mix, lat, tail, valid, cache: MacchiatoLayerCache) -> torch.Tensor:
-        """One token through the cache's in-place window slots (no per-step window copies): ``(B, Hq, 1, D)``."""
+    def slot_window(self, k, v, valid, cache: MacchiatoLayerCache):
+        """The new token's key and value written into the cache's slots: ``(keys, values, allowed)`` over
+        the sinks and the filled ring slots, the sinks' keys re-positioned to their capped distance."""
         cache.enter_slots()
         cache.write_slot(k, v, valid)
         slot_k, slot_v, allowed = cache.slots()
@@ -561,6 +562,11 @@ class MacchiatoAttention(RetrofitAttention):
         if self.sink_inv_freq is not None and cache.sinks is not None and t > self.sink_distance:
             idx, _, sink_k, _ = cache.sinks  # re-positioned per step from the originals, in the sink slots
             slot_k[:, :, : sink_k.shape[2]] = capped_sink_keys(sink_k, idx, t, self.sink_distance, self.sink_inv_freq)
+        return slot_k, slot_v, allowed
+
+    def _slot_step(self, q, k, v, mix, lat, tail, valid, cache: MacchiatoLayerCache) -> torch.Tensor:
+        """One token through the cache's in-place window slots (no per-step window copies): ``(B, Hq, 1, D)``."""
+        slot_k, slot_v, allowed = self.slot_window(k, v, valid, cache)
         out, state = macchiato_slot_step(
             q, slot_k, slot_v, allowed, v, mix, lat, cache.state, valid=valid, scaling=self.scaling, softcap=self.softcap
         )
