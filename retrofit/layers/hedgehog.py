@@ -258,18 +258,12 @@ class HedgehogAttention(MacchiatoAttention):
         return count
 
     # ------------------------------------------------------------------ attention-weights distillation
-    def attention_distributions(self, hidden_states: torch.Tensor, position_embeddings, attention_mask,
-                                rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Log-weights over the keys of the query rows ``rows`` ``(R,)`` (positions in the sequence):
-        ``(teacher, student, values)``; ``teacher`` and ``student`` ``(B, Hq, R, T)`` fp32, ``-inf``
-        where a row gives a key no weight, ``values`` ``(B, Hq, T, D)``.
-
-        ``teacher``: the pretrained softmax (causal, or the layer's native window). ``student``: this layer's, ``(1 - p)`` times the
-        window's softmax (its ``w`` last keys and the sinks) and ``p`` times the read's kernel weights
-        ``phi_q(q) . phi_k(k_j) / mass`` on the older keys, so ``exp(student) @ values`` is the layer's
-        output before o_proj (the test checks it). Sinks are the first ``sinks`` real tokens at their
-        own distance (``sink_distance`` only caps them past the base's context, which a teacher
-        without a RoPE cap does not reach)."""
+    def _weight_terms(self, hidden_states, position_embeddings, attention_mask, rows):
+        """The pieces of both distributions over the keys of the query rows ``rows`` ``(R,)``: the
+        pretrained scores ``s`` ``(B, Hq, R, T)`` fp32, the keys the teacher sees (``seen``), the
+        window's (with the sinks) and the read's (``memory``) ``(B, 1, R, T)`` bool, the window's
+        log-sum-exp ``(B, Hq, R)``, the read's kernel weights ``kappa`` ``(B, Hq, R, T)`` (0 off the
+        memory), the share's scale ``c(q, n)`` ``(B, Hq, R)`` and the values ``(B, Hq, T, D)``."""
         B, T, _ = hidden_states.shape
         H = self.num_heads
         cap = self.teacher_rope_cap
@@ -288,37 +282,91 @@ class HedgehogAttention(MacchiatoAttention):
         window = causal & ((j > i - self.window)[None, None] | sink[:, None, None, :])
         memory = causal & ~window
         seen = causal & (j > i - self.native_window)[None, None] if self.native_window else causal  # the teacher's keys
-        teacher = s.masked_fill(~seen, float("-inf")).log_softmax(-1)
         lse = s.masked_fill(~window, float("-inf")).logsumexp(-1)  # (B, H, R)
         mq, mk = self.memory_queries_and_keys(q, k, position_embeddings, 0)
         mq = mq[:, :, rows]
         kappa = self.feature_query(mq) @ self.feature_key(repeat_kv_heads(mk, H)).transpose(-1, -2)
         kappa = kappa.masked_fill(~memory, 0.0)
-        mass = kappa.sum(-1)
         scale = self.memory_scale(mq, memory[:, 0].sum(-1).float().clamp_min(1.0).log()[:, None])
+        return s, seen, window, memory, lse, kappa, scale, repeat_kv_heads(v, H)
+
+    def attention_distributions(self, hidden_states: torch.Tensor, position_embeddings, attention_mask,
+                                rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-weights over the keys of the query rows ``rows`` ``(R,)`` (positions in the sequence):
+        ``(teacher, student, values)``; ``teacher`` and ``student`` ``(B, Hq, R, T)`` fp32, ``-inf``
+        where a row gives a key no weight, ``values`` ``(B, Hq, T, D)``.
+
+        ``teacher``: the pretrained softmax (causal, or the layer's native window). ``student``: this layer's, ``(1 - p)`` times the
+        window's softmax (its ``w`` last keys and the sinks) and ``p`` times the read's kernel weights
+        ``phi_q(q) . phi_k(k_j) / mass`` on the older keys, so ``exp(student) @ values`` is the layer's
+        output before o_proj (the test checks it). Sinks are the first ``sinks`` real tokens at their
+        own distance (``sink_distance`` only caps them past the base's context, which a teacher
+        without a RoPE cap does not reach)."""
+        s, seen, window, memory, lse, kappa, scale, values = self._weight_terms(
+            hidden_states, position_embeddings, attention_mask, rows)
+        teacher = s.masked_fill(~seen, float("-inf")).log_softmax(-1)
+        mass = kappa.sum(-1)
         has = mass > 0
         logit = mass.clamp_min(1e-30).log() + scale - lse
         keep = torch.where(has, F.logsigmoid(-logit), 0.0)[..., None]  # log(1 - p)
         read = (torch.where(has, F.logsigmoid(logit), 0.0)[..., None] + kappa.clamp_min(1e-30).log()
                 - mass.clamp_min(1e-30).log()[..., None])
         student = torch.where(window, keep + s - lse[..., None], torch.where(memory, read, float("-inf")))
-        return teacher, student, repeat_kv_heads(v, H)
+        return teacher, student, values
 
     def attention_weights_loss(self, hidden_states, position_embeddings, attention_mask) -> torch.Tensor:
         """KL(teacher || student) of :meth:`attention_distributions` in nats per query row and head,
         averaged over ``transfer_queries`` rows spread evenly from the first one with a key beyond
-        the window (and its sinks) to the last (real rows only)."""
+        the window (and its sinks) to the last (real rows only).
+
+        ``weights_form`` ``"mixture"``: the KL of the two whole distributions. ``"factored"``: the
+        same KL split as ``KL(share) + P KL(read's keys)`` (the window's own conditional is exact),
+        with the read's term not weighed by the teacher's share ``P`` beyond the window, and the share's
+        term moving the scale only (the read's mass held fixed in it): the maps learn the shape of the
+        softmax beyond the window in every row, and ``c(q, n)`` the share, as the maps and the
+        least-squares scale of a layer-by-layer fit do."""
         T = hidden_states.shape[1]
         first = min(self.window + self.sinks, T - 1)
         rows = torch.linspace(first, T - 1, self.transfer_queries).round().long().unique()
-        teacher, student, _ = self.attention_distributions(hidden_states, position_embeddings, attention_mask, rows)
-        weights = teacher.exp()
-        kl = torch.where(weights > 0, weights * (teacher - student), 0.0).sum(-1)  # (B, H, R)
+        if self.weights_form == "mixture":
+            teacher, student, _ = self.attention_distributions(hidden_states, position_embeddings, attention_mask, rows)
+            weights = teacher.exp()
+            kl = torch.where(weights > 0, weights * (teacher - student), 0.0).sum(-1)  # (B, H, R)
+        else:
+            kl = self._factored_kl(hidden_states, position_embeddings, attention_mask, rows)
         valid = self.key_padding(attention_mask, T)
         if valid is None:
             return kl.mean()
         ok = valid[:, rows].to(kl.dtype)[:, None]
         return (kl * ok).sum() / (ok.sum() * kl.shape[1]).clamp_min(1.0)
+
+    def _factored_kl(self, hidden_states, position_embeddings, attention_mask, rows) -> torch.Tensor:
+        """``(B, Hq, R)``: :meth:`factored_terms`' ``kl_share + kl_read`` (0 in rows with no key beyond the window)."""
+        kl_share, kl_read, share, has = self.factored_terms(hidden_states, position_embeddings, attention_mask, rows)
+        return torch.where(has, kl_share + torch.where(share > 0, kl_read, 0.0), 0.0)
+
+    def factored_terms(self, hidden_states, position_embeddings, attention_mask, rows):
+        """The mixture's KL split, each ``(B, Hq, R)``: ``kl_share`` = KL(P || p) of the share beyond the
+        window (``P`` the teacher's, ``p`` this layer's, its read's mass held fixed for the gradient),
+        ``kl_read`` = KL of the teacher's weights over the read's keys, renormalised, from the read's
+        kernel weights, ``share`` = ``P``, and ``has`` (the rows whose read holds a key). The
+        mixture's KL is ``kl_share + P kl_read``, since the window's own conditional is the teacher's."""
+        s, seen, window, memory, lse, kappa, scale, _ = self._weight_terms(
+            hidden_states, position_embeddings, attention_mask, rows)
+        teacher = s.masked_fill(~seen, float("-inf")).log_softmax(-1)
+        beyond = memory & seen
+        log_share = teacher.masked_fill(~beyond, float("-inf")).logsumexp(-1)  # log P
+        share = log_share.exp()
+        mass = kappa.sum(-1)
+        logit = mass.detach().clamp_min(1e-30).log() + scale - lse
+        log_rest = torch.log1p(-share.clamp_max(1 - 1e-7))  # log (1 - P)
+        kl_share = (torch.where(share > 0, share * (log_share - F.logsigmoid(logit)), 0.0)
+                    + torch.where(share < 1, (1 - share) * (log_rest - F.logsigmoid(-logit)), 0.0))
+        cond = teacher - log_share[..., None]  # the teacher's weights over the read's keys, renormalised
+        cond_weights = torch.where(beyond, cond.exp(), 0.0)
+        read = kappa.clamp_min(1e-30).log() - mass.clamp_min(1e-30).log()[..., None]
+        kl_read = torch.where(cond_weights > 0, cond_weights * (cond - read), 0.0).sum(-1)
+        return kl_share, kl_read, share, mass > 0
 
     def mixed_with_memory(self, swa, lse, num, mass, mq, count) -> torch.Tensor:
         """``(1 - p) SWA + p num / mass`` with ``p = sigmoid(log mass + c(q, n) - lse)`` (0 where the

@@ -256,7 +256,8 @@ class _Run:
         per_layer = layer_weights(r.train.layer_weights)
         self.objective = Objective(objective_weights(r.train.objective, r.train.objective_weights),
                                    head_positions=r.train.head_positions, layer_weights=per_layer,
-                                   answer_weight=r.data.recall.answer_weight, weights_queries=r.train.weights_queries)
+                                   answer_weight=r.data.recall.answer_weight, weights_queries=r.train.weights_queries,
+                                   weights_form=r.train.weights_form)
         if per_layer:
             from retrofit.surgery.distill import converted_modules
 

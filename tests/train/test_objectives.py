@@ -485,7 +485,7 @@ def test_weights_term_needs_a_method_with_attention_weights():
     from retrofit.train.recipe import recipe_from_dict
 
     macchiato = convert(tiny_model("llama"), ConversionSpec(window=6, latents=8, init_swa_share=0.5))
-    with pytest.raises(SpecError, match="hedgehog"):
+    with pytest.raises(SpecError, match="hedgehog.*method macchiato has none"):
         Objective({"weights": 1.0})(macchiato, _ids())
     data = {"model": {"name": "m"}, "conversion": {"method": "macchiato", "window": 8},
             "train": {"objective": "weights", "max_steps": 1}}
@@ -495,6 +495,9 @@ def test_weights_term_needs_a_method_with_attention_weights():
     recipe_from_dict(data).validate()
     data["train"]["weights_queries"] = 0
     with pytest.raises(SpecError, match="weights_queries"):
+        recipe_from_dict(data).validate()
+    data["train"].update(weights_queries=None, weights_form="joint")
+    with pytest.raises(SpecError, match="weights_form must be one of factored, mixture"):
         recipe_from_dict(data).validate()
 
 
