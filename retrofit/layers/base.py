@@ -47,13 +47,11 @@ from retrofit.layers.cache import RetrofitLayerCache, layer_cache
 from retrofit.layers.method import registered_method
 from retrofit.ops import capped_rope_attention, gqa_sdpa, sliding_window_attention
 
-__all__ = ["DEFAULT_TRANSFER_QUERIES", "DISTILL_MODES", "RetrofitAttention", "WEIGHTS_FORMS", "adapters_off"]
+__all__ = ["DEFAULT_TRANSFER_QUERIES", "DISTILL_MODES", "RetrofitAttention", "adapters_off"]
 
 DISTILL_MODES = (None, "teacher", "transfer", "weights")
 # query rows per sequence whose attention weights the "weights" mode compares (a (B, H, R, T) score block)
 DEFAULT_TRANSFER_QUERIES = 64
-# how the "weights" mode compares the two distributions (the method's attention_weights_loss says how)
-WEIGHTS_FORMS = ("factored", "mixture")
 
 
 @contextlib.contextmanager
@@ -141,7 +139,6 @@ class RetrofitAttention(nn.Module):
         self.transfer_loss: torch.Tensor | None = None
         self.transfer_position_weights: torch.Tensor | None = None  # (B, T) weights of transfer_loss's positions
         self.transfer_queries = DEFAULT_TRANSFER_QUERIES  # query rows per sequence of the "weights" mode
-        self.weights_form = WEIGHTS_FORMS[0]  # and the form of its KL
         # the layer's RoPE frequencies, fp32 and kept off the buffers (model.to(bf16) cannot round
         # them); None for a RoPE type whose frequencies follow the sequence
         self.rope_inv_freq = patch.rope_inv_freq(original)

@@ -260,35 +260,58 @@ class HedgehogAttention(MacchiatoAttention):
     # ------------------------------------------------------------------ attention-weights distillation
     def _weight_terms(self, hidden_states, position_embeddings, attention_mask, rows):
         """The pieces of both distributions over the keys of the query rows ``rows`` ``(R,)``: the
-        pretrained scores ``s`` ``(B, Hq, R, T)`` fp32, the keys the teacher sees (``seen``), the
+        teacher's scores ``s`` and the window's (the same but at the sinks, which the layer scores at
+        ``sink_distance`` at most) ``(B, Hq, R, T)`` fp32, the keys the teacher sees (``seen``), the
         window's (with the sinks) and the read's (``memory``) ``(B, 1, R, T)`` bool, the window's
         log-sum-exp ``(B, Hq, R)``, the read's kernel weights ``kappa`` ``(B, Hq, R, T)`` (0 off the
-        memory), the share's scale ``c(q, n)`` ``(B, Hq, R)`` and the values ``(B, Hq, T, D)``."""
+        memory), the share's scale ``c(q, n)`` ``(B, Hq, R)`` and the values ``(B, Hq, T, D)``.
+
+        The teacher is the layer's :meth:`original_attention`: past ``teacher_rope_cap`` (the base's
+        context) it scores a pair at the capped distance, so sequences longer than the context
+        compare against the capped base, the strongest zero-shot form of the base there."""
         B, T, _ = hidden_states.shape
         H = self.num_heads
-        cap = self.teacher_rope_cap
-        if cap and T - 1 > cap:
-            raise ValueError(f"attention weights are distilled within the base's context: {T} tokens > {cap + 1}")
+        full = not self.native_window or self.native_window >= T
+        cap = self.teacher_rope_cap  # as original_attention: full attention with known frequencies only
+        cap = cap if full and cap and T - 1 > cap and self.rope_inv_freq is not None else 0
+        far_sinks = bool(self.sinks and self.sink_distance and T - 1 > self.sink_distance)  # the layer has inv_freq then
         with torch.no_grad():
             q, k, v = self.patch.project_qkv(self, hidden_states, position_embeddings)
         valid = self.key_padding(attention_mask, T)
         real = torch.ones(B, T, dtype=torch.bool, device=q.device) if valid is None else valid
-        s = (q[:, :, rows].float() @ repeat_kv_heads(k, H).float().transpose(-1, -2)) * self.scaling
+        s = q[:, :, rows].float() @ repeat_kv_heads(k, H).float().transpose(-1, -2)
+        i, j = rows.to(q.device)[:, None], torch.arange(T, device=q.device)[None, :]
+        sink = real & (real.long().cumsum(-1) <= self.sinks)
+        s_window = s
+        if cap or far_sinks:  # pairs scored at a capped distance: the query moved there, the keys to position 0
+            cos, sin = position_embeddings
+            inv_freq = self.rope_inv_freq.to(q.device)
+            q0 = rope_unrotate(q[:, :, rows], cos[:, rows], sin[:, rows]).float()
+            k0 = repeat_kv_heads(rope_unrotate(k, cos, sin), H).float().transpose(-1, -2)
+
+            def at(distance: int) -> torch.Tensor:
+                return rope_rotate(q0, torch.tensor(float(distance)), inv_freq) @ k0
+
+            if far_sinks:
+                s_window = torch.where(sink[:, None, None, :] & (i - j > self.sink_distance)[None, None],
+                                       at(self.sink_distance), s)
+            if cap:
+                s = torch.where((i - j > cap)[None, None], at(cap), s)
+        s, s_window = s * self.scaling, s_window * self.scaling
         if self.softcap:
             s = torch.tanh(s / self.softcap) * self.softcap
-        i, j = rows.to(q.device)[:, None], torch.arange(T, device=q.device)[None, :]
+            s_window = torch.tanh(s_window / self.softcap) * self.softcap
         causal = (j <= i)[None, None] & real[:, None, None, :]  # (B, 1, R, T)
-        sink = real & (real.long().cumsum(-1) <= self.sinks)
         window = causal & ((j > i - self.window)[None, None] | sink[:, None, None, :])
         memory = causal & ~window
         seen = causal & (j > i - self.native_window)[None, None] if self.native_window else causal  # the teacher's keys
-        lse = s.masked_fill(~window, float("-inf")).logsumexp(-1)  # (B, H, R)
+        lse = s_window.masked_fill(~window, float("-inf")).logsumexp(-1)  # (B, H, R)
         mq, mk = self.memory_queries_and_keys(q, k, position_embeddings, 0)
         mq = mq[:, :, rows]
         kappa = self.feature_query(mq) @ self.feature_key(repeat_kv_heads(mk, H)).transpose(-1, -2)
         kappa = kappa.masked_fill(~memory, 0.0)
         scale = self.memory_scale(mq, memory[:, 0].sum(-1).float().clamp_min(1.0).log()[:, None])
-        return s, seen, window, memory, lse, kappa, scale, repeat_kv_heads(v, H)
+        return s, s_window, seen, window, memory, lse, kappa, scale, repeat_kv_heads(v, H)
 
     def attention_distributions(self, hidden_states: torch.Tensor, position_embeddings, attention_mask,
                                 rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -299,10 +322,10 @@ class HedgehogAttention(MacchiatoAttention):
         ``teacher``: the pretrained softmax (causal, or the layer's native window). ``student``: this layer's, ``(1 - p)`` times the
         window's softmax (its ``w`` last keys and the sinks) and ``p`` times the read's kernel weights
         ``phi_q(q) . phi_k(k_j) / mass`` on the older keys, so ``exp(student) @ values`` is the layer's
-        output before o_proj (the test checks it). Sinks are the first ``sinks`` real tokens at their
-        own distance (``sink_distance`` only caps them past the base's context, which a teacher
-        without a RoPE cap does not reach)."""
-        s, seen, window, memory, lse, kappa, scale, values = self._weight_terms(
+        output before o_proj (the test checks it). Sinks are the first ``sinks`` real tokens, scored by
+        the student as the layer scores them (``sink_distance``) and by the teacher as the capped
+        original attention does (:meth:`_weight_terms`)."""
+        s, s_window, seen, window, memory, lse, kappa, scale, values = self._weight_terms(
             hidden_states, position_embeddings, attention_mask, rows)
         teacher = s.masked_fill(~seen, float("-inf")).log_softmax(-1)
         mass = kappa.sum(-1)
@@ -311,62 +334,24 @@ class HedgehogAttention(MacchiatoAttention):
         keep = torch.where(has, F.logsigmoid(-logit), 0.0)[..., None]  # log(1 - p)
         read = (torch.where(has, F.logsigmoid(logit), 0.0)[..., None] + kappa.clamp_min(1e-30).log()
                 - mass.clamp_min(1e-30).log()[..., None])
-        student = torch.where(window, keep + s - lse[..., None], torch.where(memory, read, float("-inf")))
+        student = torch.where(window, keep + s_window - lse[..., None], torch.where(memory, read, float("-inf")))
         return teacher, student, values
 
     def attention_weights_loss(self, hidden_states, position_embeddings, attention_mask) -> torch.Tensor:
         """KL(teacher || student) of :meth:`attention_distributions` in nats per query row and head,
         averaged over ``transfer_queries`` rows spread evenly from the first one with a key beyond
-        the window (and its sinks) to the last (real rows only).
-
-        ``weights_form`` ``"mixture"``: the KL of the two whole distributions. ``"factored"``: the
-        same KL split as ``KL(share) + P KL(read's keys)`` (the window's own conditional is exact),
-        with the read's term not weighed by the teacher's share ``P`` beyond the window, and the share's
-        term moving the scale only (the read's mass held fixed in it): the maps learn the shape of the
-        softmax beyond the window in every row, and ``c(q, n)`` the share, as the maps and the
-        least-squares scale of a layer-by-layer fit do."""
+        the window (and its sinks) to the last (real rows only)."""
         T = hidden_states.shape[1]
         first = min(self.window + self.sinks, T - 1)
         rows = torch.linspace(first, T - 1, self.transfer_queries).round().long().unique()
-        if self.weights_form == "mixture":
-            teacher, student, _ = self.attention_distributions(hidden_states, position_embeddings, attention_mask, rows)
-            weights = teacher.exp()
-            kl = torch.where(weights > 0, weights * (teacher - student), 0.0).sum(-1)  # (B, H, R)
-        else:
-            kl = self._factored_kl(hidden_states, position_embeddings, attention_mask, rows)
+        teacher, student, _ = self.attention_distributions(hidden_states, position_embeddings, attention_mask, rows)
+        weights = teacher.exp()
+        kl = torch.where(weights > 0, weights * (teacher - student), 0.0).sum(-1)  # (B, H, R)
         valid = self.key_padding(attention_mask, T)
         if valid is None:
             return kl.mean()
         ok = valid[:, rows].to(kl.dtype)[:, None]
         return (kl * ok).sum() / (ok.sum() * kl.shape[1]).clamp_min(1.0)
-
-    def _factored_kl(self, hidden_states, position_embeddings, attention_mask, rows) -> torch.Tensor:
-        """``(B, Hq, R)``: :meth:`factored_terms`' ``kl_share + kl_read`` (0 in rows with no key beyond the window)."""
-        kl_share, kl_read, share, has = self.factored_terms(hidden_states, position_embeddings, attention_mask, rows)
-        return torch.where(has, kl_share + torch.where(share > 0, kl_read, 0.0), 0.0)
-
-    def factored_terms(self, hidden_states, position_embeddings, attention_mask, rows):
-        """The mixture's KL split, each ``(B, Hq, R)``: ``kl_share`` = KL(P || p) of the share beyond the
-        window (``P`` the teacher's, ``p`` this layer's, its read's mass held fixed for the gradient),
-        ``kl_read`` = KL of the teacher's weights over the read's keys, renormalised, from the read's
-        kernel weights, ``share`` = ``P``, and ``has`` (the rows whose read holds a key). The
-        mixture's KL is ``kl_share + P kl_read``, since the window's own conditional is the teacher's."""
-        s, seen, window, memory, lse, kappa, scale, _ = self._weight_terms(
-            hidden_states, position_embeddings, attention_mask, rows)
-        teacher = s.masked_fill(~seen, float("-inf")).log_softmax(-1)
-        beyond = memory & seen
-        log_share = teacher.masked_fill(~beyond, float("-inf")).logsumexp(-1)  # log P
-        share = log_share.exp()
-        mass = kappa.sum(-1)
-        logit = mass.detach().clamp_min(1e-30).log() + scale - lse
-        log_rest = torch.log1p(-share.clamp_max(1 - 1e-7))  # log (1 - P)
-        kl_share = (torch.where(share > 0, share * (log_share - F.logsigmoid(logit)), 0.0)
-                    + torch.where(share < 1, (1 - share) * (log_rest - F.logsigmoid(-logit)), 0.0))
-        cond = teacher - log_share[..., None]  # the teacher's weights over the read's keys, renormalised
-        cond_weights = torch.where(beyond, cond.exp(), 0.0)
-        read = kappa.clamp_min(1e-30).log() - mass.clamp_min(1e-30).log()[..., None]
-        kl_read = torch.where(cond_weights > 0, cond_weights * (cond - read), 0.0).sum(-1)
-        return kl_share, kl_read, share, mass > 0
 
     def mixed_with_memory(self, swa, lse, num, mass, mq, count) -> torch.Tensor:
         """``(1 - p) SWA + p num / mass`` with ``p = sigmoid(log mass + c(q, n) - lse)`` (0 where the

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from retrofit.errors import SpecError
-from retrofit.layers.base import DEFAULT_TRANSFER_QUERIES, DISTILL_MODES, WEIGHTS_FORMS, adapters_off
+from retrofit.layers.base import DEFAULT_TRANSFER_QUERIES, DISTILL_MODES, adapters_off
 
 __all__ = ["converted_modules", "distill_mode", "transfer_losses"]
 
@@ -33,8 +33,7 @@ def converted_modules(model: nn.Module) -> list[nn.Module]:
 @contextlib.contextmanager
 def distill_mode(model: nn.Module, mode: str | None, layers: Iterable[int] | None = None, *,
                  position_weights: torch.Tensor | None = None,
-                 queries: int = DEFAULT_TRANSFER_QUERIES,
-                 weights_form: str = WEIGHTS_FORMS[0]) -> Iterator[list[nn.Module]]:
+                 queries: int = DEFAULT_TRANSFER_QUERIES) -> Iterator[list[nn.Module]]:
     """Put the converted layers (all, or those in ``layers``) in ``mode`` for the ``with`` block.
 
     ``position_weights`` ``(B, T)`` (``"transfer"`` only): each position's weight in every layer's
@@ -57,8 +56,6 @@ def distill_mode(model: nn.Module, mode: str | None, layers: Iterable[int] | Non
         raise SpecError(f"position_weights weigh the transfer loss; distill mode {mode!r} has none")
     if queries < 1:
         raise SpecError(f"queries must be >= 1, got {queries}")
-    if weights_form not in WEIGHTS_FORMS:
-        raise SpecError(f"weights_form must be one of {', '.join(WEIGHTS_FORMS)}, got {weights_form!r}")
     if mode == "weights":
         lacking = sorted({m.method for m in modules if not m.supports("attention_weights")})
         if lacking:
@@ -71,7 +68,6 @@ def distill_mode(model: nn.Module, mode: str | None, layers: Iterable[int] | Non
         m.transfer_loss = None
         m.transfer_position_weights = position_weights
         m.transfer_queries = int(queries)
-        m.weights_form = weights_form
     try:
         with adapters_off(model) if mode == "teacher" and layers is None else contextlib.nullcontext():
             yield modules

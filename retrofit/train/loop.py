@@ -256,8 +256,7 @@ class _Run:
         per_layer = layer_weights(r.train.layer_weights)
         self.objective = Objective(objective_weights(r.train.objective, r.train.objective_weights),
                                    head_positions=r.train.head_positions, layer_weights=per_layer,
-                                   answer_weight=r.data.recall.answer_weight, weights_queries=r.train.weights_queries,
-                                   weights_form=r.train.weights_form)
+                                   answer_weight=r.data.recall.answer_weight, weights_queries=r.train.weights_queries)
         if per_layer:
             from retrofit.surgery.distill import converted_modules
 

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from retrofit.errors import SpecError
-from retrofit.layers.base import DEFAULT_TRANSFER_QUERIES, WEIGHTS_FORMS
+from retrofit.layers.base import DEFAULT_TRANSFER_QUERIES
 from retrofit.ops import linear_cross_entropy
 from retrofit.surgery.distill import distill_mode
 from retrofit.surgery.lm_head import (
@@ -112,19 +112,17 @@ class Objective:
     def __init__(self, weights: dict[str, float], *, logit_budget: int = DEFAULT_LOGIT_BUDGET,
                  head_positions: int | None = None, sliced_head: bool = False,
                  layer_weights: dict[int, float] | None = None, answer_weight: float = 1.0,
-                 weights_queries: int | None = None, weights_form: str = WEIGHTS_FORMS[0]):
+                 weights_queries: int | None = None):
         """``sliced_head``: the lm-only objective, too, runs the head one slice of ``logit_budget``
         logits at a time (as kl and mix always do) instead of the model's own loss, whose
         ``(B, T, V)`` logits are 17 GB of fp32 for one 16K-token Gemma 3 sequence.
         ``layer_weights``: ``{layer index: weight}`` of the attention term's per-layer losses (1 if absent).
         ``answer_weight``: the attention term's weight of the positions an answer mask marks (others 1).
-        ``weights_queries``: query rows per sequence of the weights term (None: the layers' default);
-        ``weights_form``: how that term's KL is formed (:data:`retrofit.layers.base.WEIGHTS_FORMS`)."""
+        ``weights_queries``: query rows per sequence of the weights term (None: the layers' default)."""
         self.weights = dict(weights)
         self.layer_weights = dict(layer_weights or {})
         self.answer_weight = float(answer_weight)
         self.weights_queries = DEFAULT_TRANSFER_QUERIES if weights_queries is None else int(weights_queries)
-        self.weights_form = weights_form
         self.logit_budget = int(logit_budget)
         self.head_positions = head_positions
         self.sliced_head = sliced_head
@@ -156,8 +154,7 @@ class Objective:
             parts["attention"] = float(att.detach())
             total = self.weights["attention"] * att
         if "weights" in self.weights:
-            with distill_mode(causal_lm, "weights", queries=self.weights_queries,
-                              weights_form=self.weights_form) as modules:
+            with distill_mode(causal_lm, "weights", queries=self.weights_queries) as modules:
                 model(input_ids=input_ids, logits_to_keep=1)
                 terms = [(int(m.layer_idx), m.transfer_loss) for m in modules if m.transfer_loss is not None]
             kl = self._layer_sum(terms)

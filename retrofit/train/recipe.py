@@ -128,7 +128,6 @@ class TrainSection:
     head_positions: int | None = None  # kl / lm terms: the LM head runs on this many sampled positions per sequence
     layer_weights: dict = field(default_factory=dict)  # attention / weights terms: {"13-29": 4.0} weighs those layers' losses (others 1)
     weights_queries: int | None = None  # weights term: query rows per sequence compared (None: retrofit.layers.base's default, 64)
-    weights_form: str = "factored"  # weights term: factored | mixture (the KL's form; retrofit.layers.hedgehog)
     window_dropout: float = 0.0  # Macchiato: P(a layer's window branch is dropped for a sequence) at step 0 ...
     window_dropout_until: float = 1.0  # ... decaying linearly to 0 at this fraction of the steps (train/window_dropout.py)
     gradient_checkpointing: bool = True
@@ -261,10 +260,6 @@ class Recipe:
             q = t.weights_queries
             if q is not None and (isinstance(q, bool) or not isinstance(q, int) or q < 1):
                 raise SpecError(f"train.weights_queries must be a positive integer or null (the default), got {q!r}")
-            from retrofit.layers.base import WEIGHTS_FORMS
-
-            if t.weights_form not in WEIGHTS_FORMS:
-                raise SpecError(f"train.weights_form must be one of {', '.join(WEIGHTS_FORMS)}, got {t.weights_form!r}")
             self._check_attention_weights()
         if d.recall.answer_weight != 1.0 and "attention" not in terms:
             raise SpecError(f"data.recall.answer_weight weighs the answers' positions in the attention term, but "

@@ -143,14 +143,18 @@ def test_decoding_through_the_cache_equals_one_forward(family, distance, slots):
     assert cache.layers[0].state.S.shape == (2, attn.num_heads, 16, attn.head_dim)
 
 
-@pytest.mark.parametrize("family,sinks,distance", [("llama", 2, None), ("gemma2", 1, None), ("llama", 2, 9)])
-def test_attention_weights_are_the_layers_and_the_pretrained_softmaxs(family, sinks, distance):
+@pytest.mark.parametrize("family,sinks,distance,cap,sink_distance", [
+    ("llama", 2, None, 0, 0), ("gemma2", 1, None, 0, 0), ("llama", 2, 9, 0, 0),
+    ("llama", 2, 9, 20, 15), ("llama", 2, None, 13, 0), ("gemma2", 1, None, 20, 25)])
+def test_attention_weights_are_the_layers_and_the_pretrained_softmaxs(family, sinks, distance, cap, sink_distance):
     """The distributions the weights objective compares are the real ones: the student's weights
     times the values are the layer's output, the teacher's the pretrained attention's (left padding,
-    sinks, GQA + softcap, ``memory_distance``)."""
-    model = _convert(family, sinks=sinks, sink_distance=0, memory_distance=distance)
+    sinks, GQA + softcap, ``memory_distance``; past the teacher's RoPE cap, the capped attention,
+    and sinks at the layer's own ``sink_distance``)."""
+    model = _convert(family, sinks=sinks, sink_distance=sink_distance, memory_distance=distance)
     x, pe = attention_inputs(model)
     attn = model.model.layers[0].self_attn
+    attn.teacher_rope_cap = cap
     perturb_new_weights(model)
     mask = torch.ones(2, 37, dtype=torch.bool)
     mask[1, :5] = False
@@ -165,73 +169,7 @@ def test_attention_weights_are_the_layers_and_the_pretrained_softmaxs(family, si
         torch.testing.assert_close(out, want[:, rows], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("family,sinks,distance", [("llama", 2, None), ("gemma2", 1, None), ("llama", 2, 9)])
-def test_factored_terms_split_the_mixtures_kl(family, sinks, distance):
-    """KL(teacher || student) over every key = KL of the share beyond the window + the teacher's share
-    times the KL over the read's keys (+ the window's, 0 but where a native window hides the sinks from
-    the teacher): the factored form reweighs the mixture's terms, it measures nothing else."""
-    model = _convert(family, sinks=sinks, sink_distance=0, memory_distance=distance)
-    x, pe = attention_inputs(model)
-    attn = model.model.layers[0].self_attn
-    perturb_new_weights(model)
-    mask = torch.ones(2, 37, dtype=torch.bool)
-    mask[1, :5] = False
-    rows = torch.tensor([11, 20, 28, 36])
-    with torch.no_grad():
-        teacher, student, _ = attn.attention_distributions(x, pe, mask, rows)
-        kl_share, kl_read, share, has = attn.factored_terms(x, pe, mask, rows)
-    weights = teacher.exp()
-    mixture = torch.where(weights > 0, weights * (teacher - student), 0.0).sum(-1)
-    # the window's conditional is the teacher's unless a native window hides the sinks from the teacher:
-    # a term with no trainable weight in it, which the factored form leaves out
-    j, i = torch.arange(37), rows[:, None]
-    in_window = (j > i - W) | torch.stack([mask[b] & (mask[b].cumsum(-1) <= sinks) for b in range(2)])[:, None, None]
-    tw = teacher.masked_fill(~in_window, float("-inf"))
-    tw = tw - tw.logsumexp(-1, keepdim=True)
-    sw = student.masked_fill(~in_window, float("-inf"))
-    sw = sw - sw.logsumexp(-1, keepdim=True)
-    kl_window = torch.where(tw > float("-inf"), tw.exp() * (tw - sw), 0.0).sum(-1)
-    assert has.any() and (share[has] > 0).any()
-    torch.testing.assert_close((kl_share + share * kl_read + (1 - share) * kl_window)[has], mixture[has],
-                               rtol=1e-4, atol=1e-5)
-    if family == "llama":
-        assert kl_window.abs().max() < 1e-5
-    assert (kl_share[has] > -1e-6).all() and (kl_read[has] > -1e-6).all()
-
-
-def test_factored_form_trains_the_maps_on_the_shape_and_the_scale_on_the_share():
-    """Factored: the maps' gradient comes from the read's conditional alone, so it does not depend on the
-    share's scale; the scale still gets one. Mixture: the scale moves the maps' gradient."""
-    from retrofit.surgery.distill import distill_mode, transfer_losses
-
-    model = _convert("llama", sinks=2, memory_distance=6)
-    perturb_new_weights(model)
-    ids = torch.randint(3, 256, (2, 40))
-    attn = model.model.layers[0].self_attn
-
-    def grads(form, bias):
-        with torch.no_grad():
-            attn.memory_scale.bias.fill_(bias)
-        model.zero_grad()
-        with distill_mode(model, "weights", queries=16, weights_form=form):
-            model(ids, logits_to_keep=1)
-            torch.stack(transfer_losses(model)).sum().backward()
-        return attn.feature_query.weight.grad.clone(), attn.memory_scale.bias.grad.clone()
-
-    maps_low, scale_low = grads("factored", -1.0)
-    maps_high, _ = grads("factored", 2.0)
-    torch.testing.assert_close(maps_low, maps_high)
-    assert scale_low.abs().sum() > 0 and maps_low.abs().sum() > 0
-    mix_low, _ = grads("mixture", -1.0)
-    mix_high, _ = grads("mixture", 2.0)
-    assert not torch.allclose(mix_low, mix_high)
-    with pytest.raises(SpecError, match="weights_form"):
-        with distill_mode(model, "weights", weights_form="joint"):
-            pass
-
-
-@pytest.mark.parametrize("form", ["factored", "mixture"])
-def test_attention_weights_loss_trains_only_the_read_and_falls(form):
+def test_attention_weights_loss_trains_only_the_read_and_falls():
     """``train.objective: weights``'s per-layer term: KL >= 0, gradients on the new weights only, and a
     few Adam steps on it lower it."""
     from retrofit.surgery.distill import distill_mode, transfer_losses
@@ -241,7 +179,7 @@ def test_attention_weights_loss_trains_only_the_read_and_falls(form):
     opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=3e-2)
     losses = []
     for _ in range(15):
-        with distill_mode(model, "weights", queries=16, weights_form=form):
+        with distill_mode(model, "weights", queries=16):
             model(ids, logits_to_keep=1)
             loss = torch.stack(transfer_losses(model)).sum()
         opt.zero_grad()

@@ -496,9 +496,6 @@ def test_weights_term_needs_a_method_with_attention_weights():
     data["train"]["weights_queries"] = 0
     with pytest.raises(SpecError, match="weights_queries"):
         recipe_from_dict(data).validate()
-    data["train"].update(weights_queries=None, weights_form="joint")
-    with pytest.raises(SpecError, match="weights_form must be one of factored, mixture"):
-        recipe_from_dict(data).validate()
 
 
 def test_the_trainer_fits_a_hedgehog_read_with_the_weights_term(books, tmp_path):
