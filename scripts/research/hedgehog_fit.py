@@ -17,6 +17,11 @@ offset from the read's own mass to the softmax's unnormalised mass beyond the wi
 the ``all-hedgehog-lse`` rung a share a layer could compute.
 
     python scripts/research/hedgehog_fit.py --books ../shared/data/pg-books --out runs/oracle/hedgehog.safetensors
+
+With ``--maps`` an earlier fit's maps are kept and only the scale is fitted, e.g. on sequences past
+the base's context against the base with its RoPE distances capped (``--rope-cap``: its hidden
+states and its scores, pairs farther apart scored at the cap), which is where the read's key count
+grows past anything a fit inside the context sees.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import save
+from safetensors.torch import load_file, save
 
 from retrofit.data.packing import make_tokenize
 from retrofit.data.recall import RecallConfig, RecallInserter
@@ -36,6 +41,7 @@ from retrofit.fs.atomic import write_bytes_atomic
 from retrofit.ops import repeat_kv_heads, rope_rotate
 from retrofit.ops.rope import rope_to_origin
 from retrofit.patches import get_patch
+from retrofit.surgery import cap_rope
 from retrofit.surgery.loading import load_any
 
 BOOKS = ("pride-and-prejudice", "moby-dick", "news-from-nowhere", "devils-dictionary")
@@ -69,19 +75,27 @@ def capture_qk(model, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tenso
 
 
 def sampled_rows(qs: torch.Tensor, ks: torch.Tensor, n: int, g: torch.Generator, queries: int, scaling: float,
-                 beyond: int, sinks: int, feats: tuple[torch.Tensor, torch.Tensor] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 beyond: int, sinks: int, feats: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 cap: tuple[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``queries`` random query rows of sequence ``n`` (with history beyond the window when ``beyond`` > 0):
     the maps' inputs ``q (1, H, R, d)`` and ``k (1, H, T, d)`` (``feats``' queries and keys when given,
     else ``qs``, ``ks`` themselves), the keys each row attends ``keep (R, T)`` (causal, or beyond the
-    window and past the ``sinks``) and the base's scaled scores ``(1, H, R, T)`` (from ``qs``, ``ks``)."""
+    window and past the ``sinks``) and the base's scaled scores ``(1, H, R, T)`` (from ``qs``, ``ks``;
+    with ``cap`` = ``(distance, inv_freq)``, pairs farther apart scored at that distance, as the
+    capped base scores them)."""
     T = qs.shape[2]
     lo = beyond + sinks + 16 if beyond else T // 8  # queries with some history (beyond the window)
     rows = torch.randint(lo, T, (queries,), generator=g).sort().values.to(qs.device)
     q, k = qs[n:n + 1, :, rows], ks[n:n + 1]
     j = torch.arange(T, device=qs.device)[None, :]
     keep = (j <= rows[:, None] - beyond) & (j >= sinks) if beyond else j <= rows[:, None]
-    scores = (q @ k.transpose(-1, -2)) * scaling
+    scores = q @ k.transpose(-1, -2)
+    if cap is not None:
+        distance, inv_freq = cap
+        far = rope_rotate(rope_to_origin(qs[n:n + 1], inv_freq)[:, :, rows], torch.tensor(float(distance)), inv_freq)
+        far = far @ rope_to_origin(k, inv_freq).transpose(-1, -2)
+        scores = torch.where((rows[:, None] - j > distance)[None, None], far, scores)
+    scores = scores * scaling
     if feats is not None:
         q, k = feats[0][n:n + 1, :, rows], feats[1][n:n + 1]
     return q, k, keep, scores
@@ -123,7 +137,8 @@ def fit_layer(qs: torch.Tensor, ks: torch.Tensor, scaling: float, features: int,
 @torch.no_grad()
 def fit_log_scale(qs: torch.Tensor, ks: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, scaling: float,
                   beyond: int, sinks: int, queries: int, seed: int,
-                  feats: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                  feats: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  cap: tuple[int, torch.Tensor] | None = None) -> torch.Tensor:
     """``(H, d + 2)``: per head, a linear function of the query whose value approximates
     ``log sum_j exp(s_tj) - log sum_j phi_q(q_t) . phi_k(k_j)`` over the keys ``j`` beyond the window,
     and of the log of their count ``n_t``, so that ``log K_t + [q_t, 1, log n_t] . coef`` estimates the softmax's unnormalised mass beyond the
@@ -133,7 +148,7 @@ def fit_log_scale(qs: torch.Tensor, ks: torch.Tensor, wq: torch.Tensor, wk: torc
     g = torch.Generator().manual_seed(seed)
     xs, ys = [], []
     for n in range(qs.shape[0]):
-        q, k, keep, scores = sampled_rows(qs, ks, n, g, queries, scaling, beyond, sinks, feats)
+        q, k, keep, scores = sampled_rows(qs, ks, n, g, queries, scaling, beyond, sinks, feats, cap)
         lse = scores.masked_fill(~keep, float("-inf")).logsumexp(-1)  # (1, H, R)
         mass = (hedgehog(q, wq) @ hedgehog(k, wk).transpose(-1, -2) * keep).sum(-1).clamp_min(1e-30).log()
         log_count = keep.sum(-1).clamp_min(1).float().log()[None, :, None].expand(q.shape[1], -1, 1).to(q.device)
@@ -160,6 +175,11 @@ def main() -> None:
     ap.add_argument("--distance", type=int, default=None,
                     help="fit position-free maps: queries at this RoPE distance from keys rotated back to 0 "
                          "(the hedgehog method's memory_distance), against the base's true attention")
+    ap.add_argument("--maps", type=Path, default=None,
+                    help="keep the query / key maps of this earlier fit and fit the scale only (with --beyond)")
+    ap.add_argument("--rope-cap", type=int, default=None,
+                    help="the base with RoPE distances capped here (its strongest form past its context): "
+                         "its hidden states and its scores, for fitting the scale on sequences past the context")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--joint", action="store_true",
@@ -167,6 +187,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     model, tokenizer = load_any(args.model, dtype="float32")
+    if args.rope_cap:
+        cap_rope(model, args.rope_cap)
+    if args.maps is not None and not args.beyond:
+        raise SystemExit("error: --maps refits the scale only, which needs --beyond")
+    earlier = load_file(str(args.maps)) if args.maps is not None else None
     model.to(args.device)
     if args.device.startswith("cuda"):
         torch.backends.cuda.matmul.allow_tf32 = True  # the fit's products; the captured q, k are fp32
@@ -194,11 +219,19 @@ def main() -> None:
             inv_freq = get_patch(model).rope_inv_freq(layers[group[0]]).to(qs.device)
             feats = (rope_rotate(rope_to_origin(qs, inv_freq), torch.tensor(float(args.distance)), inv_freq),
                      rope_to_origin(ks, inv_freq))
-        wq, wk, first, last = fit_layer(qs, ks, layers[group[0]].scaling, args.features, args.steps, args.lr,
-                                        args.queries, args.seed + group[0], args.beyond,
-                                        args.sinks if args.beyond else 0, feats)
+        if earlier is None:
+            wq, wk, first, last = fit_layer(qs, ks, layers[group[0]].scaling, args.features, args.steps, args.lr,
+                                            args.queries, args.seed + group[0], args.beyond,
+                                            args.sinks if args.beyond else 0, feats)
+        else:
+            wq = torch.cat([earlier[f"layers.{li}.query"] for li in group]).to(qs.device)
+            wk = torch.cat([earlier[f"layers.{li}.key"] for li in group]).to(qs.device)
+            first = last = torch.zeros(wq.shape[0])  # not fitted here
+        cap = None
+        if args.rope_cap:
+            cap = (args.rope_cap, get_patch(model).rope_inv_freq(layers[group[0]]).to(qs.device))
         scale = fit_log_scale(qs, ks, wq, wk, layers[group[0]].scaling, args.beyond, args.sinks,
-                              args.queries, args.seed + group[0], feats) if args.beyond else None
+                              args.queries, args.seed + group[0], feats, cap) if args.beyond else None
         del qs, ks, feats
         for i, li in enumerate(group):
             heads = slice(i * wq.shape[0] // len(group), (i + 1) * wq.shape[0] // len(group))
@@ -209,7 +242,7 @@ def main() -> None:
             log.append({"layer": li, "kl_first": float(first[heads].mean()), "kl_last": float(last[heads].mean())})
             print(json.dumps(log[-1] | {"minutes": round((time.time() - start) / 60, 1)}), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_bytes_atomic(args.out, save(tensors, metadata={"args": json.dumps(vars(args) | {"out": str(args.out)}),
+    write_bytes_atomic(args.out, save(tensors, metadata={"args": json.dumps(vars(args) | {"out": str(args.out), "maps": args.maps and str(args.maps)}),
                                                          "log": json.dumps(log)}))
 
 
