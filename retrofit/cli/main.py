@@ -17,6 +17,7 @@ from retrofit.cli.common import HelpFormatter, configure_output, finish_parser
 VERBS: tuple[tuple[str, str], ...] = (
     ("convert", "model surgery: swap attention for a linear-time method and save a checkpoint"),
     ("train", "continual pretraining of the new weights (DeepSpeed / torchrun / single process)"),
+    ("fit", "fit a Hedgehog read to the base's attention layer by layer (no network training; CPU-friendly)"),
     ("eval", "long-context perplexity, lm-eval few-shot benchmarks, passkey retrieval"),
     ("generate", "constant-memory text generation from a converted checkpoint"),
     ("bench", "speed and memory benchmarks (attention ops, decoding, whole model)"),

@@ -34,6 +34,13 @@ def _run(args: argparse.Namespace) -> int:
     from retrofit.train.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
+    from retrofit.errors import SpecError
+    from retrofit.train.recipe import FitSection
+
+    if recipe.fit != FitSection():
+        raise SpecError(f"{args.recipe} has a fit section: it fits a Hedgehog read with retrofit fit (run "
+                        f"'retrofit fit {args.recipe}'); to train the fitted model, set model.name to its folder in a "
+                        "training recipe")
     if args.print_recipe:
         import yaml
 

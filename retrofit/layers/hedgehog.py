@@ -15,7 +15,8 @@ normalisation as the full softmax would weigh them:
   the memory): the log of the factor between the kernel's mass and the softmax's unnormalised mass
   beyond the window (a product of features is scaled unlike ``exp(q.k)``), so that ``p_t``
   approximates the share of the full attention beyond the window. Fitted maps and scales imitate the base without any network training
-  (BENCHMARKS.md, "A share a linear-time layer could compute"); the transfer objective trains them.
+  (``retrofit fit``: :meth:`HedgehogAttention.read_kl` for the maps, :meth:`HedgehogAttention.scale_regression`
+  for the scale, :mod:`retrofit.train.fit`); the transfer and weights objectives train them.
 
 Queries and keys are the pretrained post-RoPE ones (keys repeated over their GQA group), values
 the pretrained ones. The state per query head is ``(2f x D)`` plus ``2f``: constant in the length.
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -122,6 +123,23 @@ class MemoryScale(nn.Module):
     def forward(self, q: torch.Tensor, log_count: torch.Tensor) -> torch.Tensor:
         return (torch.einsum("bhtd,hd->bht", q.float(), self.weight.float()) + self.bias.float()[:, None]
                 + self.count_weight.float()[:, None] * log_count.float())
+
+
+class _WeightTerms(NamedTuple):
+    """What :meth:`HedgehogAttention._weight_terms` returns for ``R`` query rows of ``T`` keys."""
+
+    s: torch.Tensor  # (B, Hq, R, T) fp32: the teacher's scaled scores (pairs past its RoPE cap at the cap)
+    s_window: torch.Tensor  # (B, Hq, R, T): the same, the sinks scored as the layer scores them
+    seen: torch.Tensor  # (B, 1, R, T) bool: the keys the teacher attends
+    window: torch.Tensor  # (B, 1, R, T) bool: the window's keys and the sinks
+    memory: torch.Tensor  # (B, 1, R, T) bool: the read's keys (older than the window, not sinks)
+    lse: torch.Tensor  # (B, Hq, R): the window's log-sum-exp
+    kappa: torch.Tensor  # (B, Hq, R, T): the read's kernel weights phi_q(q) . phi_k(k), 0 off the memory
+    scale: torch.Tensor  # (B, Hq, R): the share's scale c(q, n)
+    values: torch.Tensor  # (B, Hq, T, D): the values, repeated over the KV groups
+    memory_query: torch.Tensor  # (B, Hq, R, d): the read's queries (position-free with memory_distance)
+    log_count: torch.Tensor  # (B, R): log of the keys in the memory (at least 1)
+    real_rows: torch.Tensor  # (B, R) bool: rows that are real tokens (not padding)
 
 
 class HedgehogAttention(MacchiatoAttention):
@@ -258,13 +276,10 @@ class HedgehogAttention(MacchiatoAttention):
         return count
 
     # ------------------------------------------------------------------ attention-weights distillation
-    def _weight_terms(self, hidden_states, position_embeddings, attention_mask, rows):
-        """The pieces of both distributions over the keys of the query rows ``rows`` ``(R,)``: the
-        teacher's scores ``s`` and the window's (the same but at the sinks, which the layer scores at
-        ``sink_distance`` at most) ``(B, Hq, R, T)`` fp32, the keys the teacher sees (``seen``), the
-        window's (with the sinks) and the read's (``memory``) ``(B, 1, R, T)`` bool, the window's
-        log-sum-exp ``(B, Hq, R)``, the read's kernel weights ``kappa`` ``(B, Hq, R, T)`` (0 off the
-        memory), the share's scale ``c(q, n)`` ``(B, Hq, R)`` and the values ``(B, Hq, T, D)``.
+    def _weight_terms(self, hidden_states, position_embeddings, attention_mask, rows, qkv=None) -> "_WeightTerms":
+        """The pieces of both distributions over the keys of the query rows ``rows`` ``(R,)``
+        (:class:`_WeightTerms`). ``qkv``: the patch's ``project_qkv`` of ``hidden_states`` when the
+        caller holds it already (:mod:`retrofit.train.fit` reuses it over many row samples).
 
         The teacher is the layer's :meth:`original_attention`: past ``teacher_rope_cap`` (the base's
         context) it scores a pair at the capped distance, so sequences longer than the context
@@ -275,8 +290,10 @@ class HedgehogAttention(MacchiatoAttention):
         cap = self.teacher_rope_cap  # as original_attention: full attention with known frequencies only
         cap = cap if full and cap and T - 1 > cap and self.rope_inv_freq is not None else 0
         far_sinks = bool(self.sinks and self.sink_distance and T - 1 > self.sink_distance)  # the layer has inv_freq then
-        with torch.no_grad():
-            q, k, v = self.patch.project_qkv(self, hidden_states, position_embeddings)
+        if qkv is None:
+            with torch.no_grad():
+                qkv = self.patch.project_qkv(self, hidden_states, position_embeddings)
+        q, k, v = qkv
         valid = self.key_padding(attention_mask, T)
         real = torch.ones(B, T, dtype=torch.bool, device=q.device) if valid is None else valid
         s = q[:, :, rows].float() @ repeat_kv_heads(k, H).float().transpose(-1, -2)
@@ -310,8 +327,10 @@ class HedgehogAttention(MacchiatoAttention):
         mq = mq[:, :, rows]
         kappa = self.feature_query(mq) @ self.feature_key(repeat_kv_heads(mk, H)).transpose(-1, -2)
         kappa = kappa.masked_fill(~memory, 0.0)
-        scale = self.memory_scale(mq, memory[:, 0].sum(-1).float().clamp_min(1.0).log()[:, None])
-        return s, s_window, seen, window, memory, lse, kappa, scale, repeat_kv_heads(v, H)
+        log_count = memory[:, 0].sum(-1).float().clamp_min(1.0).log()  # (B, R)
+        scale = self.memory_scale(mq, log_count[:, None])
+        return _WeightTerms(s, s_window, seen, window, memory, lse, kappa, scale, repeat_kv_heads(v, H), mq, log_count,
+                            real[:, rows.to(q.device)])
 
     def attention_distributions(self, hidden_states: torch.Tensor, position_embeddings, attention_mask,
                                 rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -325,8 +344,9 @@ class HedgehogAttention(MacchiatoAttention):
         output before o_proj (the test checks it). Sinks are the first ``sinks`` real tokens, scored by
         the student as the layer scores them (``sink_distance``) and by the teacher as the capped
         original attention does (:meth:`_weight_terms`)."""
-        s, s_window, seen, window, memory, lse, kappa, scale, values = self._weight_terms(
-            hidden_states, position_embeddings, attention_mask, rows)
+        t = self._weight_terms(hidden_states, position_embeddings, attention_mask, rows)
+        s, s_window, seen, window, memory, lse, kappa, scale, values = (
+            t.s, t.s_window, t.seen, t.window, t.memory, t.lse, t.kappa, t.scale, t.values)
         teacher = s.masked_fill(~seen, float("-inf")).log_softmax(-1)
         mass = kappa.sum(-1)
         has = mass > 0
@@ -352,6 +372,53 @@ class HedgehogAttention(MacchiatoAttention):
             return kl.mean()
         ok = valid[:, rows].to(kl.dtype)[:, None]
         return (kl * ok).sum() / (ok.sum() * kl.shape[1]).clamp_min(1.0)
+
+    # ------------------------------------------------------------------ fitting the read (retrofit.train.fit)
+    def read_kl(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, rows: torch.Tensor,
+                qkv=None) -> torch.Tensor:
+        """``(Hq,)``: KL(the pretrained softmax renormalised over the read's keys || the read's kernel
+        weights ``kappa_j / sum kappa``) in nats per query row, averaged over the real rows of ``rows``
+        ``(R,)`` that have keys beyond the window (LoLCATs' / Hedgehog's fit of the feature maps; the
+        share is :meth:`scale_regression`'s). Gradients reach the feature maps only."""
+        t = self._weight_terms(hidden_states, position_embeddings, attention_mask, rows, qkv)
+        keys = t.memory & t.seen
+        s = t.s.masked_fill(~keys, float("-inf"))
+        lse = s.logsumexp(-1, keepdim=True)
+        teacher = torch.where(keys, s - lse, 0.0)  # log-weights on the read's keys (rows without any: all off)
+        mass = t.kappa.sum(-1, keepdim=True)
+        student = (t.kappa.clamp_min(1e-30) / mass.clamp_min(1e-30)).log()
+        kl = torch.where(keys, teacher.exp() * (teacher - student), 0.0).sum(-1)  # (B, H, R)
+        ok = (keys.any(-1) & t.real_rows[:, None]).to(kl.dtype)  # (B, 1, R)
+        return (kl * ok).sum((0, 2)) / ok.sum((0, 2)).clamp_min(1.0)
+
+    @torch.no_grad()
+    def scale_regression(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, rows: torch.Tensor,
+                         qkv=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The least-squares problem of ``memory_scale`` on the query rows ``rows`` ``(R,)``: inputs
+        ``x (B, Hq, R, d + 2)`` = ``[q_read, 1, log n]``, so that ``x @ [a_h, b_h, g_h]`` is the layer's
+        ``c(q, n)``; targets ``y (B, Hq, R)`` = ``log sum_j exp(s_j) - log sum_j kappa_j`` over the keys
+        beyond the window (the teacher's unnormalised mass there against the read's); ``ok (B, R)``
+        the rows that count (real, with keys beyond the window and a read mass > 0). A scale that
+        fits makes the share ``p_t`` the teacher's share of its attention beyond the window."""
+        t = self._weight_terms(hidden_states, position_embeddings, attention_mask, rows, qkv)
+        keys = t.memory & t.seen
+        mass = t.kappa.sum(-1)
+        y = t.s.masked_fill(~keys, float("-inf")).logsumexp(-1) - mass.clamp_min(1e-30).log()
+        log_count = t.log_count[:, None, :, None].expand(-1, self.num_heads, -1, 1)
+        x = torch.cat([t.memory_query.float(), torch.ones_like(log_count), log_count], dim=-1)
+        ok = keys.any(-1)[:, 0] & t.real_rows & (mass > 0).all(1)
+        return x, torch.where(ok[:, None], y, 0.0), ok
+
+    @torch.no_grad()
+    def set_memory_scale(self, coef: torch.Tensor) -> None:
+        """Set ``c(q, n)`` from ``coef (Hq, d + 2)`` = ``[a_h, b_h, g_h]`` (:meth:`scale_regression`'s order)."""
+        d = self.head_dim
+        if tuple(coef.shape) != (self.num_heads, d + 2):
+            raise ValueError(f"memory_scale coefficients must be ({self.num_heads}, {d + 2}), got {tuple(coef.shape)}")
+        scale = self.memory_scale
+        scale.weight.copy_(coef[:, :d])
+        scale.bias.copy_(coef[:, d])
+        scale.count_weight.copy_(coef[:, d + 1])
 
     def mixed_with_memory(self, swa, lse, num, mass, mq, count) -> torch.Tensor:
         """``(1 - p) SWA + p num / mass`` with ``p = sigmoid(log mass + c(q, n) - lse)`` (0 where the

@@ -275,8 +275,10 @@ def save_delta(
     names: Iterable[str] | None = None,
     base_model: str | None = None,
     overwrite: bool = False,
+    extra_files: dict[str, str] | None = None,
 ) -> Path:
-    """Write only the new weights (default: new + every ``requires_grad`` weight) and the record."""
+    """Write only the new weights (default: new + every ``requires_grad`` weight) and the record;
+    ``extra_files`` (``{name: text}``, e.g. a fit report) are written into the same folder, atomically with it."""
     from safetensors.torch import save_file
 
     record = retrofit_record(model)
@@ -305,6 +307,10 @@ def save_delta(
     with atomic_directory(out, overwrite=overwrite, protect=[record["base_model"]]) as tmp:
         save_file(tensors, str(tmp / DELTA_WEIGHTS), metadata={"format": "pt", "retrofit": DELTA_FORMAT})
         (tmp / DELTA_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        for name, text in (extra_files or {}).items():
+            if Path(name).name != name or name in (DELTA_WEIGHTS, DELTA_MANIFEST):
+                raise CheckpointError(f"extra file {name!r}: give a plain file name other than the delta's own")
+            (tmp / name).write_text(text)
     return out
 
 

@@ -39,7 +39,8 @@ from retrofit.errors import SpecError
 
 __all__ = [
     "Recipe", "ModelSection", "TrainableSection", "LoraSection", "DataSection", "RecallSection", "EvalSection",
-    "TrainSection", "DeepSpeedSection", "CheckpointSection", "LoggingSection",
+    "TrainSection", "DeepSpeedSection", "CheckpointSection", "LoggingSection", "FitSection", "FitMapsSection",
+    "FitScaleSection",
     "load_recipe", "recipe_from_dict", "apply_overrides", "expand_path", "bundled_recipe_dir",
     "stage_recipes", "stage_name", "recall_config",
 ]
@@ -163,6 +164,30 @@ class LoggingSection:
 
 
 @dataclass
+class FitMapsSection:
+    seq_len: int = 4096  # tokens per sequence the maps are fitted on
+    sequences: int = 8  # sequences whose layer inputs are captured (0: keep the maps as they are)
+    steps: int = 150  # Adam steps per layer, each on `queries` random rows of one of the sequences
+    queries: int = 128  # query rows per step
+    lr: float = 1e-2
+    recall_facts: int | None = None  # data.recall.facts in these sequences (None: data.recall.facts)
+
+
+@dataclass
+class FitScaleSection:
+    seq_len: int = 16384  # may pass the base's context: the teacher is then the base with its RoPE distances capped
+    sequences: int = 3  # sequences in the least squares (0: keep the scale as it is)
+    queries: int = 256  # random query rows per sequence
+    recall_facts: int | None = None  # data.recall.facts in these sequences (None: data.recall.facts)
+
+
+@dataclass
+class FitSection:  # read by `retrofit fit` (retrofit.train.fit), not by `retrofit train`
+    maps: FitMapsSection = field(default_factory=FitMapsSection)
+    scale: FitScaleSection = field(default_factory=FitScaleSection)
+
+
+@dataclass
 class Recipe:
     model: ModelSection = field(default_factory=ModelSection)
     conversion: dict = field(default_factory=dict)  # ConversionSpec fields, applied if not converted yet
@@ -174,6 +199,7 @@ class Recipe:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     stages: list = field(default_factory=list)  # partial recipes run in order (retrofit.train.stages)
+    fit: FitSection = field(default_factory=FitSection)  # `retrofit fit`: the read fitted layer by layer
     base_dir: str = field(default=".", metadata={"internal": True})  # folder inputs resolve against
 
     def to_dict(self) -> dict:
@@ -287,7 +313,22 @@ class Recipe:
         if d.files is None and d.holdout_last:
             raise SpecError("data.holdout_last needs local data.files (a streamed hub dataset has no file order)")
         self._check_output_outside_data()
+        self._check_fit()
         return self
+
+    def _check_fit(self) -> None:
+        """``fit.maps`` / ``fit.scale``: counts and lengths a fit can use."""
+        for name, part in (("fit.maps", self.fit.maps), ("fit.scale", self.fit.scale)):
+            if part.seq_len < 2 or part.sequences < 0 or part.queries < 1:
+                raise SpecError(f"{name}: seq_len must be >= 2, sequences >= 0 and queries >= 1 "
+                                f"(got {part.seq_len}, {part.sequences}, {part.queries})")
+            if part.recall_facts is not None and part.recall_facts < 1:
+                raise SpecError(f"{name}.recall_facts must be >= 1 or null (data.recall.facts), got {part.recall_facts}")
+        m = self.fit.maps
+        if m.steps < 0 or not (math.isfinite(m.lr) and m.lr > 0):
+            raise SpecError(f"fit.maps: steps must be >= 0 and lr a finite number > 0 (got {m.steps}, {m.lr})")
+        if m.steps and not m.sequences:
+            raise SpecError("fit.maps.steps > 0 needs fit.maps.sequences > 0 to fit on (or set steps: 0 to keep the maps)")
 
     def _check_attention_weights(self) -> None:
         """The conversion's method has attention weights to distil (an empty conversion: the model is

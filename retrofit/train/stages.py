@@ -44,6 +44,7 @@ def _write_json(path: Path, data: dict) -> None:
 def _stage_list_hash(recipe: Recipe) -> dict:
     """``stages.json``: the stage names, the recipe (as JSON data) and, for older readers, its hash."""
     data = recipe.to_dict()
+    data.pop("fit", None)  # read by `retrofit fit` only; folders written before the section existed stay valid
     data["checkpoint"].pop("resume", None)
     data["logging"] = {}
     text = json.dumps(data, sort_keys=True, default=str)

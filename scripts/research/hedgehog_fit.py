@@ -22,6 +22,9 @@ With ``--maps`` an earlier fit's maps are kept and only the scale is fitted, e.g
 the base's context against the base with its RoPE distances capped (``--rope-cap``: its hidden
 states and its scores, pairs farther apart scored at the cap), which is where the read's key count
 grows past anything a fit inside the context sees.
+
+``retrofit fit`` (retrofit/train/fit.py) is the toolkit's form of the position-free fit with the
+key count: the same two parts, on the layer's own read (its maps, scale and masks), from a recipe.
 """
 from __future__ import annotations
 

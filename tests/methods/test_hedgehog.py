@@ -169,6 +169,60 @@ def test_attention_weights_are_the_layers_and_the_pretrained_softmaxs(family, si
         torch.testing.assert_close(out, want[:, rows], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("family,sinks,distance,cap", [
+    ("llama", 2, None, 0), ("gemma2", 1, None, 0), ("llama", 2, 9, 0), ("llama", 0, 9, 0), ("llama", 2, 9, 13)])
+def test_fit_terms_are_the_layers_own_distributions(family, sinks, distance, cap):
+    """What ``retrofit fit`` fits is the layer's real read: ``read_kl`` is the KL between the
+    teacher's and the layer's weights renormalised over the keys beyond the window (left padding,
+    GQA + softcap, ``memory_distance``, a capped teacher), and the scale's least-squares problem is
+    written so that its residual ``y - x . [a, b, g]`` is the gap between the teacher's and the
+    layer's share beyond the window, in logits (where both score the window alike: no cap, no
+    native window)."""
+    model = _convert(family, sinks=sinks, memory_distance=distance)
+    x, pe = attention_inputs(model)
+    attn = model.model.layers[0].self_attn
+    attn.teacher_rope_cap = cap
+    perturb_new_weights(model)
+    mask = torch.ones(2, 37, dtype=torch.bool)
+    mask[1, :5] = False
+    rows = torch.tensor([3, 6, 11, 20, 36])  # row 3 (and row 6 of the padded sequence) has no key beyond the window
+    with torch.no_grad():
+        teacher, student, _ = attn.attention_distributions(x, pe, mask, rows)
+        got_kl = attn.read_kl(x, pe, mask, rows)
+        inp, y, ok = attn.scale_regression(x, pe, mask, rows)
+    j, real = torch.arange(37), mask
+    sink = real & (real.long().cumsum(-1) <= sinks)
+    read = (j[None, :] <= rows[:, None] - W)[None, None] & (real & ~sink)[:, None, None, :]  # older than the window
+    memory = read & teacher.isfinite()  # (B, H, R, T): and seen by the teacher (a native window sees fewer)
+
+    def beyond(logw, keys):  # log-weights renormalised over the keys beyond the window
+        lw = logw.masked_fill(~keys, float("-inf"))
+        return lw - lw.logsumexp(-1, keepdim=True)
+
+    t, st = beyond(teacher, memory), beyond(student, read)
+    kl = torch.where(memory, t.exp() * (t - st), 0.0).sum(-1)  # (B, H, R)
+    has = memory.any(-1).float()
+    torch.testing.assert_close(got_kl, (kl * has).sum((0, 2)) / has.sum((0, 2)), rtol=1e-4, atol=1e-6)
+    assert has[:, 0].eq(ok.float()).all() and not ok[:, 0].any() and ok[0, -1]
+    assert (got_kl > 0).all()
+    if cap or attn.native_window:  # the teacher would score (or see) the window and sinks unlike the layer
+        return
+    s = attn.memory_scale
+    coef = torch.cat([s.weight, s.bias[:, None], s.count_weight[:, None]], dim=1)
+
+    def logit(log_share):
+        return log_share - torch.log1p(-log_share.exp())
+
+    share_t = teacher.masked_fill(~memory, float("-inf")).logsumexp(-1)
+    share_s = student.masked_fill(~read, float("-inf")).logsumexp(-1)
+    gap = (y - (inp @ coef[..., None])[..., 0]).permute(0, 2, 1)[ok]  # (rows, H)
+    torch.testing.assert_close(gap, (logit(share_t) - logit(share_s)).permute(0, 2, 1)[ok], rtol=1e-4, atol=1e-4)
+    attn.set_memory_scale(coef + 1.0)
+    torch.testing.assert_close(s.count_weight, coef[:, -1] + 1.0)
+    with pytest.raises(ValueError, match="coefficients"):
+        attn.set_memory_scale(coef[:, :-1])
+
+
 def test_attention_weights_loss_trains_only_the_read_and_falls():
     """``train.objective: weights``'s per-layer term: KL >= 0, gradients on the new weights only, and a
     few Adam steps on it lower it."""

@@ -1,0 +1,144 @@
+"""``retrofit fit``: each layer sees the base's own inputs (the capped base past its RoPE cap), the
+maps' fit lowers the layer's KL beyond the window and touches nothing else, the scale is the least
+squares solution, and the verb writes a delta every other verb reads (and refuses what it must)."""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import yaml
+
+from retrofit import surgery
+from retrofit.cli.main import main
+from retrofit.surgery import cap_rope, convert
+from retrofit.surgery.distill import converted_modules
+from retrofit.train.fit import capture_layer_inputs, fit_maps, fit_scale, scale_problem
+from tests.train import tiny
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+HEDGEHOG = {"method": "hedgehog", "window": 8, "sinks": 2, "features": 8, "memory_distance": 8}
+
+
+def _base_inputs(model, ids) -> dict[int, torch.Tensor]:
+    """Each layer's attention input in an unconverted model (a forward pre-hook on the family's module)."""
+    seen, hooks = {}, []
+    for i, layer in enumerate(model.model.layers):
+        hooks.append(layer.self_attn.register_forward_pre_hook(
+            lambda m, a, kw, i=i: seen.__setitem__(i, kw["hidden_states"]), with_kwargs=True))
+    with torch.no_grad():
+        model(input_ids=ids[None])
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def test_layers_see_the_base_models_inputs_capped_past_the_rope_cap():
+    base = tiny.base_model()
+    ids = torch.randint(3, tiny.VOCAB, (40,))
+    model = convert(copy.deepcopy(base), surgery.ConversionSpec(**HEDGEHOG, rope_cap=20))
+    got = capture_layer_inputs(model, ids)
+    plain = _base_inputs(base, ids)
+    capped_base = copy.deepcopy(base)
+    cap_rope(capped_base, 20)
+    capped = _base_inputs(capped_base, ids)
+    assert sorted(got) == [0, 1]
+    torch.testing.assert_close(got[0][0][0], capped[0][0])  # the embeddings
+    torch.testing.assert_close(got[1][0][0], capped[1][0], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got[1][0][0], plain[1][0], atol=1e-4)  # 40 tokens > the cap: the capped base
+    assert all("original_attention" not in m.__dict__ for m in converted_modules(model))  # the recording is undone
+
+
+def _fitting_setup(pretrained_base, T=96, n=2):
+    model = surgery.convert(surgery.load_any(str(pretrained_base), dtype=torch.float32)[0], surgery.ConversionSpec(**HEDGEHOG))
+    tok = tiny.tokenizer()
+    ids = torch.tensor(tok(tiny.book_text("pride-and-prejudice.txt", chars=20_000), verbose=False)["input_ids"])
+    inputs = [capture_layer_inputs(model, ids[i * T:(i + 1) * T]) for i in range(n)]
+    return model, inputs
+
+
+def test_fit_maps_lowers_the_layers_kl_and_trains_only_its_maps(pretrained_base):
+    model, captured = _fitting_setup(pretrained_base)
+    attn = converted_modules(model)[1]
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    out = fit_maps(attn, [c[1] for c in captured], steps=40, queries=32, lr=3e-2, generator=torch.Generator().manual_seed(0))
+    assert 0 < out["kl_after"] < 0.8 * out["kl_before"], out
+    changed = {k for k, v in model.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed == {"model.layers.1.self_attn.feature_query.weight", "model.layers.1.self_attn.feature_key.weight"}
+
+
+def test_fit_scale_is_the_least_squares_solution(pretrained_base):
+    model, captured = _fitting_setup(pretrained_base)
+    attn = converted_modules(model)[0]
+    inputs = [c[0] for c in captured]
+    out = fit_scale(attn, inputs, queries=48, generator=torch.Generator().manual_seed(1))
+    x, y = scale_problem(attn, inputs, queries=48, generator=torch.Generator().manual_seed(1))
+    s = attn.memory_scale
+    coef = torch.cat([s.weight, s.bias[:, None], s.count_weight[:, None]], dim=1).double()
+    residual = (x @ coef[..., None])[..., 0] - y
+    normal = (x.transpose(1, 2) @ residual[..., None])[..., 0]  # X^T (X c - y) = 0 at the optimum
+    assert normal.abs().max() < 1e-5 * (x.abs().max() ** 2) * x.shape[1], normal.abs().max()
+    assert out["rms_after"] < out["rms_before"] and out["rows"] == x.shape[1] >= x.shape[2]
+    torch.testing.assert_close(residual.pow(2).mean(-1).sqrt().mean().item(), out["rms_after"])
+
+
+def _recipe(tmp_path, books, model_dir, **fit):
+    r = tiny.recipe_dict(model_dir, books, tmp_path / "run", conversion=HEDGEHOG)
+    r["fit"] = {"maps": {"seq_len": 64, "sequences": 2, "steps": 15, "queries": 16},
+                "scale": {"seq_len": 128, "sequences": 2, "queries": 32}, **fit}
+    path = tmp_path / "fit.yaml"
+    path.write_text(yaml.safe_dump(r))
+    return path
+
+
+def test_fit_cli_writes_a_delta_every_verb_reads_and_refits_the_scale_alone(tmp_path, books, pretrained_base, capsys):
+    recipe = _recipe(tmp_path, books, pretrained_base)
+    out = tmp_path / "fitted"
+    assert main(["fit", str(recipe), "--out", str(out)]) == 0
+    assert "| layer |" in capsys.readouterr().out
+    report = json.loads((out / "fit.json").read_text())
+    assert [r["layer"] for r in report["maps"]["layers"]] == [0, 1] == [r["layer"] for r in report["scale"]["layers"]]
+    assert report["maps"]["tokens"] == 2 * 64 and report["scale"]["seq_len"] == 128
+    model, _ = surgery.load_any(str(out), dtype=torch.float32)
+    first = {n: p.detach().clone() for n, p in model.named_parameters() if "feature_" in n or "memory_scale" in n}
+    assert all(torch.isfinite(p).all() for p in first.values())
+    assert not torch.allclose(first["model.layers.0.self_attn.memory_scale.bias"], torch.tensor(2.0))
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=torch.randint(3, tiny.VOCAB, (1, 50))).logits).all()
+
+    # the scale refitted on longer sequences from the fitted model: its maps kept, its base the original
+    again = tmp_path / "refit"
+    assert main(["fit", str(recipe), f"model.name={out}", "fit.maps.steps=0", "fit.scale.seq_len=256",
+                 "--out", str(again)]) == 0
+    record = json.loads((again / "retrofit_delta.json").read_text())["retrofit"]
+    assert record["base_model"] == str(pretrained_base.resolve())
+    refit, _ = surgery.load_any(str(again), dtype=torch.float32)
+    params = dict(refit.named_parameters())
+    for name, value in first.items():
+        assert torch.equal(params[name], value) == ("feature_" in name), name
+    assert json.loads((again / "fit.json").read_text())["maps"] == {}
+
+
+def test_fit_cli_refusals(tmp_path, books, pretrained_base, converted_dir, capsys):
+    recipe = _recipe(tmp_path, books, pretrained_base)
+    out = tmp_path / "fitted"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert main(["fit", str(recipe), "--out", str(out)]) == 1
+    assert "already exists" in capsys.readouterr().err and (out / "notes.txt").read_text() == "mine"
+    assert main(["fit", str(recipe), "--out", str(out), "--overwrite"]) == 1
+    assert "not a checkpoint folder" in capsys.readouterr().err and (out / "notes.txt").is_file()
+    assert main(["fit", str(recipe), f"model.name={converted_dir}", "--out", str(tmp_path / "m")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "method hedgehog" in err and "macchiato" in err
+    assert not (tmp_path / "m").exists()
+    assert main(["fit", str(recipe), "fit.maps.queries=0", "--out", str(tmp_path / "m")]) == 1
+    assert "fit.maps" in capsys.readouterr().err
+    assert main(["fit", str(recipe), "fit.scale.sequences=400", "--out", str(tmp_path / "m")]) == 1
+    assert "sequences of 128 tokens" in capsys.readouterr().err and not (tmp_path / "m").exists()
+    assert main(["train", str(recipe)]) == 1  # a fit recipe is not a training recipe
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "retrofit fit" in err
+    assert main(["fit", str(recipe), "--print-recipe"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["fit"]["maps"]["seq_len"] == 64
