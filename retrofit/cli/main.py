@@ -43,7 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and isinstance(getattr(args, "overrides", None), list) and all(
+            "=" in item and not item.startswith("-") for item in extra):
+        args.overrides += extra  # section.key=value after a flag (argparse stops the positionals at the flag)
+    elif extra:
+        parser.parse_args(argv)  # argparse's own error for what is left
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2

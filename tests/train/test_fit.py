@@ -109,8 +109,8 @@ def test_fit_cli_writes_a_delta_every_verb_reads_and_refits_the_scale_alone(tmp_
 
     # the scale refitted on longer sequences from the fitted model: its maps kept, its base the original
     again = tmp_path / "refit"
-    assert main(["fit", str(recipe), f"model.name={out}", "fit.maps.steps=0", "fit.scale.seq_len=256",
-                 "--out", str(again)]) == 0
+    assert main(["fit", str(recipe), "--out", str(again), f"model.name={out}", "fit.maps.steps=0",
+                 "fit.scale.seq_len=256"]) == 0
     record = json.loads((again / "retrofit_delta.json").read_text())["retrofit"]
     assert record["base_model"] == str(pretrained_base.resolve())
     refit, _ = surgery.load_any(str(again), dtype=torch.float32)
@@ -140,5 +140,8 @@ def test_fit_cli_refusals(tmp_path, books, pretrained_base, converted_dir, capsy
     assert main(["train", str(recipe)]) == 1  # a fit recipe is not a training recipe
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and "retrofit fit" in err
-    assert main(["fit", str(recipe), "--print-recipe"]) == 0
-    assert yaml.safe_load(capsys.readouterr().out)["fit"]["maps"]["seq_len"] == 64
+    assert main(["fit", str(recipe), "--print-recipe", "fit.maps.seq_len=96"]) == 0  # overrides after a flag too
+    assert yaml.safe_load(capsys.readouterr().out)["fit"]["maps"]["seq_len"] == 96
+    with pytest.raises(SystemExit):
+        main(["fit", str(recipe), "--print-recipe", "--no-such-flag"])
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
