@@ -143,6 +143,20 @@ def test_decoding_through_the_cache_equals_one_forward(family, distance, slots):
     assert cache.layers[0].state.S.shape == (2, attn.num_heads, 16, attn.head_dim)
 
 
+def _trained_looking_layer(family: str, cap: int, **options):
+    """The first layer of a converted tiny model with perturbed new weights and the teacher's RoPE
+    cap at ``cap``, its inputs ``x (2, 37, C)`` and ``(cos, sin)``, and a mask whose second row is
+    left-padded by 5."""
+    model = _convert(family, **options)
+    x, pe = attention_inputs(model)
+    attn = model.model.layers[0].self_attn
+    attn.teacher_rope_cap = cap
+    perturb_new_weights(model)
+    mask = torch.ones(2, 37, dtype=torch.bool)
+    mask[1, :5] = False
+    return attn, x, pe, mask
+
+
 @pytest.mark.parametrize("family,sinks,distance,cap,sink_distance", [
     ("llama", 2, None, 0, 0), ("gemma2", 1, None, 0, 0), ("llama", 2, 9, 0, 0),
     ("llama", 2, 9, 20, 15), ("llama", 2, None, 13, 0), ("gemma2", 1, None, 20, 25)])
@@ -151,13 +165,8 @@ def test_attention_weights_are_the_layers_and_the_pretrained_softmaxs(family, si
     times the values are the layer's output, the teacher's the pretrained attention's (left padding,
     sinks, GQA + softcap, ``memory_distance``; past the teacher's RoPE cap, the capped attention,
     and sinks at the layer's own ``sink_distance``)."""
-    model = _convert(family, sinks=sinks, sink_distance=sink_distance, memory_distance=distance)
-    x, pe = attention_inputs(model)
-    attn = model.model.layers[0].self_attn
-    attn.teacher_rope_cap = cap
-    perturb_new_weights(model)
-    mask = torch.ones(2, 37, dtype=torch.bool)
-    mask[1, :5] = False
+    attn, x, pe, mask = _trained_looking_layer(family, cap, sinks=sinks, sink_distance=sink_distance,
+                                               memory_distance=distance)
     rows = torch.tensor([6, 11, 20, 36])
     with torch.no_grad():
         got, _ = attn(x, position_embeddings=pe, attention_mask=mask)
@@ -178,13 +187,7 @@ def test_fit_terms_are_the_layers_own_distributions(family, sinks, distance, cap
     written so that its residual ``y - x . [a, b, g]`` is the gap between the teacher's and the
     layer's share beyond the window, in logits (where both score the window alike: no cap, no
     native window)."""
-    model = _convert(family, sinks=sinks, memory_distance=distance)
-    x, pe = attention_inputs(model)
-    attn = model.model.layers[0].self_attn
-    attn.teacher_rope_cap = cap
-    perturb_new_weights(model)
-    mask = torch.ones(2, 37, dtype=torch.bool)
-    mask[1, :5] = False
+    attn, x, pe, mask = _trained_looking_layer(family, cap, sinks=sinks, memory_distance=distance)
     rows = torch.tensor([3, 6, 11, 20, 36])  # row 3 (and row 6 of the padded sequence) has no key beyond the window
     with torch.no_grad():
         teacher, student, _ = attn.attention_distributions(x, pe, mask, rows)
