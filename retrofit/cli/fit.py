@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 
 EPILOG = """\
-overrides use dotted keys and YAML values, e.g. fit.maps.steps=300 fit.scale.seq_len=32768 data.seq_len=...
-(the fit's lengths are fit.maps.seq_len / fit.scale.seq_len). Recipes may be a path or a bundled name.
+overrides use dotted keys and YAML values, e.g. fit.maps.steps=300 fit.scale.seq_len=32768, or
+model.name=DIR fit.maps.steps=0 to refit the scale of a fitted model (the sequences' lengths are
+fit.maps.seq_len and fit.scale.seq_len; data.seq_len is not read). Recipes may be a path or a bundled name.
 """
 
 
