@@ -6,6 +6,10 @@ as RoPE-capped full attention), trained briefly on the bundled public-domain boo
 (perplexity vs length on held-out books, passkey retrieval), asked for a continuation, and
 everything lands in one folder with a markdown report. CPU only; ``quick=True`` is the
 few-minute variant CI runs.
+
+A recipe with a ``fit`` section (``smollm2-135m-hedgehog-fit-cpu``) is fitted layer by layer
+instead of trained (:mod:`retrofit.train.fit`, as ``retrofit fit`` does); ``quick`` then shrinks
+the fit (:attr:`DemoSettings.fit_preset`).
 """
 from __future__ import annotations
 
@@ -55,25 +59,37 @@ class DemoSettings:
     zero_shot: list[str] | None = None
     # quick: the converted layers' window, so that its short training sequences reach past it
     window: int | None = None
+    # a fit recipe's budget in place of train_steps / seq_len / batch_size (recipe keys -> values)
+    fit_preset: dict[str, Any] = field(default_factory=dict)
+    # the training flags the user gave (--steps, --seq-len): a fit recipe refuses them
+    training_flags: list[str] = field(default_factory=list)
     prompt_tokens: int = 256
     new_tokens: int = 48
     overrides: list[str] = field(default_factory=list)
 
-    def recipe_overrides(self) -> list[str]:
-        """What the preset changes in the recipe; user overrides come last and win."""
-        preset = {"train.max_steps": self.train_steps, "data.seq_len": self.seq_len,
-                  "train.batch_size": self.batch_size, "eval.sequences": self.eval_sequences,
-                  "conversion.window": self.window,
-                  "eval.every": None if self.train_steps is None else max(self.train_steps // 4, 1)}
+    def recipe_overrides(self, fitting: bool = False) -> list[str]:
+        """What the preset changes in the recipe (``fitting``: a recipe with a ``fit`` section, which
+        takes :attr:`fit_preset` in place of the training budget); user overrides come last and win."""
+        if fitting:
+            preset = {"conversion.window": self.window, **self.fit_preset}
+        else:
+            preset = {"train.max_steps": self.train_steps, "data.seq_len": self.seq_len,
+                      "train.batch_size": self.batch_size, "eval.sequences": self.eval_sequences,
+                      "conversion.window": self.window,
+                      "eval.every": None if self.train_steps is None else max(self.train_steps // 4, 1)}
         return [f"{k}={v}" for k, v in preset.items() if v is not None] + list(self.overrides)
 
     @classmethod
     def quick(cls) -> "DemoSettings":
         # a 64-token window under 256-token sequences: three quarters of every sequence lies beyond
         # the window, so the latent path has something to learn and the loss moves
+        # a fit recipe: maps on 2 x 256 tokens, the scale on 512, repeats 80 tokens apart (past the window)
+        fit = {"fit.maps.seq_len": 256, "fit.maps.sequences": 2, "fit.maps.steps": 10, "fit.maps.queries": 32,
+               "fit.scale.seq_len": 512, "fit.scale.sequences": 1, "fit.scale.queries": 128,
+               "fit.scale.recall_facts": 4, "data.recall.min_distance": 80}
         return cls(train_steps=12, seq_len=256, batch_size=2, window=64, ppl_lengths=[512, 1024], ppl_windows=1,
                    passkey_lengths=[256, 512], passkey_depths=[0.0, 1.0], passkey_trials=1,
-                   eval_sequences=4, prompt_tokens=96, new_tokens=16)
+                   eval_sequences=4, prompt_tokens=96, new_tokens=16, fit_preset=fit)
 
     @classmethod
     def full(cls) -> "DemoSettings":
@@ -171,18 +187,23 @@ def run_demo(out: str | Path = "runs/demo", settings: DemoSettings | None = None
     from retrofit.eval.variants import parse_variants
     from retrofit.surgery import ConversionSpec, capped_layers, convert, load, load_any, new_parameter_names, save
     from retrofit.train.entry import train
-    from retrofit.train.recipe import load_recipe
+    from retrofit.train.recipe import FitSection, load_recipe
 
     s = settings or DemoSettings.full()
     out = Path(out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    stages = _Stages(6, echo)
-    echo(f"retrofit {__version__} demo -> {out}  (torch {torch.__version__}, {torch.get_num_threads()} threads)")
 
-    recipe = load_recipe(s.recipe, s.recipe_overrides())
+    fitting = load_recipe(s.recipe, s.overrides).fit != FitSection()
+    if fitting and s.training_flags:
+        raise RetrofitError(f"{s.recipe} fits its read layer by layer (its fit section), it does not train: drop "
+                            f"{' and '.join(s.training_flags)} and set the fit's budget with overrides such as "
+                            "fit.maps.steps=50 fit.maps.sequences=4")
+    recipe = load_recipe(s.recipe, s.recipe_overrides(fitting))
     s.model = s.model or recipe.model.name
     parse_variants(s.zero_shot or [])  # a bad variant fails here, not after training
     held_out = _heldout_books(recipe)
+    out.mkdir(parents=True, exist_ok=True)  # after every check of the settings: a refused run writes nothing
+    stages = _Stages(6, echo)
+    echo(f"retrofit {__version__} demo -> {out}  (torch {torch.__version__}, {torch.get_num_threads()} threads)")
     spec = ConversionSpec.from_dict(recipe.conversion) if recipe.conversion else ConversionSpec()
 
     def stage_base():
@@ -222,19 +243,34 @@ def run_demo(out: str | Path = "runs/demo", settings: DemoSettings | None = None
         ])
         return train(r)
 
-    steps, batch, seq = recipe.train.max_steps, recipe.train.batch_size, recipe.data.seq_len
-    plan = (f"{len(recipe.stages)} stages" if recipe.stages
-            else f"{recipe.train.objective} objective, {steps} steps of {batch}x{seq} tokens")
-    result = stages.run(f"train the new weights ({plan})", stage_train)
-    trained_dir = Path(result.final_dir) if result.final_dir else None
-    if trained_dir is None:
-        raise RetrofitError("training wrote no final export; check checkpoint.export in the recipe")
-    curve = _loss_curve(result.history, result.evals, out / "train_loss.png")
+    def stage_fit():
+        from retrofit.train.fit import run_fit
+
+        r = load_recipe(s.recipe, [f"model.name={converted_dir}", f"checkpoint.output_dir={out / 'fit'}",
+                                   *s.recipe_overrides(fitting=True)])
+        return run_fit(r, out / "fit" / "final", overwrite=True, log=lambda msg: echo(f"  {msg}"))
+
+    if fitting:
+        m, sc = recipe.fit.maps, recipe.fit.scale
+        plan = (f"maps: {m.sequences} x {m.seq_len:,} tokens, {m.steps} steps; "
+                f"scale: {sc.sequences} x {sc.seq_len:,} tokens; no network training")
+        fitted = stages.run(f"fit the new weights layer by layer ({plan})", stage_fit)
+        result, curve, trained_dir = None, None, out / "fit" / "final"
+    else:
+        steps, batch, seq = recipe.train.max_steps, recipe.train.batch_size, recipe.data.seq_len
+        plan = (f"{len(recipe.stages)} stages" if recipe.stages
+                else f"{recipe.train.objective} objective, {steps} steps of {batch}x{seq} tokens")
+        result = stages.run(f"train the new weights ({plan})", stage_train)
+        fitted = None
+        trained_dir = Path(result.final_dir) if result.final_dir else None
+        if trained_dir is None:
+            raise RetrofitError("training wrote no final export; check checkpoint.export in the recipe")
+        curve = _loss_curve(result.history, result.evals, out / "train_loss.png")
 
     eval_dtype = auto_dtype_name("cpu") if s.eval_dtype == "auto" else s.eval_dtype
 
     def stage_eval():
-        model = load(trained_dir, dtype=eval_dtype)
+        model = load(trained_dir, dtype=eval_dtype) if fitted is None else load_any(trained_dir, dtype=eval_dtype)[0]
         baseline, btok = load_any(s.model, dtype=eval_dtype)
         zero_shot = _zero_shot(s, model, baseline)
         ppl = run_perplexity(model, tokenizer=tok, baseline=baseline, baseline_tokenizer=btok,
@@ -257,7 +293,7 @@ def run_demo(out: str | Path = "runs/demo", settings: DemoSettings | None = None
     sample = stages.run("generate a continuation (greedy, through the retrofit cache)", stage_generate)
 
     def stage_report():
-        return _write_report(out, s, conversion, result, curve, ppl, keys, sample, held_out, stages.times)
+        return _write_report(out, s, conversion, result, fitted, curve, ppl, keys, sample, held_out, stages.times)
 
     report = stages.run("write the report", stage_report)
     echo(f"\nreport: {report}")
@@ -281,10 +317,28 @@ def _zero_shot_note(specs: list[str]) -> str:
     return "Zero-shot rows: " + "; ".join(rows) + "."
 
 
-def _write_report(out: Path, s: DemoSettings, conversion: dict, result: Any, curve: Path | None,
-                  ppl: dict, keys: dict, sample: dict, held_out: list[Path], times: dict) -> Path:
+def _training_lines(result: Any, curve: Path | None) -> list[str]:
     counts = result.counts
     evals = [e for e in result.evals if "loss" in e]
+    lines = ["## Training",
+             f"{result.steps} optimizer steps, {result.tokens:,} tokens; trainable {getattr(counts, 'trainable', '?'):,} "
+             f"of {getattr(counts, 'total', '?'):,} parameters."]
+    if evals:
+        lines += ["", markdown_table(["step", "held-out loss"], [[e["step"], f"{e['loss']:.4f}"] for e in evals])]
+    if curve:
+        lines += ["", f"![training loss]({curve.name})"]
+    return lines
+
+
+def _fit_lines(report: Any) -> list[str]:
+    return ["## Fitting",
+            "Each converted layer's read fitted to its base layer's attention on the base's own hidden states, "
+            "with no step through the network (`retrofit fit`; the full report: fit/final/fit.json): "
+            + report.summary() + ".", "", report.table()]
+
+
+def _write_report(out: Path, s: DemoSettings, conversion: dict, result: Any, fitted: Any, curve: Path | None,
+                  ppl: dict, keys: dict, sample: dict, held_out: list[Path], times: dict) -> Path:
     lines = [
         f"# retrofit demo: {s.model} -> {conversion['spec']['method']}",
         "",
@@ -298,14 +352,8 @@ def _write_report(out: Path, s: DemoSettings, conversion: dict, result: Any, cur
         f"Recipe `{s.recipe}`: {conversion['summary']}; "
         f"{conversion['new_parameters']:,} new parameters of {conversion['total_parameters']:,}.",
         "",
-        "## Training",
-        f"{result.steps} optimizer steps, {result.tokens:,} tokens; trainable {getattr(counts, 'trainable', '?'):,} "
-        f"of {getattr(counts, 'total', '?'):,} parameters.",
+        *(_fit_lines(fitted) if fitted is not None else _training_lines(result, curve)),
     ]
-    if evals:
-        lines += ["", markdown_table(["step", "held-out loss"], [[e["step"], f"{e['loss']:.4f}"] for e in evals])]
-    if curve:
-        lines += ["", f"![training loss]({curve.name})"]
     for title, res, folder in (("Perplexity vs length", ppl, "eval/ppl"), ("Passkey retrieval", keys, "eval/passkey")):
         lines += ["", f"## {title}", ""]
         table = out / folder / "table.md"
@@ -323,7 +371,8 @@ def _write_report(out: Path, s: DemoSettings, conversion: dict, result: Any, cur
     report = write_text_atomic(out / "report.md", "\n".join(lines) + "\n")
     write_json_atomic(out / "results.json", {
         "settings": s.__dict__, "stage_seconds": times, "conversion": conversion,
-        "training": {"steps": result.steps, "tokens": result.tokens, "evals": result.evals},
+        "training": None if result is None else {"steps": result.steps, "tokens": result.tokens, "evals": result.evals},
+        "fit": None if fitted is None else {"maps": fitted.maps, "scale": fitted.scale},
         "perplexity": ppl, "passkey": keys, "generation": sample,
     }, indent=2, default=str)
     return report

@@ -15,7 +15,8 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--model", default=None, help="model to convert (default: the recipe's model.name)")
     p.add_argument("--recipe", default=None,
                    help="training recipe, a bundled name or a path (default: gemma3-270m-keep-retrieval-cpu; "
-                        "smollm2-135m-macchiato-cpu converts every layer of SmolLM2-135M)")
+                        "smollm2-135m-hedgehog-fit-cpu converts every layer of SmolLM2-135M and fits its read "
+                        "layer by layer instead of training it)")
     p.add_argument("--zero-shot", nargs="+", default=None, metavar="VARIANT",
                    help="zero-shot baselines scored beside the two (as retrofit eval --zero-shot; 'none' for none; "
                         "default: closed, plus cap:<base context - 1> when a length goes past the base's context)")
@@ -49,6 +50,7 @@ def _run(args: argparse.Namespace) -> int:
         s.eval_dtype = args.eval_dtype
     if args.zero_shot is not None:
         s.zero_shot = [] if args.zero_shot == ["none"] else list(args.zero_shot)
+    s.training_flags = [flag for flag, value in (("--steps", args.steps), ("--seq-len", args.seq_len)) if value is not None]
     s.overrides = list(args.overrides)
     run_demo(args.out, s)
     return 0

@@ -57,25 +57,11 @@ def _run(args: argparse.Namespace) -> int:
 def _fit(args: argparse.Namespace, recipe, out) -> int:
     import time
 
-    import torch
-
-    from retrofit.surgery import retrofit_record, save_delta
-    from retrofit.surgery.loading import names_converted
-    from retrofit.train.fit import fit_read, fittable_layers, report_json
-    from retrofit.train.model import build_model, model_dtype
+    from retrofit.train.fit import run_fit
 
     say = (lambda _msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
-    cuda = torch.cuda.is_available()
     start = time.time()
-    model, tokenizer = build_model(recipe, dtype=model_dtype(recipe, cuda), log=say)
-    fittable_layers(model)  # a model of another method fails before any sequence is captured
-    model.eval().to("cuda" if cuda else "cpu")
-    report = fit_read(model, tokenizer, recipe, log=say)
-    # the base as the user named it (an alias stays an alias); a converted input keeps its own base
-    base = recipe.model.name if names_converted(recipe.model.name) is False else None
-    base = base or (retrofit_record(model) or {}).get("base_model") or recipe.model.name
-    save_delta(model.to("cpu"), out, base_model=base, overwrite=args.overwrite,
-               extra_files={"fit.json": report_json(report, recipe)})
+    report = run_fit(recipe, out, overwrite=args.overwrite, log=say)
     if not args.quiet:
         print(report.table())
         print(f"[retrofit] done in {(time.time() - start) / 60:.1f} min; fitted model in {out} (its report: {out / 'fit.json'})")

@@ -25,6 +25,7 @@ import copy
 import json
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -35,7 +36,7 @@ from retrofit.surgery.distill import converted_modules, distill_mode
 from retrofit.train.recipe import Recipe
 
 __all__ = ["FitReport", "LayerInputs", "capture_layer_inputs", "fit_maps", "fit_read", "fit_scale",
-           "fit_sequences", "fittable_layers", "report_json", "scale_problem"]
+           "fit_sequences", "fittable_layers", "report_json", "run_fit", "save_fitted", "scale_problem"]
 
 LayerInputs = list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]  # per sequence: hidden, (cos, sin)
 
@@ -46,6 +47,20 @@ class FitReport:
 
     maps: dict = field(default_factory=dict)
     scale: dict = field(default_factory=dict)
+
+    def summary(self) -> str:
+        """One line: each part's sequences, tokens and minutes, and the means over layers of its numbers."""
+        parts = []
+        for name, part, key in (("maps", self.maps, "kl"), ("scale", self.scale, "rms")):
+            layers = part.get("layers") or []
+            if not layers:
+                continue
+            before = sum(r[f"{key}_before"] for r in layers) / len(layers)
+            after = sum(r[f"{key}_after"] for r in layers) / len(layers)
+            what = "KL beyond the window" if key == "kl" else "scale rms error"
+            parts.append(f"{name}: {part['sequences']} x {part['seq_len']:,} tokens in {part['minutes']:.1f} min, "
+                         f"{what} {before:.3f} -> {after:.3f} nats (mean of {len(layers)} layers)")
+        return "; ".join(parts) or "nothing fitted"
 
     def table(self) -> str:
         """A human table: per layer the maps' KL before / after and the scale's residual before / after."""
@@ -247,3 +262,32 @@ def fit_read(model: nn.Module, tokenizer: Any, recipe: Recipe, *, log: Callable[
 def report_json(report: FitReport, recipe: Recipe) -> str:
     """``fit.json``: the report and the recipe that made it."""
     return json.dumps({"maps": report.maps, "scale": report.scale, "recipe": recipe.to_dict()}, indent=1, default=str) + "\n"
+
+
+def save_fitted(model: nn.Module, out: str | Path, recipe: Recipe, report: FitReport, *, overwrite: bool = False) -> Path:
+    """Write the fitted model as a delta checkpoint (its new weights) in ``out``, atomically, with
+    ``fit.json`` (:func:`report_json`) inside. Its base is ``model.name`` as the recipe names it when
+    that is a base (an alias stays an alias), else the converted input's own base."""
+    from retrofit.surgery import retrofit_record, save_delta
+    from retrofit.surgery.loading import names_converted
+
+    base = recipe.model.name if names_converted(recipe.model.name) is False else None
+    base = base or (retrofit_record(model) or {}).get("base_model") or recipe.model.name
+    return save_delta(model.to("cpu"), out, base_model=base, overwrite=overwrite,
+                      extra_files={"fit.json": report_json(report, recipe)})
+
+
+def run_fit(recipe: Recipe, out: str | Path, *, overwrite: bool = False,
+            log: Callable[[str], None] = print) -> FitReport:
+    """The whole of ``retrofit fit``: build the recipe's model (converted as its conversion section
+    says, on CUDA when there is one), fit its read (:func:`fit_read`) and save it in ``out``
+    (:func:`save_fitted`); returns the report."""
+    from retrofit.train.model import build_model, model_dtype
+
+    cuda = torch.cuda.is_available()
+    model, tokenizer = build_model(recipe, dtype=model_dtype(recipe, cuda), log=log)
+    fittable_layers(model)  # a model of another method fails before any sequence is captured
+    model.eval().to("cuda" if cuda else "cpu")
+    report = fit_read(model, tokenizer, recipe, log=log)
+    save_fitted(model, out, recipe, report, overwrite=overwrite)
+    return report

@@ -145,3 +145,33 @@ def test_fit_cli_refusals(tmp_path, books, pretrained_base, converted_dir, capsy
     with pytest.raises(SystemExit):
         main(["fit", str(recipe), "--print-recipe", "--no-such-flag"])
     assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
+
+
+def test_demo_fits_a_fit_recipe_instead_of_training_it(tmp_path, books, pretrained_base):
+    from retrofit.demo import DemoSettings, run_demo
+    from retrofit.errors import RetrofitError
+
+    recipe = _recipe(tmp_path, books, pretrained_base)
+    r = yaml.safe_load(recipe.read_text())
+    r["data"]["holdout_last"] = 1  # the demo scores the held-out book
+    recipe.write_text(yaml.safe_dump(r))
+    settings = DemoSettings(recipe=str(recipe), ppl_lengths=[64, 128], passkey_lengths=[256], passkey_depths=[0.0],
+                            passkey_trials=1, prompt_tokens=24, new_tokens=4, eval_dtype="float32")
+    out = tmp_path / "demo"
+    with pytest.raises(RetrofitError, match="fit.maps.steps"):  # a training flag on a fit recipe: refused, nothing written
+        run_demo(out, DemoSettings(**{**settings.__dict__, "training_flags": ["--steps"]}), echo=lambda _m: None)
+    assert not out.exists()
+    lines = []
+    report = run_demo(out, settings, echo=lines.append).read_text()
+    assert "## Fitting" in report and "## Training" not in report and "| layer |" in report
+    assert any("fit the new weights layer by layer (maps: 2 x 64 tokens, 15 steps" in m for m in lines)
+    results = json.loads((out / "results.json").read_text())
+    assert results["training"] is None
+    assert [r["layer"] for r in results["fit"]["maps"]["layers"]] == [0, 1]
+    assert all(r["kl_after"] < r["kl_before"] for r in results["fit"]["maps"]["layers"])
+    assert "model:closed" in results["perplexity"]["models"]  # the read closed, scored beside
+    fitted = dict(surgery.load_any(str(out / "fit" / "final"), dtype=torch.float32)[0].named_parameters())
+    converted = dict(surgery.load_any(str(out / "converted"), dtype=torch.float32)[0].named_parameters())
+    name = "model.layers.1.self_attn.feature_key.weight"
+    assert not torch.equal(fitted[name], converted[name])  # the scored model is the fitted one
+    assert (out / "fit" / "final" / "fit.json").is_file()
