@@ -276,7 +276,7 @@ class HedgehogAttention(MacchiatoAttention):
         return count
 
     # ------------------------------------------------------------------ attention-weights distillation
-    def _weight_terms(self, hidden_states, position_embeddings, attention_mask, rows, qkv=None) -> "_WeightTerms":
+    def _weight_terms(self, hidden_states, position_embeddings, attention_mask, rows, qkv=None) -> _WeightTerms:
         """The pieces of both distributions over the keys of the query rows ``rows`` ``(R,)``
         (:class:`_WeightTerms`). ``qkv``: the patch's ``project_qkv`` of ``hidden_states`` when the
         caller holds it already (:mod:`retrofit.train.fit` reuses it over many row samples).

@@ -141,10 +141,14 @@ def capture_layer_inputs(model: nn.Module, ids: torch.Tensor) -> dict[int, tuple
     return found
 
 
+def _first_row(attn: nn.Module, T: int) -> int:
+    """The first query row of a ``T``-token sequence with a key beyond the window (and its sinks)."""
+    return min(attn.window + attn.sinks, T - 1)
+
+
 def _rows(attn: nn.Module, T: int, count: int, g: torch.Generator) -> torch.Tensor:
     """``count`` random query rows with keys beyond the window (and its sinks), sorted, distinct."""
-    first = min(attn.window + attn.sinks, T - 1)
-    return torch.randint(first, T, (count,), generator=g).unique()
+    return torch.randint(_first_row(attn, T), T, (count,), generator=g).unique()
 
 
 def _qkv(attn: nn.Module, inputs: LayerInputs) -> list[tuple]:
@@ -163,7 +167,7 @@ def fit_maps(attn: nn.Module, inputs: LayerInputs, *, steps: int, queries: int, 
     random sequence of ``inputs``; returns the KL (nats per row, mean over heads) on fixed rows of
     every sequence before and after."""
     qkv = _qkv(attn, inputs)
-    fixed = [torch.linspace(min(attn.window + attn.sinks, h.shape[1] - 1), h.shape[1] - 1, queries).round().long().unique()
+    fixed = [torch.linspace(_first_row(attn, h.shape[1]), h.shape[1] - 1, queries).round().long().unique()
              for h, _ in inputs]
     before = _mean_kl(attn, inputs, qkv, fixed)
     params = [attn.feature_query.weight, attn.feature_key.weight]
