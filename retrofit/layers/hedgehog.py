@@ -493,14 +493,15 @@ class HedgehogAttention(MacchiatoAttention):
         state = cache.state
         if not self.latent_path_closed:
             # the oldest token of this query's window, t - w + 1, is in no later window: the state takes it
-            # (once the ring is full it sits in the slot the next token overwrites)
+            # (once the ring is full it sits in the slot the next token overwrites; before, no token
+            # leaves and that slot, past the filled ones, is read from the whole ring and not written)
             i = n + cache.slot_next
-            write = allowed[:, i : i + 1] & (cache.slot_filled == self.window)
+            write = cache.slot_allowed[:, i : i + 1] & (cache.slot_filled == self.window)
             if cache.sinks is not None:
                 idx, sink_ok = cache.sinks[0], cache.sinks[1]
                 write = write & ~((idx == t - self.window + 1) & sink_ok).any(-1, keepdim=True)
-            out, state = self.memory_step(q, slot_k[:, :, i : i + 1], slot_v[:, :, i : i + 1], write, state,
-                                          position_embeddings, out, lse)
+            out, state = self.memory_step(q, cache.slot_keys[:, :, i : i + 1], cache.slot_values[:, :, i : i + 1],
+                                          write, state, position_embeddings, out, lse)
         if valid is not None:  # a padded query outputs 0 (it may see no slot at all)
             out = torch.where(valid[:, None, :, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
         cache.advance(state, None)

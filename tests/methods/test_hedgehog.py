@@ -121,22 +121,25 @@ def test_only_new_weights_get_gradients():
 
 
 @pytest.mark.parametrize("slots", [True, False])
-@pytest.mark.parametrize("family,distance", [("llama", None), ("gemma2", None), ("llama", 7)])
-def test_decoding_through_the_cache_equals_one_forward(family, distance, slots):
+@pytest.mark.parametrize("family,distance,prefill", [
+    ("llama", None, 17), ("gemma2", None, 17), ("llama", 7, 17), ("llama", 7, 3), ("gemma2", None, 3)])
+def test_decoding_through_the_cache_equals_one_forward(family, distance, prefill, slots):
     """A prefill, single steps, a 5-token chunk, then steps again, through the decoding slots (the
     key leaving the window moved into the state each step) or the general path: the state of the
     keys beyond the window and the window travel through the cache (with ``memory_distance``, the
     cached keys rotated back from the new tokens' positions); a left-padded row and a padded token
-    while decoding."""
+    while decoding. A prefill shorter than the window: the first steps fill the window's ring,
+    with no key leaving it yet."""
     model = _convert(family, sinks=2, chunk_size=4, memory_distance=distance)
     perturb_new_weights(model, scale=0.3)
     ids = torch.randint(3, 256, (2, 50))
     mask = torch.ones(2, 50, dtype=torch.long)
-    mask[1, :4] = 0
+    if prefill > W:  # a left-padded row (with it, the slots wait for its sinks, past the window's filling)
+        mask[1, :4] = 0
     mask[0, 40] = 0
     with torch.no_grad():
         whole = model(ids, attention_mask=mask).logits
-    got, cache = _steps(model, ids, mask, 17, slots=slots, chunk_after=31)
+    got, cache = _steps(model, ids, mask, prefill, slots=slots, chunk_after=31)
     real = mask.bool()
     torch.testing.assert_close(got[real], whole[real], rtol=1e-4, atol=1e-4)
     attn = model.model.layers[0].self_attn
