@@ -367,6 +367,11 @@ def load_sections(bench_dir: Path) -> list[tuple[Path, dict]]:
         unknown = set(spec) - {"title", "question", "text", "tables", "after"}
         if unknown:
             raise SpecError(f"{d.name}/section.yaml: unknown keys {sorted(unknown)}")
+        for key in ("text", "after"):
+            pasted = re.search(r"^\s*- kind: .*$", spec.get(key) or "", re.M)
+            if pasted:
+                raise SpecError(f"{d.name}/section.yaml: '{pasted.group(0).strip()}' sits inside the '{key}' text "
+                                "block, where it would print as text: move the entry into 'tables'")
         out.append((d, spec))
     return out
 

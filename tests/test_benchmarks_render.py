@@ -151,6 +151,14 @@ def test_bad_specs_name_the_problem(tmp_path, table, message):
         rb.render(bench, tmp_path)
 
 
+def test_a_table_entry_pasted_into_a_text_block_is_refused(tmp_path):
+    entry = "{kind: table, data: t.json, machine: m, commit: c, command: x}"
+    bench = _page(tmp_path, f"title: S\ntables:\n  - {entry}\nafter: |\n  Closing words.\n\n  - kind: table\n    data: t.json\n",
+                  {"t.json": {"columns": ["a"], "rows": [["1"]]}})
+    with pytest.raises(rb.SpecError, match="inside the 'after' text block"):
+        rb.render(bench, tmp_path)
+
+
 def test_row_width_is_checked(tmp_path):
     bench = _page(tmp_path, "title: S\ntables:\n  - {kind: table, data: t.json, machine: m, commit: c, command: x}\n",
                   {"t.json": {"columns": ["a", "b"], "rows": [["1"]]}})
