@@ -179,8 +179,9 @@ def _loss_curve(history: list[dict], evals: list[dict], path: Path) -> Path | No
 
 
 def run_demo(out: str | Path = "runs/demo", settings: DemoSettings | None = None, *,
-             echo: Callable[[str], None] = print) -> Path:
-    """Run every stage into ``out``; returns the path of ``out/report.md``."""
+             echo: Callable[[str], None] | None = None) -> Path:
+    """Run every stage into ``out``; returns the path of ``out/report.md``. ``echo`` prints the
+    progress (default: stdout, flushed line by line so a redirected log follows the run)."""
     import torch
 
     from retrofit.eval import run_passkey, run_perplexity
@@ -190,6 +191,7 @@ def run_demo(out: str | Path = "runs/demo", settings: DemoSettings | None = None
     from retrofit.train.recipe import FitSection, load_recipe
 
     s = settings or DemoSettings.full()
+    echo = echo or (lambda msg: print(msg, flush=True))
     out = Path(out).resolve()
 
     fitting = load_recipe(s.recipe, s.overrides).fit != FitSection()
