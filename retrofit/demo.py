@@ -186,7 +186,7 @@ def run_demo(out: str | Path = "runs/demo", settings: DemoSettings | None = None
 
     from retrofit.eval import run_passkey, run_perplexity
     from retrofit.eval.variants import parse_variants
-    from retrofit.surgery import ConversionSpec, capped_layers, convert, load, load_any, new_parameter_names, save
+    from retrofit.surgery import ConversionSpec, capped_layers, convert, load_any, new_parameter_names, save
     from retrofit.train.entry import train
     from retrofit.train.recipe import FitSection, load_recipe
 
@@ -272,7 +272,7 @@ def run_demo(out: str | Path = "runs/demo", settings: DemoSettings | None = None
     eval_dtype = auto_dtype_name("cpu") if s.eval_dtype == "auto" else s.eval_dtype
 
     def stage_eval():
-        model = load(trained_dir, dtype=eval_dtype) if fitted is None else load_any(trained_dir, dtype=eval_dtype)[0]
+        model = load_any(trained_dir, dtype=eval_dtype)[0]  # a trained folder or a fitted delta
         baseline, btok = load_any(s.model, dtype=eval_dtype)
         zero_shot = _zero_shot(s, model, baseline)
         ppl = run_perplexity(model, tokenizer=tok, baseline=baseline, baseline_tokenizer=btok,
