@@ -96,7 +96,7 @@ class HeadwiseLinear(nn.Module):
         self.weight.copy_(torch.eye(self.weight.shape[-1]).expand_as(self.weight))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("bhtd,hed->bhte", x, self.weight.to(x.dtype))
+        return x @ self.weight.to(x.dtype).transpose(-1, -2)  # (B, H, T, d) @ (H, d, e): one batched product
 
 
 def decay_bias(half_life: int) -> float:

@@ -50,7 +50,7 @@ from retrofit.layers.macchiato import (
 from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, register_method
 from retrofit.ops import repeat_kv_heads, sink_window_attention, slot_attention_step
 from retrofit.ops.hedgehog import HedgehogState, hedgehog_features, hedgehog_read_chunked, hedgehog_read_step
-from retrofit.ops.rope import rope_rotate, rope_unrotate
+from retrofit.ops.rope import rope_at, rope_move, rope_rotate, rope_unrotate
 from retrofit.ops.sliding_window import sliding_window_attention_with_lse
 
 __all__ = ["DEFAULT_HEDGEHOG_FEATURES", "DEFAULT_INIT_LOG_SCALE", "FeatureMap", "HedgehogAttention",
@@ -121,7 +121,7 @@ class MemoryScale(nn.Module):
         self.count_weight = nn.Parameter(torch.empty(heads, **kw))
 
     def forward(self, q: torch.Tensor, log_count: torch.Tensor) -> torch.Tensor:
-        return (torch.einsum("bhtd,hd->bht", q.float(), self.weight.float()) + self.bias.float()[:, None]
+        return ((q.float() @ self.weight.float()[:, :, None])[..., 0] + self.bias.float()[:, None]
                 + self.count_weight.float()[:, None] * log_count.float())
 
 
@@ -199,6 +199,11 @@ class HedgehogAttention(MacchiatoAttention):
         self.memory_distance = None if memory_distance is None else int(memory_distance)
         if self.memory_distance is not None and self.rope_inv_freq is None:
             raise ValueError("memory_distance needs the layer's rotary frequencies (a RoPE model)")
+        # the fixed positions the position-free read moves its queries and a decoded key to
+        self._memory_query_at = self._leaving_key_at = None
+        if self.memory_distance is not None:
+            self._memory_query_at = rope_at(self.memory_distance, self.rope_inv_freq)
+            self._leaving_key_at = rope_at(self.window - 1, self.rope_inv_freq)
         kw = dict(device=self._weight_ref.device, dtype=self._weight_ref.dtype)
         H, d = self.num_heads, self.head_dim
         self.feature_query = FeatureMap(H, self.features, d, **kw)
@@ -262,8 +267,15 @@ class HedgehogAttention(MacchiatoAttention):
 
     def memory_query(self, q, cos, sin):
         """``q (B, Hq, T, d)`` moved to RoPE position ``memory_distance``."""
-        return rope_rotate(rope_unrotate(q, cos, sin), torch.tensor(float(self.memory_distance)),
-                           self.rope_inv_freq.to(q.device))
+        return rope_move(q, cos, sin, self._rope_target("_memory_query_at", q.device))
+
+    def _rope_target(self, name: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fixed position's ``(cos, sin)`` (:func:`rope_at`) on ``device``, moved there once."""
+        target = getattr(self, name)
+        if target[0].device != device:
+            target = tuple(t.to(device) for t in target)
+            setattr(self, name, target)
+        return target
 
     def memory_count(self, write: torch.Tensor, num_past: int, T: int, previous: HedgehogState | None):
         """``(B, T)`` fp32: the keys in the memory each new query reads (the state's, whose every key adds
@@ -473,9 +485,9 @@ class HedgehogAttention(MacchiatoAttention):
         if self.memory_distance is not None:
             cos, sin = position_embeddings
             mq = self.memory_query(q, cos, sin)
-            # the key sits w - 1 positions before the query (consecutive real tokens)
-            k_old = rope_rotate(rope_unrotate(k_old, cos, sin), torch.tensor(float(self.window - 1)),
-                                self.rope_inv_freq.to(q.device))
+            # the key sits w - 1 positions before the query (consecutive real tokens): moving it from the
+            # query's rotation to w - 1's puts it at position 0
+            k_old = rope_move(k_old, cos, sin, self._rope_target("_leaving_key_at", q.device))
         count = (state.z[:, 0].sum(-1, keepdim=True) / 2) if state is not None else q.new_zeros(q.shape[0], 1)
         num, mass, state = hedgehog_read_step(self.feature_query(mq), self.feature_key(repeat_kv_heads(k_old, H)),
                                               repeat_kv_heads(v_old, H), write, state)

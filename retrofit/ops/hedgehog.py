@@ -67,7 +67,8 @@ def hedgehog_features(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         >>> phi.shape, phi.sum(-1).allclose(torch.full((1, 2, 5), 2.0))
         (torch.Size([1, 2, 5, 32]), True)
     """
-    z = torch.einsum("bhtd,hfd->bhtf", _up(x), _up(weight).to(_up(x).dtype))
+    x = _up(x)
+    z = x @ weight.to(x.dtype).transpose(-1, -2)  # (B, H, T, d) @ (H, d, f): one batched product
     return torch.cat([z.softmax(-1), (-z).softmax(-1)], dim=-1)
 
 
@@ -241,6 +242,7 @@ def hedgehog_read_step(
     S, z = _initial(state, fq, v_leaving.shape[-1])
     q = _up(fq)
     num = q @ S
-    mass = (q @ z[..., None])[..., 0]
+    mass = (q * z[:, :, None]).sum(-1)
     fk, v = _written(fk_leaving, v_leaving, write_leaving)
-    return num, mass, HedgehogState(S + fk.transpose(-1, -2) @ v, z + fk[:, :, 0])
+    # the outer product phi_k(k) v^T added in one broadcast op: (B, H, F, 1) * (B, H, 1, D)
+    return num, mass, HedgehogState(torch.addcmul(S, fk.transpose(-1, -2), v), z + fk[:, :, 0])

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rope_rotate", "rope_to_origin", "rope_unrotate"]
+__all__ = ["rope_at", "rope_move", "rope_rotate", "rope_to_origin", "rope_unrotate"]
 
 # (device, frequencies) -> (cos, sin) ``(n, F)`` fp32 of positions 0..n-1, grown by doubling
 _ORIGIN_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -107,3 +107,52 @@ def rope_unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     rotated_half = torch.cat([-y[..., half:], y[..., :half]], dim=-1)
     back = (y * cos - rotated_half * sin) / (cos * cos + sin * sin)
     return torch.cat([back, rest], dim=-1) if rest.shape[-1] else back
+
+
+def rope_at(position: float, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cos, sin)`` ``(2F,)`` float64 of one fixed position, in the families' layout (the ``F``
+    frequencies twice, as ``rotate_half`` pairs them): the target of :func:`rope_move`."""
+    angle = float(position) * inv_freq.detach().to("cpu", torch.float64)
+    angle = torch.cat([angle, angle])
+    return angle.cos().to(inv_freq.device), angle.sin().to(inv_freq.device)
+
+
+def rope_move(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, to: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """``x``, rotated with the ``cos`` / ``sin`` of its positions, moved to the fixed position ``to``.
+
+    The same as ``rope_rotate(rope_unrotate(x, cos, sin), position, inv_freq)`` in one rotation:
+    with ``a = cos^2 + sin^2`` (a RoPE attention scaling folded into cos / sin, squared) the angle
+    ``position - p`` has ``cos' = (cos_to cos + sin_to sin) / a`` and ``sin' = (sin_to cos - cos_to
+    sin) / a``. A decoding step moves one query and one key this way per layer, so it costs a few
+    elementwise products on ``(B, T, d_rot)`` instead of two rotations.
+
+    Args:
+        x: ``(B, H, T, d)`` post-RoPE queries or keys.
+        cos, sin: ``(B, T, d_rot)`` as the model's rotary embedding returns them.
+        to: ``(cos, sin)`` ``(d_rot,)`` of the target position (:func:`rope_at`).
+
+    Returns:
+        ``(B, H, T, d)`` in ``x.dtype``.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops.rope import rope_at, rope_move, rope_rotate, rope_unrotate
+        >>> inv_freq = 1.0 / 10000 ** (torch.arange(0, 8, 2) / 8)
+        >>> angle = torch.arange(5)[:, None] * inv_freq
+        >>> cos, sin = torch.cat([angle.cos()] * 2, -1)[None], torch.cat([angle.sin()] * 2, -1)[None]
+        >>> x = torch.randn(1, 2, 5, 8)
+        >>> two = rope_rotate(rope_unrotate(x, cos, sin), torch.tensor(7.0), inv_freq)
+        >>> torch.allclose(rope_move(x, cos, sin, rope_at(7, inv_freq)), two, atol=1e-5)
+        True
+    """
+    r = cos.shape[-1]
+    wide = torch.promote_types(x.dtype, torch.float32)  # the coefficients in fp32 at least
+    to_cos, to_sin = (t.to(cos.device, wide) for t in to)
+    cos, sin = cos.to(wide), sin.to(wide)
+    a = cos * cos + sin * sin
+    c = ((to_cos * cos + to_sin * sin) / a)[:, None].to(x.dtype)
+    s = ((to_sin * cos - to_cos * sin) / a)[:, None].to(x.dtype)
+    y, rest = x[..., :r], x[..., r:]
+    half = r // 2
+    moved = y * c + torch.cat([-y[..., half:], y[..., :half]], dim=-1) * s
+    return torch.cat([moved, rest], dim=-1) if rest.shape[-1] else moved

@@ -56,3 +56,28 @@ def test_to_origin_equals_rotating_back_by_each_position(dtype, tol):
         got = rope_to_origin(x, inv_freq)
         assert got.dtype == dtype
         torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-6), (torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("scale", [1.0, 1.37])
+def test_move_equals_unrotating_then_rotating_to_the_position(dtype, tol, scale):
+    """rope_move in one rotation = rope_unrotate then rope_rotate to the fixed position: positions
+    differing per row (left padding), far positions (the angles' range), an attention scaling folded
+    into cos / sin (YaRN's), and a partial-rotary tail left alone."""
+    from retrofit.ops.rope import rope_at, rope_move, rope_unrotate
+
+    # F = 8 frequencies of d = 20: dims 16..19 do not rotate
+    pos = torch.tensor([[0, 1, 2, 3, 4], [70000, 70001, 70002, 70003, 131071]])
+    emb = torch.cat([pos.double()[..., None] * INV_FREQ] * 2, dim=-1)
+    cos, sin = (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+    x = torch.randn(2, 3, 5, 20, dtype=torch.float64)
+    y = torch.cat([apply_rotary_pos_emb(x[..., :16], x[..., :16], emb.cos() * scale, emb.sin() * scale)[0],
+                   x[..., 16:]], -1).to(dtype)  # the model's post-RoPE vectors at pos
+    for target in (0, 1023, 8191):
+        got = rope_move(y, cos, sin, rope_at(target, INV_FREQ))
+        assert got.dtype == dtype
+        want = rope_rotate(x, torch.tensor(float(target)), INV_FREQ)  # the raw vector put at the target
+        torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+        two = rope_rotate(rope_unrotate(y.double(), cos.double(), sin.double()), torch.tensor(float(target)), INV_FREQ)
+        torch.testing.assert_close(got.double(), two, atol=tol, rtol=tol)
+        torch.testing.assert_close(got[..., 16:], y[..., 16:], atol=0, rtol=0)
