@@ -201,6 +201,7 @@ class HedgehogAttention(MacchiatoAttention):
             raise ValueError("memory_distance needs the layer's rotary frequencies (a RoPE model)")
         # the fixed positions the position-free read moves its queries and a decoded key to
         self._memory_query_at = self._leaving_key_at = None
+        self._rope_targets: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (name, device, dtype) -> (cos, sin)
         if self.memory_distance is not None:
             self._memory_query_at = rope_at(self.memory_distance, self.rope_inv_freq)
             self._leaving_key_at = rope_at(self.window - 1, self.rope_inv_freq)
@@ -267,14 +268,16 @@ class HedgehogAttention(MacchiatoAttention):
 
     def memory_query(self, q, cos, sin):
         """``q (B, Hq, T, d)`` moved to RoPE position ``memory_distance``."""
-        return rope_move(q, cos, sin, self._rope_target("_memory_query_at", q.device))
+        return rope_move(q, cos, sin, self._rope_target("_memory_query_at", q))
 
-    def _rope_target(self, name: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """A fixed position's ``(cos, sin)`` (:func:`rope_at`) on ``device``, moved there once."""
-        target = getattr(self, name)
-        if target[0].device != device:
-            target = tuple(t.to(device) for t in target)
-            setattr(self, name, target)
+    def _rope_target(self, name: str, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A fixed position's ``(cos, sin)`` (:func:`rope_at`, float64) on ``like``'s device in the
+        dtype :func:`rope_move` computes in for ``like``, converted once per device and dtype."""
+        dtype = torch.promote_types(like.dtype, torch.float32)
+        key = (name, like.device, dtype)
+        target = self._rope_targets.get(key)
+        if target is None:
+            target = self._rope_targets[key] = tuple(t.to(like.device, dtype) for t in getattr(self, name))
         return target
 
     def memory_count(self, write: torch.Tensor, num_past: int, T: int, previous: HedgehogState | None):
@@ -487,7 +490,7 @@ class HedgehogAttention(MacchiatoAttention):
             mq = self.memory_query(q, cos, sin)
             # the key sits w - 1 positions before the query (consecutive real tokens): moving it from the
             # query's rotation to w - 1's puts it at position 0
-            k_old = rope_move(k_old, cos, sin, self._rope_target("_leaving_key_at", q.device))
+            k_old = rope_move(k_old, cos, sin, self._rope_target("_leaving_key_at", k_old))
         count = (state.z[:, 0].sum(-1, keepdim=True) / 2) if state is not None else q.new_zeros(q.shape[0], 1)
         num, mass, state = hedgehog_read_step(self.feature_query(mq), self.feature_key(repeat_kv_heads(k_old, H)),
                                               repeat_kv_heads(v_old, H), write, state)

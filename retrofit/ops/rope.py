@@ -17,6 +17,12 @@ __all__ = ["rope_at", "rope_move", "rope_rotate", "rope_to_origin", "rope_unrota
 _ORIGIN_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
+def _rotate_half(y: torch.Tensor) -> torch.Tensor:
+    """The families' ``rotate_half``: ``(y1, y2) -> (-y2, y1)`` over the last dimension's halves."""
+    half = y.shape[-1] // 2
+    return torch.cat([-y[..., half:], y[..., :half]], dim=-1)
+
+
 def rope_rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """Rotate post-RoPE vectors by ``delta`` more positions.
 
@@ -103,9 +109,7 @@ def rope_unrotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     r = cos.shape[-1]
     cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
     y, rest = x[..., :r], x[..., r:]
-    half = r // 2
-    rotated_half = torch.cat([-y[..., half:], y[..., :half]], dim=-1)
-    back = (y * cos - rotated_half * sin) / (cos * cos + sin * sin)
+    back = (y * cos - _rotate_half(y) * sin) / (cos * cos + sin * sin)
     return torch.cat([back, rest], dim=-1) if rest.shape[-1] else back
 
 
@@ -153,6 +157,5 @@ def rope_move(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, to: tuple[t
     c = ((to_cos * cos + to_sin * sin) / a)[:, None].to(x.dtype)
     s = ((to_sin * cos - to_cos * sin) / a)[:, None].to(x.dtype)
     y, rest = x[..., :r], x[..., r:]
-    half = r // 2
-    moved = y * c + torch.cat([-y[..., half:], y[..., :half]], dim=-1) * s
+    moved = y * c + _rotate_half(y) * s
     return torch.cat([moved, rest], dim=-1) if rest.shape[-1] else moved
