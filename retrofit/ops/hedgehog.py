@@ -181,9 +181,11 @@ def hedgehog_read_chunked(
     ks = F.pad(fk[:, :, : max(T - shift, 0)], (0, 0, min(shift, T), 0))  # (B, H, T, F): key i - s at i
     vs = F.pad(v[:, :, : max(T - shift, 0)], (0, 0, min(shift, T), 0))
     C = min(chunk_size, max(T, 1))
-    N = -(-T // C)
-    pad = N * C - T
-    q = _up(fq)
+    # with an empty memory the chunks before the first shifted key read nothing: they are skipped
+    first = max(min(shift, T - 1), 0) // C * C if initial_state is None else 0  # at least one chunk stays
+    q, ks, vs = _up(fq)[:, :, first:], ks[:, :, first:], vs[:, :, first:]
+    N = -(-(T - first) // C)
+    pad = N * C - (T - first)
     if pad:
         q, ks, vs = (F.pad(x, (0, 0, 0, pad)) for x in (q, ks, vs))
     lower = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
@@ -195,8 +197,10 @@ def hedgehog_read_chunked(
         masses.append(q_n @ z[..., None] + a.sum(-1, keepdim=True))
         S = S + k_n.transpose(-1, -2) @ v_n
         z = z + k_n.sum(2)
-    num = torch.stack(nums, 2).reshape(B, H, N * C, D)[:, :, :T]
-    mass = torch.stack(masses, 2).reshape(B, H, N * C)[:, :, :T]
+    num = torch.stack(nums, 2).reshape(B, H, N * C, D)[:, :, : T - first]
+    mass = torch.stack(masses, 2).reshape(B, H, N * C)[:, :, : T - first]
+    if first:
+        num, mass = F.pad(num, (0, 0, first, 0)), F.pad(mass, (first, 0))
     state = None
     if output_final_state:  # the chunks stored keys j < T - s; add j = T - s if it exists
         last = T - shift

@@ -85,20 +85,21 @@ def test_steps_equal_the_reference(window, with_state, spread):
     torch.testing.assert_close(state.z, final.z)
 
 
-@pytest.mark.parametrize("T,P,window,chunk", [(37, 0, 8, 16), (29, 7, 8, 5), (3, 5, 6, 64)])
-def test_chunked_gradients_match_reference(T, P, window, chunk):
+@pytest.mark.parametrize("T,P,window,chunk,with_state", [(37, 0, 8, 16, True), (29, 7, 8, 5, True), (3, 5, 6, 64, True),
+                                                          (45, 2, 20, 4, False)])  # the last skips the empty chunks
+def test_chunked_gradients_match_reference(T, P, window, chunk, with_state):
     fq, fk, v, write = _inputs(T=T, P=P)
     S = _state()
 
     def run(fn, **extra):
-        def f(fq, fk, v, S0, z0):
-            num, mass, st_ = fn(fq, fk, v, write, window=window, num_past=P, initial_state=HedgehogState(S0, z0),
-                                output_final_state=True, **extra)
+        def f(fq, fk, v, *state):
+            num, mass, st_ = fn(fq, fk, v, write, window=window, num_past=P,
+                                initial_state=HedgehogState(*state) if state else None, output_final_state=True, **extra)
             return torch.cat([num.flatten(), mass.flatten(), st_.S.flatten(), st_.z.flatten()])
         return f
 
-    assert_values_and_grads_match(run(hedgehog_read_chunked, chunk_size=chunk), run(hedgehog_read_reference),
-                                  [fq, fk, v, S.S, S.z])
+    inputs = [fq, fk, v] + ([S.S, S.z] if with_state else [])
+    assert_values_and_grads_match(run(hedgehog_read_chunked, chunk_size=chunk), run(hedgehog_read_reference), inputs)
 
 
 @pytest.mark.parametrize("cuts", [(11, 12, 20), (1, 2, 3, 30), (9,)])
