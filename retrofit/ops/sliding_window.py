@@ -17,8 +17,10 @@ product as batched GEMMs, and a hand-written backward (fused softmax backward, k
 gradients accumulated straight into their blocks); it can also return each query's window
 log-sum-exp from the same pass. Without autograd, PyTorch's fused CPU attention kernel (which
 returns the log-sum-exp with its output) takes every call of at most ``w`` queries, and with heads
-of at most :data:`FUSED_MAX_HEAD_DIM` every call: all keys at once, masked to each query's window,
-up to ``2w`` keys, else block by block (:func:`_fused_form`). Elsewhere (CUDA without flash-attn,
+of at most :data:`FUSED_MAX_HEAD_DIM` every call (:func:`_fused_form`): without padding, each block
+of ``w`` queries in unmasked calls over key sets whose visibility is causal or total, merged by
+their log-sum-exps (:func:`_fused_band`); with padding, all keys at once masked to each query's
+window, up to ``2w`` keys, else block by block. Elsewhere (CUDA without flash-attn,
 MPS) the blocked form goes through SDPA with a boolean mask over blocks of ``w`` queries and ``2w``
 keys.
 """
@@ -137,9 +139,79 @@ def _fused_form(
     Tq, d = q.shape[2], q.shape[3]
     if not _fused_serves(q, k, v, softcap) or (Tq > window and d > FUSED_MAX_HEAD_DIM):
         return None
+    if key_padding_mask is None and Tq >= BAND_MIN_QUERIES:
+        return _fused_band(q, k, v, window, d**-0.5 if scaling is None else scaling, num_past)
     if num_past + Tq <= 2 * window:
         return _fused_dense(q, k, v, window, scaling, key_padding_mask, num_past)
     return _fused_blocked(q, k, v, window, d**-0.5 if scaling is None else scaling, key_padding_mask, num_past)
+
+
+# Calls of at least this many queries without padding take :func:`_fused_band` (unmasked kernel calls
+# only); fewer, one masked call over all their keys costs less than the band's three calls and merge
+BAND_MIN_QUERIES = 64
+
+
+def _merge_partial(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One softmax from softmaxes over disjoint key sets: ``[(out (..., T, D), lse (..., T))]`` ->
+    ``(out, lse)``, each part weighted by ``exp(lse_i - lse)`` (an ``lse`` of -inf: no keys)."""
+    lse = torch.logsumexp(torch.stack([x for _, x in parts]), dim=0)
+    out = None
+    for o, x in parts:
+        term = o * torch.exp(x - lse)[..., None].to(o.dtype)
+        out = term if out is None else out + term
+    return out, lse
+
+
+def _fused_band(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int,
+    scaling: float,
+    num_past: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The window through the fused CPU kernel without a mask (callers check :func:`_fused_serves`; no
+    padding; ``num_past <= w``): ``(out (B, Hq, Tq, Dv), lse (B, Hq, Tq) fp32)``.
+
+    A masked call scores every key it is given, at about twice the cost per score of an unmasked one
+    (and a causal call skips its upper half). So each block of ``w`` queries, local row ``j`` (stream
+    position ``c w + j``), is split into key sets that need no mask: its own keys, causal; the
+    previous block's keys ``p >= n`` (``n`` the block's rows), seen by every row; and the previous
+    block's keys ``p < n``, which row ``j`` sees for ``p > j``: with rows and keys both reversed that
+    is causal too. The parts merge by their log-sum-exps (:func:`_merge_partial`).
+    """
+    B, Hq, Tq, d = q.shape
+    group = Hq // k.shape[1]
+    v = v.to(q.dtype)
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    w, P = window, num_past
+    neg_inf = float("-inf")
+
+    def call(qq, kk, vv, causal):
+        out, lse = _FUSED_CPU(qq, kk, vv, 0.0, causal, scale=scaling)
+        return out, lse.float()
+
+    outs, lses = [], []
+    for start in range(0, Tq, w):
+        n = min(w, Tq - start)
+        qb = q[:, :, start : start + n]
+        own = P + start  # key index of the block's first own key
+        parts = [call(qb, k[:, :, own : own + n], v[:, :, own : own + n], True)]
+        p0 = w - min(own, w)  # previous-block slots p < p0 hold no key (before the stream)
+        base = own - w  # key index of slot p is base + p
+        lo = max(p0, n)
+        if lo < w:  # slots every row sees
+            parts.append(call(qb, k[:, :, base + lo : own], v[:, :, base + lo : own], False))
+        lo = max(p0, 1)
+        if n >= 2 and lo <= n - 1:  # slots lo .. n - 1, row j sees p > j: reversed, causal (rows 0 .. n - 2)
+            o, x = call(qb[:, :, : n - 1].flip(2), k[:, :, base + lo : base + n].flip(2),
+                        v[:, :, base + lo : base + n].flip(2), True)
+            parts.append((F.pad(o.flip(2), (0, 0, 0, 1)), F.pad(x.flip(2), (0, 1), value=neg_inf)))
+        out, lse = _merge_partial(parts) if len(parts) > 1 else parts[0]
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
 
 
 def _fused_dense(

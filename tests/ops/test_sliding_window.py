@@ -377,6 +377,39 @@ def test_fused_forms_match_the_definition(monkeypatch, dtype, tol, Tq, window, n
     assert not out[~valid].any()  # padded queries return zeros
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 5e-5), (torch.bfloat16, 5e-2)])
+@pytest.mark.parametrize("Tq, window, num_past, heads, scale", [
+    (24, 8, 0, (4, 2), 1.0),     # a first call: block 0 causal alone, then full blocks
+    (19, 8, 7, (4, 2), 1.0),     # the next call: w - 1 cached keys, a 3-query tail block
+    (13, 8, 8, (6, 2), 8.0),     # w cached keys (the oldest seen by none), large logits
+    (20, 8, 3, (4, 1), 1.0),     # few cached keys: block 0's previous slots mostly before the stream
+    (5, 8, 2, (2, 2), 1.0),      # one block shorter than the window and its cached keys
+    (9, 1, 0, (2, 1), 8.0),      # w = 1: every query sees only itself
+    (33, 16, 15, (3, 3), 8.0),   # large logits, no grouping, a 1-query tail block
+])
+def test_band_form_matches_the_definition(monkeypatch, dtype, tol, Tq, window, num_past, heads, scale):
+    """Unpadded calls of BAND_MIN_QUERIES queries or more run the window as unmasked kernel calls over
+    key sets (the block's own keys causal, the previous block's keys seen by every row, and the rest
+    reversed and causal), merged by log-sum-exp: output and window log-sum-exp equal the per-query
+    definition (every cached-key count up to w, tail blocks, grouped heads, large logits, bf16)."""
+    from retrofit.ops.sliding_window import sliding_window_attention_with_lse, sliding_window_lse
+
+    if swa_module._FUSED_CPU is None:
+        pytest.skip("this PyTorch has no fused CPU attention op")
+    calls = []
+    kernel = swa_module._FUSED_CPU
+    monkeypatch.setattr(swa_module, "_FUSED_CPU", lambda *a, **kw: calls.append(kw.get("attn_mask")) or kernel(*a, **kw))
+    monkeypatch.setattr(swa_module, "BAND_MIN_QUERIES", 1)
+    q, k, v = attention_inputs(1, heads[0], heads[1], Tq, Tq + num_past, 16, dtype=dtype, scale=scale)
+    with torch.no_grad():
+        out, lse = sliding_window_attention_with_lse(q, k, v, window, scaling=0.25, num_past=num_past)
+    assert calls and all(m is None for m in calls) and out.dtype == dtype and lse.dtype == torch.float32
+    ref = _loop_reference(q, k, v, window, 0.25, None, None, num_past)
+    ref_lse = sliding_window_lse(q.double(), k.double(), window, scaling=0.25, num_past=num_past)
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=tol * scale, rtol=tol)
+
+
 def test_wide_heads_run_the_banded_form_past_the_window(monkeypatch):
     """Heads wider than FUSED_MAX_HEAD_DIM keep the banded form for calls of more than w queries (its
     GEMMs win there) and take the fused kernel for calls of at most w."""
