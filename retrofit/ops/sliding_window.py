@@ -139,6 +139,8 @@ def _fused_form(
     Tq, d = q.shape[2], q.shape[3]
     if not _fused_serves(q, k, v, softcap) or (Tq > window and d > FUSED_MAX_HEAD_DIM):
         return None
+    if key_padding_mask is not None and bool(key_padding_mask.all()):
+        key_padding_mask = None  # no padding after all (a cache passes its validity): the unmasked forms serve
     if key_padding_mask is None and Tq >= BAND_MIN_QUERIES:
         return _fused_band(q, k, v, window, d**-0.5 if scaling is None else scaling, num_past)
     if num_past + Tq <= 2 * window:

@@ -391,7 +391,8 @@ def test_band_form_matches_the_definition(monkeypatch, dtype, tol, Tq, window, n
     """Unpadded calls of BAND_MIN_QUERIES queries or more run the window as unmasked kernel calls over
     key sets (the block's own keys causal, the previous block's keys seen by every row, and the rest
     reversed and causal), merged by log-sum-exp: output and window log-sum-exp equal the per-query
-    definition (every cached-key count up to w, tail blocks, grouped heads, large logits, bf16)."""
+    definition (every cached-key count up to w, tail blocks, grouped heads, large logits, bf16), with
+    or without an all-True key padding mask."""
     from retrofit.ops.sliding_window import sliding_window_attention_with_lse, sliding_window_lse
 
     if swa_module._FUSED_CPU is None:
@@ -403,7 +404,12 @@ def test_band_form_matches_the_definition(monkeypatch, dtype, tol, Tq, window, n
     q, k, v = attention_inputs(1, heads[0], heads[1], Tq, Tq + num_past, 16, dtype=dtype, scale=scale)
     with torch.no_grad():
         out, lse = sliding_window_attention_with_lse(q, k, v, window, scaling=0.25, num_past=num_past)
+        # a mask with no padding in it (what a cache passes) takes the same unmasked calls
+        everyone = torch.ones(1, Tq + num_past, dtype=torch.bool)
+        same = sliding_window_attention_with_lse(q, k, v, window, scaling=0.25, num_past=num_past,
+                                                 key_padding_mask=everyone)
     assert calls and all(m is None for m in calls) and out.dtype == dtype and lse.dtype == torch.float32
+    assert torch.equal(same[0], out) and torch.equal(same[1], lse)
     ref = _loop_reference(q, k, v, window, 0.25, None, None, num_past)
     ref_lse = sliding_window_lse(q.double(), k.double(), window, scaling=0.25, num_past=num_past)
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
