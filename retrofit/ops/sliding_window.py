@@ -158,10 +158,10 @@ def _merge_partial(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torc
     ``(out, lse)``, each part weighted by ``exp(lse_i - lse)`` (an ``lse`` of -inf: no keys)."""
     lse = torch.logsumexp(torch.stack([x for _, x in parts]), dim=0)
     out = None
-    for o, x in parts:
-        term = o * torch.exp(x - lse)[..., None].to(o.dtype)
+    for o, x in parts:  # summed in fp32 at least
+        term = _upcast(o) * torch.exp(x - lse)[..., None]
         out = term if out is None else out + term
-    return out, lse
+    return out.to(parts[0][0].dtype), lse
 
 
 def _fused_band(
@@ -184,7 +184,7 @@ def _fused_band(
     """
     B, Hq, Tq, d = q.shape
     group = Hq // k.shape[1]
-    v = v.to(q.dtype)
+    v_dtype, v = v.dtype, v.to(q.dtype)
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     w, P = window, num_past
@@ -213,7 +213,7 @@ def _fused_band(
         out, lse = _merge_partial(parts) if len(parts) > 1 else parts[0]
         outs.append(out)
         lses.append(lse)
-    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+    return torch.cat(outs, dim=2).to(v_dtype), torch.cat(lses, dim=2)
 
 
 def _fused_dense(
