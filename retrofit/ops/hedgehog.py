@@ -178,12 +178,14 @@ def hedgehog_read_chunked(
     S, z = _initial(initial_state, fq, D)
     fk, v = _written(fk, v, write)
     shift = window - num_past
-    ks = F.pad(fk[:, :, : max(T - shift, 0)], (0, 0, min(shift, T), 0))  # (B, H, T, F): key i - s at i
-    vs = F.pad(v[:, :, : max(T - shift, 0)], (0, 0, min(shift, T), 0))
     C = min(chunk_size, max(T, 1))
     # with an empty memory the chunks before the first shifted key read nothing: they are skipped
     first = max(min(shift, T - 1), 0) // C * C if initial_state is None else 0  # at least one chunk stays
-    q, ks, vs = _up(fq)[:, :, first:], ks[:, :, first:], vs[:, :, first:]
+    # key i - s at query i, from query ``first`` on: (B, H, T - first, F)
+    lead = min(shift, T) - first
+    ks = F.pad(fk[:, :, : max(T - shift, 0)], (0, 0, lead, 0))
+    vs = F.pad(v[:, :, : max(T - shift, 0)], (0, 0, lead, 0))
+    q = _up(fq)[:, :, first:]
     N = -(-(T - first) // C)
     pad = N * C - (T - first)
     if pad:
