@@ -89,12 +89,15 @@ def get_evaluator(name: str) -> Evaluator:
 
 
 # ---------------------------------------------------------------------- argument types shared by kinds
+_LENGTH_UNITS = {"": 1, "k": 1024, "m": 1024 * 1024}
+
+
 def length_arg(text: str) -> int:
-    """'4096', '4K', '4k', '32K' -> tokens."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kK]?)\s*", text)
+    """'4096', '4K', '4k', '32K', '1M' -> tokens (K = 1024, M = 1024 * 1024)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", text)
     if not m:
-        raise argparse.ArgumentTypeError(f"not a length: {text!r} (use 4096 or 4K)")
-    value = float(m.group(1)) * (1024 if m.group(2) else 1)
+        raise argparse.ArgumentTypeError(f"not a length: {text!r} (use 4096, 4K or 1M)")
+    value = float(m.group(1)) * _LENGTH_UNITS[m.group(2).lower()]
     if value != int(value) or value < 2:
         raise argparse.ArgumentTypeError(f"not a whole number of tokens >= 2: {text!r}")
     return int(value)

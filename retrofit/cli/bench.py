@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from retrofit.eval.evaluators import length_arg
+
 
 def _common(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
@@ -48,8 +50,8 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     a = suites.add_parser("attention", help="attention ops vs PyTorch SDPA causal across sequence lengths",
                           description="Forward and forward+backward time, peak memory and FLOP efficiency of "
                                       "causal Latte, Macchiato, the sliding window and exp-linear against SDPA causal.")
-    a.add_argument("--lengths", type=int, nargs="+", default=None,
-                   help="sequence lengths (default 1024..32768; --quick: 1024 2048 4096)")
+    a.add_argument("--lengths", type=length_arg, nargs="+", default=None, metavar="L",
+                   help="sequence lengths, 4096 or 4K (default 1K..32K; --quick: 1K 2K 4K)")
     a.add_argument("--batch", type=int, default=1)
     a.add_argument("--heads", type=int, default=8)
     a.add_argument("--head-dim", type=int, default=256)
@@ -61,7 +63,8 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     a.add_argument("--chunk-size", type=int, default=None, help="chunk size for the chunked ops (default: op default)")
     a.add_argument("--ops", nargs="+", default=None, help="subset of: latte macchiato swa exp_linear delta sdpa")
     a.add_argument("--modes", nargs="+", default=None, choices=["fwd", "fwd+bwd"], help="default: both")
-    a.add_argument("--sdpa-max-length", type=int, default=32768, help="skip SDPA above this length")
+    a.add_argument("--sdpa-max-length", type=length_arg, default=32768, metavar="L",
+                   help="skip SDPA above this length, 32768 or 32K (default 32K)")
     a.add_argument("--max-seconds", type=float, default=30.0,
                    help="time budget per point and mode: fewer timed runs when one run is slow")
     a.add_argument("--point-timeout", type=float, default=3600.0, help="give up on a point after this many seconds")
@@ -73,8 +76,8 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     d = suites.add_parser("decode", help="per-token decoding latency vs context length, converted vs base",
                           description="Prefill a context of each length, then time single-token decoding steps "
                                       "with each model's cache (retrofit's constant-memory cache for the converted one).")
-    d.add_argument("--lengths", type=int, nargs="+", default=None,
-                   help="context lengths (default 1024..32768; --quick: 256 512 1024)")
+    d.add_argument("--lengths", type=length_arg, nargs="+", default=None, metavar="L",
+                   help="context lengths, 4096 or 4K (default 1K..32K; --quick: 256 512 1K)")
     d.add_argument("--new-tokens", type=int, default=16, help="timed decoding steps per length")
     d.add_argument("--prefill-chunk", type=int, default=2048, help="prefill the context in chunks of this many tokens")
     d.add_argument("--batch", type=int, default=1)
@@ -88,8 +91,8 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     m = suites.add_parser("model", help="whole-model prefill and training-step tokens/s, converted vs base",
                           description="Prefill (no-grad forward) and training step (forward, backward, AdamW step) "
                                       "throughput of a converted model and its base at several sequence lengths.")
-    m.add_argument("--lengths", type=int, nargs="+", default=None,
-                   help="sequence lengths (default 1024 2048 4096 8192; --quick: 256 512)")
+    m.add_argument("--lengths", type=length_arg, nargs="+", default=None, metavar="L",
+                   help="sequence lengths, 4096 or 4K (default 1K 2K 4K 8K; --quick: 256 512)")
     m.add_argument("--batch", type=int, default=1)
     m.add_argument("--train-all", action="store_true",
                    help="train every weight of both models (default: base trains all, converted its new weights)")
