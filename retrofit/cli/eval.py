@@ -1,14 +1,17 @@
-"""`retrofit eval`: ppl | harness | passkey | all.
+"""`retrofit eval COMMAND`: one command per registered evaluator (retrofit.eval.evaluators), plus all.
 
-    retrofit eval ppl MODEL [--baseline BASE] --lengths 4096 8192 16384 --datasets pg-books slimpajama
+    retrofit eval ppl MODEL [--baseline BASE] --lengths 4K 8K 16K --datasets pg-books slimpajama
     retrofit eval harness MODEL [--baseline BASE] --tasks mmlu,hellaswag,lambada_openai,arc_challenge,...
-    retrofit eval passkey MODEL [--baseline BASE] --lengths 1024 4096 16384 --depths 0 0.25 0.5 0.75 1
+    retrofit eval passkey MODEL [--baseline BASE] --lengths 1K 4K 16K --depths 0 0.25 0.5 0.75 1
+    retrofit eval niah MODEL [--baseline BASE] --lengths 1K 4K 16K
+    retrofit eval ruler MODEL [--baseline BASE] --lengths 4K 16K --samples 20
     retrofit eval all MODEL --baseline BASE --out runs/eval/report
 
 MODEL / BASE: a converted checkpoint folder, a base HF folder or hub id, a .gguf file, or
 an alias (`retrofit ls models`). Each command writes results.json, table.md and PNGs into --out and prints its table.
 --out is never a model folder, and a folder that holds earlier results is replaced only with --overwrite
 (the default folder runs/eval/<model>/<command> moves on to <command>-2, -3, ... instead).
+The help texts list the commands from the registry, so a kind registered there shows up in them.
 """
 from __future__ import annotations
 
@@ -62,12 +65,25 @@ def _shared(p: argparse.ArgumentParser, bos: bool = True, seed: bool = True) -> 
                        help="start sequences with BOS (auto: as the tokenizer does; always for Gemma)")
 
 
+def commands_help(help_text: str, kinds: list[Evaluator]) -> str:
+    """``help_text`` followed by the registered commands: the verb's line in ``retrofit --help``."""
+    return f"{help_text}: " + ", ".join(ev.command for ev in kinds) + ", or all of them"
+
+
+EPILOG = "retrofit eval COMMAND --help for a command's options."
+
+
+def _all_help(kinds: list[Evaluator]) -> str:
+    return " + ".join(ev.label or ev.name for ev in kinds) + ", and one markdown report"
+
+
 def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     """``retrofit eval COMMAND``: one sub-command per registered evaluator, plus ``all``."""
-    p = sub.add_parser("eval", help=help_text, description=help_text)
+    kinds = evaluators()
+    summary = commands_help(help_text, kinds)
+    p = sub.add_parser("eval", help=summary, description=summary, epilog=EPILOG)
     evsub = p.add_subparsers(dest="eval_command", metavar="COMMAND")
     p.set_defaults(handler=lambda args: (p.print_help(), 2)[1])
-    kinds = evaluators()
     for ev in kinds:
         pe = evsub.add_parser(ev.command, help=ev.help)
         _common(pe)
@@ -76,7 +92,7 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
         pe.set_defaults(handler=_run_one, evaluator=ev.name)
 
     names = [ev.name for ev in kinds]
-    pa = evsub.add_parser("all", help=" + ".join(ev.label or ev.name for ev in kinds) + ", and one markdown report")
+    pa = evsub.add_parser("all", help=_all_help(kinds))
     _common(pa)
     for ev in kinds:
         ev.add_arguments(pa, f"{ev.command}-")

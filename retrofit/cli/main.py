@@ -18,7 +18,7 @@ VERBS: tuple[tuple[str, str], ...] = (
     ("convert", "model surgery: swap attention for a linear-time method and save a checkpoint"),
     ("train", "continual pretraining of the new weights (DeepSpeed / torchrun / single process)"),
     ("fit", "fit a Hedgehog read to the base's attention layer by layer (no network training; CPU-friendly)"),
-    ("eval", "long-context perplexity, lm-eval few-shot benchmarks, passkey retrieval"),
+    ("eval", "evaluate a model beside a baseline"),  # retrofit.cli.eval appends the registered commands
     ("generate", "constant-memory text generation from a converted checkpoint"),
     ("bench", "speed and memory benchmarks (attention ops, decoding, whole model)"),
     ("demo", "the end-to-end main job on the real Gemma 3 270M (convert, train, eval, generate)"),

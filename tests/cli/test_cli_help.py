@@ -1,0 +1,52 @@
+"""What a new user reads first: every verb's --help says what it does, and lists what it can run
+from the registries rather than from a hand-written list."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from retrofit.cli.main import build_parser
+from retrofit.eval import evaluators as registry
+from retrofit.eval.evaluators import Evaluator, evaluators
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _sub(parser: argparse.ArgumentParser, *names: str) -> argparse.ArgumentParser:
+    for name in names:
+        parser = parser._subparsers._group_actions[0].choices[name]
+    return parser
+
+
+@pytest.fixture
+def extra_kind(monkeypatch):
+    """An evaluator registered the way a plugin registers one (removed again afterwards)."""
+    ev = Evaluator(name="echo", command="echo", subdir="echo", heading="Echo", help="echo words",
+                   add_arguments=lambda p, prefix: p.add_argument(f"--{prefix}words", dest="echo_words"),
+                   kwargs=lambda args: {}, run="x:y", order=50)
+    evaluators()  # the built-ins first
+    monkeypatch.setitem(registry._REGISTRY, ev.name, ev)
+    return ev
+
+
+def test_eval_help_lists_every_registered_evaluator():
+    parser = build_parser()
+    text = _flat(_sub(parser, "eval").format_help())
+    description = text.split("positional arguments:")[0]
+    for command in [ev.command for ev in evaluators()] + ["all"]:
+        assert command in description.split(": ", 1)[1], command
+    assert {"ruler", "niah"} <= {ev.command for ev in evaluators()}
+    assert "retrofit eval COMMAND --help" in text
+    top = _flat(parser.format_help())
+    assert "ppl, harness, passkey, niah, ruler, or all" in top
+
+
+def test_eval_help_follows_the_registry(extra_kind):
+    parser = build_parser()
+    description = _flat(_sub(parser, "eval").format_help()).split("positional arguments:")[0]
+    assert "echo" in description
+    assert "echo" in _flat(parser.format_help())
+    assert "+ ruler + echo, and one markdown report" in _flat(_sub(parser, "eval").format_help())
