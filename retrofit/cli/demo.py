@@ -1,20 +1,39 @@
-"""`retrofit demo`: the main job end to end on a real model (default: Gemma 3 270M; see retrofit/demo.py)."""
+"""`retrofit demo`: the main job end to end on a real model, as a recipe says (default: Gemma 3 270M; see retrofit/demo.py)."""
 from __future__ import annotations
 
 import argparse
 
+DESCRIPTION = """\
+Run a recipe's whole job on a real model into one folder (--out): load the base model,
+convert it, train its new weights (or, for a recipe with a fit section, fit them layer by
+layer as retrofit fit does), evaluate it beside the base (perplexity vs length, passkey
+retrieval, zero-shot baselines), generate a continuation through the retrofit cache, and
+write report.md, whose path it prints last.
+
+Default: the recipe {default} (Gemma 3 270M, global layer 17 as Latte
+Macchiato, the retrieval layers kept as RoPE-capped full attention), trained briefly on the
+bundled public-domain books. Any bundled recipe (retrofit ls recipes) or recipe file runs the
+same way (--recipe); --quick is the few-minute variant."""
+
+EPILOG = """\
+examples:
+  retrofit demo --quick
+  retrofit demo --recipe smollm2-135m-hedgehog-fit-cpu --out runs/demo-smollm2
+  retrofit demo --lengths 1K 4K 32K 64K train.lr=1e-3
+"""
+
 
 def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
+    from retrofit.demo import DEFAULT_RECIPE
     from retrofit.eval.evaluators import length_arg
 
-    p = sub.add_parser(
-        "demo", help=help_text, description=help_text + ". Writes everything under --out and prints the report path.",
-    )
+    default = DEFAULT_RECIPE.removesuffix(".yaml")
+    p = sub.add_parser("demo", help=help_text, description=DESCRIPTION.format(default=default), epilog=EPILOG)
     p.add_argument("--out", default="runs/demo", help="output folder (default: runs/demo)")
     p.add_argument("--quick", action="store_true", help="the ~5 minute variant (fewer steps, shorter lengths)")
     p.add_argument("--model", default=None, help="model to convert (default: the recipe's model.name)")
     p.add_argument("--recipe", default=None,
-                   help="training recipe, a bundled name or a path (default: gemma3-270m-keep-retrieval-cpu; "
+                   help=f"recipe, a bundled name (retrofit ls recipes) or a path (default: {default}; "
                         "smollm2-135m-hedgehog-fit-cpu converts every layer of SmolLM2-135M and fits its read "
                         "layer by layer instead of training it)")
     p.add_argument("--zero-shot", nargs="+", default=None, metavar="VARIANT",

@@ -21,7 +21,8 @@ VERBS: tuple[tuple[str, str], ...] = (
     ("eval", "evaluate a model beside a baseline"),  # retrofit.cli.eval appends the registered commands
     ("generate", "constant-memory text generation from a converted checkpoint"),
     ("bench", "speed and memory benchmarks (attention ops, decoding, whole model)"),
-    ("demo", "the end-to-end main job on the real Gemma 3 270M (convert, train, eval, generate)"),
+    ("demo", "a recipe's whole job on a real model: convert, train or fit, eval, generate, one report "
+             "(default: Gemma 3 270M)"),
     ("ls", "list the bundled recipes, convert specs, datasets and DeepSpeed configs"),
 )
 

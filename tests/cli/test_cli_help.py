@@ -50,3 +50,20 @@ def test_eval_help_follows_the_registry(extra_kind):
     assert "echo" in description
     assert "echo" in _flat(parser.format_help())
     assert "+ ruler + echo, and one markdown report" in _flat(_sub(parser, "eval").format_help())
+
+
+def test_demo_help_is_about_any_recipe():
+    from retrofit.demo import DEFAULT_RECIPE
+
+    parser = build_parser()
+    demo = _sub(parser, "demo")
+    description = _flat(demo.description)
+    for words in ("recipe", "convert", "train", "fit", "evaluate", "generate", "report.md", "--quick", "--recipe",
+                  f"Default: the recipe {DEFAULT_RECIPE.removesuffix('.yaml')}"):
+        assert words in description, words
+    text = _flat(demo.format_help())
+    assert "retrofit demo --recipe smollm2-135m-hedgehog-fit-cpu" in text
+    for action in demo._actions:  # every option says what it does
+        assert action.help, action.option_strings
+    line = _flat(parser.format_help()).split(" demo ", 1)[1]
+    assert line.startswith("a recipe's whole job") and "fit" in line.split(" ls ")[0]
