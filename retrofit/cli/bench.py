@@ -44,7 +44,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
-    p = sub.add_parser("bench", help=help_text, description=help_text)
+    p = sub.add_parser("bench", help=help_text, description=help_text,
+                       epilog="retrofit bench SUITE --help for a suite's options.")
     suites = p.add_subparsers(dest="suite", metavar="SUITE")
 
     a = suites.add_parser("attention", help="attention ops vs PyTorch SDPA causal across sequence lengths",

@@ -27,10 +27,17 @@ VERBS: tuple[tuple[str, str], ...] = (
 )
 
 
+EPILOG = """\
+retrofit VERB --help for a verb's options (e.g. retrofit convert --help); a verb with commands
+lists them there, and retrofit VERB COMMAND --help gives a command's (e.g. retrofit eval ppl --help).
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="retrofit",
         description="Give pretrained LLMs linear-time attention and a longer usable context.",
+        epilog=EPILOG,
         formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"retrofit {__version__}")

@@ -67,3 +67,15 @@ def test_demo_help_is_about_any_recipe():
         assert action.help, action.option_strings
     line = _flat(parser.format_help()).split(" demo ", 1)[1]
     assert line.startswith("a recipe's whole job") and "fit" in line.split(" ls ")[0]
+
+
+def test_top_level_help_says_where_each_verbs_help_is(capsys):
+    from retrofit.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = _flat(capsys.readouterr().out)
+    assert "retrofit VERB --help for a verb's options" in text
+    assert "retrofit VERB COMMAND --help" in text
+    assert "retrofit bench SUITE --help" in _flat(_sub(build_parser(), "bench").format_help())
+    assert "retrofit eval COMMAND --help" in _flat(_sub(build_parser(), "eval").format_help())
