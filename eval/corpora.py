@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from retrofit.data.documents import Document, file_documents, hub_documents, strip_gutenberg  # re-exported
-from retrofit.errors import DataError
+from retrofit.data.paths import expand_path
+from retrofit.errors import DataError, SpecError
 
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".json")
 PROTOCOLS = ("windows", "packed")
@@ -111,7 +112,10 @@ def resolve_corpus(
     if name_or_path in reg:
         spec = reg[name_or_path]
     else:
-        p = Path(name_or_path).expanduser()
+        try:
+            p = expand_path(name_or_path, Path.cwd())  # a path, or bundled:NAME
+        except SpecError as exc:
+            raise DataError(str(exc)) from None
         if not p.exists():
             raise DataError(
                 f"unknown dataset {name_or_path!r}: not in the registry ({', '.join(sorted(reg))}) "
@@ -132,12 +136,15 @@ def resolve_corpus(
 
 
 def resolve_local_path(spec: CorpusSpec) -> Path:
-    """The spec's local path: ``$path_env`` if set, else ``path`` (relative -> repository root)."""
+    """The spec's local path: ``$path_env`` if set, else ``path`` (``bundled:NAME`` -> the package's
+    data; another relative path -> the repository root)."""
     if spec.path_env and os.environ.get(spec.path_env):
         return Path(os.environ[spec.path_env]).expanduser()
     assert spec.path is not None
-    p = Path(spec.path).expanduser()
-    return p if p.is_absolute() else (repo_root() / p).resolve()
+    try:
+        return expand_path(spec.path, repo_root()).resolve()
+    except SpecError as exc:
+        raise DataError(f"dataset {spec.name!r}: {exc}") from None
 
 
 def iter_documents(spec: CorpusSpec, *, max_docs: int | None = None) -> Iterator[Document]:

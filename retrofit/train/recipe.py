@@ -7,7 +7,7 @@ optimisation, the DeepSpeed config, checkpoints and logging::
     model: {name: gemma3-270m}
     conversion: {method: macchiato, window: 128, latents: 128, init_swa_share: 0.5}
     trainable: {mode: new}
-    data: {files: ../../shared/data/pg-books, holdout_last: 2, seq_len: 512}
+    data: {files: bundled:pg-books, holdout_last: 2, seq_len: 512}
     train: {max_steps: 300, batch_size: 4, lr: 6e-4, warmup_steps: 30}
     deepspeed: {config: deepspeed/zero2.json}
     checkpoint: {output_dir: runs/gemma3-270m-macchiato-cpu, save_every: 100}
@@ -16,7 +16,8 @@ Unknown keys raise :class:`~retrofit.errors.SpecError` naming the key and the va
 Overrides use dotted paths (``train.lr=1e-4``); values are parsed as YAML and then coerced
 to the field's type (so ``6e-4``, which YAML reads as a string, is a float here).
 
-Paths: inputs (data files, the DeepSpeed JSON) resolve against the recipe file's folder;
+Paths: inputs (data files, the DeepSpeed JSON) resolve against the recipe file's folder, except
+``bundled:NAME`` (data shipped in the package, e.g. ``bundled:pg-books``);
 ``${VAR}`` and ``${VAR:-default}`` expand from the environment first. Outputs
 (``checkpoint.output_dir``) resolve against the current directory, like every CLI tool.
 """

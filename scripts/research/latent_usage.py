@@ -10,7 +10,7 @@ base model's own hidden states, as attention transfer trains them):
 * ``gain``: ``1 - open / closed``, the share of the window's error the latent path removes.
 
     python scripts/research/latent_usage.py runs/smol-w1024-at/final \
-        --text ../shared/data/pg-books/jack-sheppard.txt --tokens 4096 --out runs/latent_usage.json
+        --text retrofit/data/pg-books/jack-sheppard.txt --tokens 4096 --out runs/latent_usage.json
 """
 from __future__ import annotations
 

@@ -14,16 +14,16 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import os
 import time
 from pathlib import Path
 
 import torch
 
+from retrofit.data.paths import bundled_data_dir
 from retrofit.eval import loading, nll
 from retrofit.layers.cache import cache_keyword, output_cache
 
-BOOKS = Path(os.environ.get("RETROFIT_PG_BOOKS", Path(__file__).resolve().parents[3] / "shared" / "data" / "pg-books"))
+BOOKS = bundled_data_dir() / "pg-books"
 
 
 def _timed(module: torch.nn.Module, key: str, acc: dict[str, float]) -> None:
@@ -35,8 +35,7 @@ def _timed(module: torch.nn.Module, key: str, acc: dict[str, float]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model", help="anything retrofit.surgery.load_any accepts (gemma3-270m, a run's final/)")
-    p.add_argument("--book", default=None, help="a .txt file (default: jack-sheppard.txt of $RETROFIT_PG_BOOKS "
-                   "or ../shared/data/pg-books)")
+    p.add_argument("--book", default=None, help="a .txt file (default: the bundled jack-sheppard.txt)")
     p.add_argument("--past", type=int, default=28672, help="tokens already in the cache")
     p.add_argument("--chunk", type=int, default=4096)
     p.add_argument("--attention", choices=("stock", "scoring"), default="scoring",

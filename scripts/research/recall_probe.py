@@ -25,7 +25,7 @@ for the model as loaded and, for a Macchiato conversion, with its latent path cl
 and sinks alone), on the same sequences.
 
     python scripts/research/recall_probe.py smollm2-135m runs/gpu-kl/smollm2-delta \
-        --text ../shared/data/pg-books/jack-sheppard.txt --sequences 8 --length 2048 --out runs/recall_probe.json
+        --text retrofit/data/pg-books/jack-sheppard.txt --sequences 8 --length 2048 --out runs/recall_probe.json
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ measures, at about twice the cost of a transfer step. The trained weights are wr
 
     cd scripts/research
     python recall_transfer.py ../../runs/gpu-kl/smollm2-delta --out ../../runs/recall/aw50 \
-        --books ../../../shared/data/pg-books --heldout ../../../shared/data/pg-books/jack-sheppard.txt \
+        --books ../../retrofit/data/pg-books --heldout ../../retrofit/data/pg-books/jack-sheppard.txt \
         --answer-weight 50 --max-minutes 55 --probe-every 40
 """
 from __future__ import annotations
@@ -60,8 +60,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", help="a converted Macchiato folder")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--books", default="../shared/data/pg-books")
-    ap.add_argument("--heldout", default="../shared/data/pg-books/jack-sheppard.txt")
+    ap.add_argument("--books", default="retrofit/data/pg-books")
+    ap.add_argument("--heldout", default="retrofit/data/pg-books/jack-sheppard.txt")
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--facts", type=int, default=8)
     ap.add_argument("--min-distance", type=int, default=1100)

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from retrofit.data.paths import bundled_data_dir
 from retrofit.errors import DataError
 from retrofit.eval import corpora
 
@@ -17,15 +18,16 @@ def test_registry_maps_every_paper_dataset():
         assert name in reg, name
     assert reg["slimpajama"].hub_id == "cerebras/SlimPajama-627B" and reg["slimpajama"].split == "validation"
     assert reg["pile"].hub_id == "monology/pile-uncopyrighted"
-    assert reg["pg-books"].is_local and reg["pg-books"].path_env == "RETROFIT_PG_BOOKS"
+    assert reg["pg-books"].is_local and reg["pg-books"].path == "bundled:pg-books"
     for spec in reg.values():
         assert spec.protocol in corpora.PROTOCOLS and spec.text_field
 
 
-def test_pg_books_resolves_relative_to_repo_and_strips_gutenberg():
+def test_pg_books_ship_in_the_package_and_strip_gutenberg():
     spec = corpora.resolve_corpus("pg-books")
     root = corpora.resolve_local_path(spec)
-    assert root == (corpora.repo_root() / ".." / "shared" / "data" / "pg-books").resolve()
+    assert root == (bundled_data_dir() / "pg-books").resolve() and root.is_dir()
+    assert corpora.resolve_local_path(corpora.resolve_corpus("bundled:pg-books/jack-sheppard.txt")) == root / "jack-sheppard.txt"
     docs = list(corpora.iter_documents(spec))
     assert [d.doc_id for d in docs] == sorted(p.name for p in root.glob("*.txt"))
     for d in docs:
@@ -38,12 +40,19 @@ def test_pg_books_resolves_relative_to_repo_and_strips_gutenberg():
 def test_env_override_and_missing_folder(tmp_path, monkeypatch):
     (tmp_path / "a.txt").write_text("alpha " * 10)
     (tmp_path / "b.txt").write_text("beta " * 10)
-    monkeypatch.setenv("RETROFIT_PG_BOOKS", str(tmp_path))
-    docs = list(corpora.iter_documents(corpora.resolve_corpus("pg-books")))
+    reg = {"mine": corpora.CorpusSpec(name="mine", path="bundled:pg-books", path_env="MY_BOOKS")}
+    monkeypatch.setenv("MY_BOOKS", str(tmp_path))
+    docs = list(corpora.iter_documents(corpora.resolve_corpus("mine", registry=reg)))
     assert [d.doc_id for d in docs] == ["a.txt", "b.txt"]
-    monkeypatch.setenv("RETROFIT_PG_BOOKS", str(tmp_path / "nope"))
-    with pytest.raises(DataError, match="RETROFIT_PG_BOOKS"):
-        list(corpora.iter_documents(corpora.resolve_corpus("pg-books")))
+    monkeypatch.setenv("MY_BOOKS", str(tmp_path / "nope"))
+    with pytest.raises(DataError, match="MY_BOOKS"):
+        list(corpora.iter_documents(corpora.resolve_corpus("mine", registry=reg)))
+
+
+@pytest.mark.parametrize("bad", ["bundled:", "bundled:../paths.py", "bundled:pg-books/../../x"])
+def test_bundled_paths_stay_inside_the_package_data(bad):
+    with pytest.raises(DataError, match="bundled:NAME"):
+        corpora.resolve_corpus(bad)
 
 
 def test_local_jsonl_folder_and_text_field(tmp_path):

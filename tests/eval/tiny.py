@@ -5,7 +5,7 @@ from pathlib import Path
 
 
 def _training_text() -> Path:
-    """A pg-book, found the way the `pg-books` registry entry finds them (honours $RETROFIT_PG_BOOKS)."""
+    """A pg-book, found the way the `pg-books` registry entry finds them (the books bundled in the package)."""
     from retrofit.eval.corpora import list_local_files, resolve_corpus
 
     files = list_local_files(resolve_corpus("pg-books"))

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from retrofit.data.paths import bundled_data_dir
 from retrofit.data.sources import resolve_files
 from retrofit.errors import SpecError
 from retrofit.surgery import ConversionSpec
@@ -16,7 +17,7 @@ from retrofit.train.recipe import bundled_recipe_dir, load_recipe, recipe_from_d
 from retrofit.train.schedule import lr_at
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
-BOOKS = Path(__file__).resolve().parents[3] / "shared" / "data" / "pg-books"  # where the CPU recipe looks by default
+BOOKS = bundled_data_dir() / "pg-books"  # where the CPU recipes find their data, in a clone or a wheel
 
 
 def test_bundled_recipes_are_the_repo_configs():
@@ -71,12 +72,9 @@ def test_blog_recipe_is_10k_steps_of_48k_tokens():
     assert cfg["zero_optimization"]["stage"] == 3 and cfg["gradient_accumulation_steps"] == 3
 
 
-def test_cpu_recipe_finds_the_books_beside_the_repo_and_holds_out_the_data_readmes_two(monkeypatch):
-    monkeypatch.delenv("RETROFIT_PG_BOOKS", raising=False)
+def test_cpu_recipe_finds_the_bundled_books_and_holds_out_the_data_readmes_two():
     r = load_recipe("gemma3-270m-macchiato-cpu.yaml")  # a bundled name works too
     assert r.model.name == "gemma3-270m" and r.trainable.mode == "new"
-    if not BOOKS.is_dir():
-        pytest.skip("../shared/data/pg-books is not beside this checkout")
     train = resolve_files(r.data.files, r.base_dir)
     held = resolve_files(r.eval.files, r.base_dir)
     assert train[0].parent.resolve() == BOOKS.resolve()
@@ -87,13 +85,26 @@ def test_cpu_recipe_finds_the_books_beside_the_repo_and_holds_out_the_data_readm
     assert not set(train) & set(held)
 
 
-def test_data_path_env_override(tmp_path, monkeypatch):
+def test_data_files_override_and_env_form(tmp_path, monkeypatch):
     names = ["devils-dictionary.txt", "moby-dick.txt", "news-from-nowhere.txt", "pride-and-prejudice.txt"]
     for name in names:
         (tmp_path / name).write_text("hello")
-    monkeypatch.setenv("RETROFIT_PG_BOOKS", str(tmp_path))
-    r = load_recipe(CONFIGS / "gemma3-270m-macchiato-cpu.yaml")
+    r = load_recipe(CONFIGS / "gemma3-270m-macchiato-cpu.yaml", [f"data.files={tmp_path}"])
     assert resolve_files(r.data.files, r.base_dir) == [tmp_path / n for n in names]
+    monkeypatch.setenv("MY_BOOKS", str(tmp_path))
+    r = load_recipe(CONFIGS / "gemma3-270m-macchiato-cpu.yaml", ["data.files=${MY_BOOKS:-nowhere}/moby-dick.txt"])
+    assert resolve_files(r.data.files, r.base_dir) == [tmp_path / "moby-dick.txt"]
+
+
+def test_every_bundled_recipe_reads_only_data_inside_the_package():
+    from retrofit.catalog import recipe_names
+
+    for name in recipe_names():
+        r = load_recipe(name)
+        if r.data.files is None:
+            continue
+        for f in resolve_files(r.data.files, r.base_dir) + (resolve_files(r.eval.files, r.base_dir) if r.eval.files else []):
+            assert BOOKS.resolve() in f.resolve().parents, (name, f)
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m-macchiato-cpu.yaml", "smollm2-135m-macchiato-gpu.yaml",

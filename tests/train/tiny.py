@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from pathlib import Path
 
-# the books beside the repository (<repo>/../shared/data/pg-books), or RETROFIT_PG_BOOKS
-BOOKS = Path(os.environ.get("RETROFIT_PG_BOOKS") or Path(__file__).resolve().parents[3] / "shared" / "data" / "pg-books")
+from retrofit.data.paths import bundled_data_dir
+
+BOOKS = bundled_data_dir() / "pg-books"  # the public-domain books that ship in the package
 BOOK_NAMES = ("complete-angler.txt", "devils-dictionary.txt", "moby-dick.txt", "pride-and-prejudice.txt")
 VOCAB = 320
 
