@@ -33,17 +33,20 @@ RUN python -m pip install packaging wheel setuptools psutil \
  && python -m pip install --no-build-isolation "flash-attn==${FLASH_ATTN_VERSION}"
 
 WORKDIR /opt/retrofit
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md LICENSE ./
 COPY retrofit ./retrofit
 COPY patches ./patches
 COPY eval ./eval
 COPY configs ./configs
 COPY scripts ./scripts
-RUN python -m pip install --no-build-isolation ".[gpu,train,eval]" \
+# installed as a user installs it: the wheel (every package and the bundled books), not the source tree
+RUN python -m pip wheel --no-deps --no-build-isolation -w /tmp/dist . \
+ && python -m pip install --no-build-isolation "$(ls /tmp/dist/retrofit-*.whl)[gpu,train,eval]" \
+ && rm -rf /tmp/dist \
  && python -c "import torch, sys; print('torch', torch.__version__, 'cuda', torch.version.cuda); sys.exit(torch.version.cuda is None)"
 
-# smoke test: the console script and every CLI verb's parser load
-RUN retrofit --help && retrofit bench --help
+# smoke test: the console script, every CLI verb's parser and the bundled catalogue load
+RUN cd / && retrofit --help && retrofit bench --help && retrofit ls
 
 RUN mkdir -p /cache/huggingface /cache/retrofit /cache/triton /workspace
 VOLUME ["/cache"]
