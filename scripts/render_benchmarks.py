@@ -7,7 +7,7 @@ data cannot disagree).
 
 Layout (benchmarks/README.md describes it in full): ``benchmarks/page.yaml`` holds the page's
 title, introduction and closing text; every folder ``benchmarks/<NN>-<slug>/`` is one section,
-ordered by its name, with a ``section.yaml`` (title, question, prose, the tables to render) and the
+answering one of page.yaml's questions, with a ``section.yaml`` (title, question id, prose, its one table) and the
 results JSON files its tables read. Table kinds:
 
 * ``ppl``: the results.json of ``retrofit eval ppl`` (rows: models per dataset; columns: lengths);
@@ -100,7 +100,7 @@ def _shown(spec: dict, i: int, res: dict, role: str) -> str:
     names = spec.get("_files") or []
     label = res.get("models", {}).get(role, {}).get("label", role)
     if i < len(names) and f"{names[i]}:{role}" in labels:
-        return labels[f"{names[i]}:{role}"]
+        return labels[f"{names[i]}:{role}"]  # None (yaml null): leave this row out
     return labels.get(label, labels.get(role, label))
 
 
@@ -128,6 +128,8 @@ def render_ppl(files: list[dict], spec: dict) -> str:
                 continue
             for role in _roles(res):
                 shown = _shown(spec, i, res, role)
+                if shown is None:
+                    continue
                 for L, roles in per_len.items():
                     if role not in roles:
                         continue
@@ -168,6 +170,8 @@ def render_passkey(files: list[dict], spec: dict) -> str:
         if res.get("kind") not in (None, "passkey"):
             raise SpecError(f"kind passkey reads `retrofit eval passkey` results, got kind {res.get('kind')!r}")
         depths = [f"{float(d):g}" for d in res.get("settings", {}).get("depths", [])]
+        if spec.get("depths") is not None:
+            depths = [d for d in depths if float(d) in {float(x) for x in spec["depths"]}]
         for d in depths:
             if d not in depths_seen:
                 depths_seen.append(d)
@@ -175,6 +179,8 @@ def render_passkey(files: list[dict], spec: dict) -> str:
             if role not in res.get("results", {}):
                 continue
             shown = _shown(spec, i, res, role)
+            if shown is None:
+                continue
             if shown not in cells:
                 cells[shown] = {}
                 order.append(shown)
@@ -212,6 +218,8 @@ def _grid_table(files: list[dict], spec: dict, kind: str, row_header: str,
             if role not in res.get("results", {}):
                 continue
             shown = _shown(spec, i, res, role)
+            if shown is None:
+                continue
             if shown not in grids:
                 grids[shown], keys[shown] = {}, []
                 order.append(shown)
@@ -289,7 +297,26 @@ def render_generic(files: list[dict], spec: dict) -> str:
     t = files[0]
     if "columns" not in t or "rows" not in t:
         raise SpecError("a generic table JSON needs 'columns' and 'rows'")
-    return markdown_table(list(t["columns"]), [list(r) for r in t["rows"]], t.get("align"))
+    columns, rows, align = list(t["columns"]), [list(r) for r in t["rows"]], t.get("align")
+    names = spec.get("labels") or {}
+    rows = [[names.get(r[0], r[0]), *r[1:]] if r else r for r in rows]  # first column renamed
+    if spec.get("rows") is not None:  # a subset of the file's rows, by index, in this order
+        try:
+            rows = [rows[int(i)] for i in spec["rows"]]
+        except IndexError:
+            raise SpecError(f"rows {spec['rows']} picks a row the file does not have ({len(rows)} rows)") from None
+    if spec.get("columns") is not None:  # a subset of the file's columns, by index, in this order
+        keep = [int(i) for i in spec["columns"]]
+        if any(i >= len(columns) for i in keep):
+            raise SpecError(f"columns {keep} picks a column the file does not have ({len(columns)} columns)")
+        columns = [columns[i] for i in keep]
+        rows = [[r[i] for i in keep] if len(r) == len(t["columns"]) else r for r in rows]
+        align = [align[i] for i in keep] if align else None
+    if spec.get("headers") is not None:  # the column headings, renamed
+        if len(spec["headers"]) != len(columns):
+            raise SpecError(f"headers has {len(spec['headers'])} entries for {len(columns)} columns")
+        columns = list(spec["headers"])
+    return markdown_table(columns, rows, align)
 
 
 RENDERERS = {"ppl": render_ppl, "passkey": render_passkey, "ruler": render_ruler, "niah": render_niah,
@@ -298,6 +325,9 @@ RENDERERS = {"ppl": render_ppl, "passkey": render_passkey, "ruler": render_ruler
 
 
 # ---------------------------------------------------------------------------- sections and page
+
+SECTION_KEYS = {"title", "question", "text", "table", "after"}
+
 
 def _meta(spec: dict, files: list[dict]) -> dict[str, Any]:
     out: dict[str, Any] = {}
@@ -313,14 +343,20 @@ def _meta(spec: dict, files: list[dict]) -> dict[str, Any]:
     return out
 
 
-def render_table_block(section_dir: Path, spec: dict, root: Path) -> str:
-    kind = spec.get("kind")
-    if kind not in KINDS:
-        raise SpecError(f"{section_dir.name}: table kind {kind!r}; one of {', '.join(KINDS)}")
+def table_paths(section_dir: Path, spec: dict) -> list[Path]:
     data = spec.get("data")
     if not data:
         raise SpecError(f"{section_dir.name}: a table needs 'data' (a results JSON file in the section folder)")
-    paths = [section_dir / d for d in ([data] if isinstance(data, str) else data)]
+    return [section_dir / d for d in ([data] if isinstance(data, str) else data)]
+
+
+def render_table_block(section_dir: Path, spec: dict, root: Path) -> tuple[str, str, list[dict], list[str]]:
+    """The markdown of one table with its provenance; also the bare table, the files it read, and
+    the prose printed with it (title and notes), for the number check."""
+    kind = spec.get("kind")
+    if kind not in KINDS:
+        raise SpecError(f"{section_dir.name}: table kind {kind!r}; one of {', '.join(KINDS)}")
+    paths = table_paths(section_dir, spec)
     files = [_load_json(p) for p in paths]
     try:
         table = RENDERERS[kind](files, {**spec, "_files": [p.name for p in paths]})
@@ -329,10 +365,12 @@ def render_table_block(section_dir: Path, spec: dict, root: Path) -> str:
     meta = _meta(spec, files)
     missing = [k for k in ("machine", "commit", "command") if not meta.get(k)]
     if missing:
-        raise SpecError(f"{section_dir.name}: table from {data} lacks {', '.join(missing)} (in section.yaml or the JSON)")
-    parts = []
+        raise SpecError(f"{section_dir.name}: table from {spec.get('data')} lacks {', '.join(missing)} "
+                        "(in section.yaml or the JSON)")
+    parts, prose = [], []
     if spec.get("title"):
         parts.append(f"**{spec['title']}**")
+        prose.append(str(spec["title"]))
     line = [f"Machine: {meta['machine']}."]
     if meta.get("versions"):
         line.append(f"Versions: {meta['versions']}.")
@@ -345,12 +383,15 @@ def render_table_block(section_dir: Path, spec: dict, root: Path) -> str:
     commands = meta["command"] if isinstance(meta["command"], list) else [meta["command"]]
     parts.append("```\n" + "\n".join(c.rstrip() for c in commands) + "\n```")
     parts.append(table)
-    notes = [spec.get("notes")] + [f.get("notes") for f in files]
+    notes = [spec.get("notes")]
+    if spec.get("json_notes", True):
+        notes += [f.get("notes") for f in files]
     notes = [n.strip() for n in notes if isinstance(n, str) and n.strip()]
     parts.extend(notes)
+    prose.extend(notes)
     rel = ", ".join(f"[{p.relative_to(root).as_posix()}]({p.relative_to(root).as_posix()})" for p in paths)
     parts.append(f"<sub>Data: {rel}.</sub>")
-    return "\n\n".join(parts)
+    return "\n\n".join(parts), table, files, prose
 
 
 def _anchor(title: str) -> str:
@@ -358,48 +399,227 @@ def _anchor(title: str) -> str:
     return keep.replace(" ", "-")
 
 
-def load_sections(bench_dir: Path) -> list[tuple[Path, dict]]:
+# ---------------------------------------------------------------------------- the number check
+#
+# Every number in a section's prose (its text, its after, the table's title and notes) must come
+# from the data of the section's table: a number printed in the table, or a number in the JSON
+# file(s) it reads, rounded to the digits written; or, written as a ratio (`6.3x`), a percentage
+# (`41%`, `+3.1%`) or a fraction (`1/23`), the ratio a / b of two numbers of the table in one row
+# or one column (a percentage: 100 a / b or 100 (a / b - 1)). Exempt: numbers inside backticks or
+# code blocks (commands, flags, file names), link targets, dates (2026-11-27), times (22:08),
+# commit hashes (hex with a letter), lengths written as 4K / 1.5K, needle depths written after
+# 'depth' or 'depths' (depths 0 / 0.5 / 1), the integers 0-9 written
+# plainly (counts such as "4 sinks", "5 trials"), numbers inside words (fp32, H100, x4) and the
+# names listed under `exempt` in page.yaml (model names with sizes, e.g. SmolLM2-135M).
+
+_NUM = r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?"
+NUMBER_RE = re.compile(rf"(?<![\w.,/])(?P<sign>[+-]?)(?P<a>{_NUM})"
+                       rf"(?:(?:-| to )(?P<b>{_NUM}))?"
+                       r"(?P<suf>%|x(?![A-Za-z0-9])|(?=/)/(?P<den>\d+(?:\.\d+)?))?(?![\w.]*\d)")
+_STRIP = [
+    re.compile(r"```.*?```", re.S),                       # code blocks
+    re.compile(r"`[^`]*`"),                               # inline code
+    re.compile(r"\]\([^)]*\)"),                           # link and image targets
+    re.compile(r"\b\d{4}-\d{2}-\d{2}\b"),                 # dates
+    re.compile(r"\b\d{1,2}:\d{2}\b"),                     # times
+    re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b"),  # commit hashes
+    re.compile(r"(?<![\w.])\d+(?:\.\d+)?K\b"),            # lengths: 4K, 1.5K
+    re.compile(r"\bdepths?\s+\d+(?:\.\d+)?(?:\s*/\s*\d+(?:\.\d+)?)*"),  # needle depths: depths 0 / 0.5 / 1
+]
+
+
+def _num(text: str) -> tuple[float, int]:
+    """'1,440' -> (1440.0, 0); '23.31' -> (23.31, 2)."""
+    text = text.replace(",", "")
+    return float(text), len(text.split(".")[1]) if "." in text else 0
+
+
+def prose_numbers(text: str, exempt: list[str] = ()) -> list[tuple[str, float, int, str]]:
+    """The numbers a prose block states, as (as written, value, decimals, kind): kind '' for a
+    plain number, '%' a percentage, 'x' a ratio, '1/' a fraction 1/N (value N)."""
+    for pattern in _STRIP:
+        text = pattern.sub(" ", text)
+    for name in sorted(exempt, key=len, reverse=True):
+        text = text.replace(name, " ")
     out = []
+    for m in NUMBER_RE.finditer(text):
+        suf = m.group("suf") or ""
+        if m.group("den") is not None:
+            if m.group("a") == "1" and not m.group("b"):
+                v, d = _num(m.group("den"))
+                out.append((m.group(0), v, d, "1/"))
+            continue  # a/b written as a pair of numbers is checked as its two parts below
+        for part in (m.group("a"), m.group("b")):
+            if part is None:
+                continue
+            v, d = _num(part)
+            if not suf and d == 0 and v < 10:
+                continue  # small counts
+            out.append((m.group(0).strip(), v, d, suf))
+    return out
+
+
+def _cells(table: str) -> list[list[list[float]]]:
+    """The numbers of each cell of a rendered markdown table (header and rows)."""
+    grid = []
+    for line in table.splitlines():
+        if not line.startswith("|") or set(line.replace("|", "").strip()) <= set("-: "):
+            continue
+        row = []
+        for cell in line.strip().strip("|").split("|"):
+            cell = re.sub(r"(?<![\w.])(\d+(?:\.\d+)?)K\b", lambda m: str(float(m.group(1)) * 1024), cell)
+            row.append([_num(m.group(0))[0] for m in re.finditer(_NUM, cell)])
+        grid.append(row)
+    return grid
+
+
+def _leaves(x: Any, out: set[float]) -> set[float]:
+    if isinstance(x, bool):
+        return out
+    if isinstance(x, (int, float)):
+        out.add(float(x))
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            if k not in ("notes",):
+                _leaves(v, out)
+    elif isinstance(x, list):
+        for v in x:
+            _leaves(v, out)
+    return out
+
+
+class NumberIndex:
+    """What a section's prose may quote: the numbers of its table and JSON files, and the ratios
+    of two numbers of the table in one row or one column."""
+
+    def __init__(self, table: str, files: list[dict]):
+        grid = _cells(table)
+        self.values = {v for row in grid for cell in row for v in cell}
+        for f in files:
+            _leaves(f, self.values)
+        lines: list[list[float]] = [[v for cell in row for v in cell] for row in grid]
+        width = max((len(r) for r in grid), default=0)
+        lines += [[v for row in grid if j < len(row) for v in row[j]] for j in range(width)]
+        self.ratios: set[float] = set()
+        for line in lines:
+            for a in line:
+                for b in line:
+                    if b and a != b:
+                        self.ratios.add(a / b)
+
+    @staticmethod
+    def _close(v: float, target: float, digits: int) -> bool:
+        return abs(v - target) <= 0.5 * 10 ** -digits + 1e-9
+
+    def knows(self, value: float, digits: int, kind: str) -> bool:
+        if any(self._close(v, value, digits) for v in self.values):
+            return True
+        if kind == "%":
+            return (any(self._close(100 * v, value, digits) for v in self.values)
+                    or any(self._close(100 * r, value, digits) or self._close(abs(100 * (r - 1)), value, digits)
+                           for r in self.ratios))
+        if kind in ("x", "1/"):
+            return any(self._close(r, value, digits) for r in self.ratios)
+        return False
+
+
+def check_numbers(name: str, prose: dict[str, str], index: NumberIndex, exempt: list[str]) -> None:
+    for where, text in prose.items():
+        for written, value, digits, kind in prose_numbers(text, exempt):
+            if not index.knows(value, digits, kind):
+                raise SpecError(
+                    f"{name}: the number {written!r} in its {where} is not in the data of its table (neither "
+                    "printed in the table nor in its JSON, nor a ratio of two of the table's numbers in one "
+                    "row or column): quote the table, put the result in the data, or move the claim to "
+                    "docs/findings.md")
+
+
+# ---------------------------------------------------------------------------- questions
+
+def load_sections(bench_dir: Path, questions: dict[str, str] | None = None) -> list[tuple[Path, dict]]:
+    """The sections in folder order. Each answers one question of page.yaml with one table; two
+    sections answering the same question is an error (the newer results set replaces the older,
+    which git history keeps)."""
+    out = []
+    answered: dict[str, str] = {}
     for d in sorted(p for p in bench_dir.iterdir() if p.is_dir() and (p / "section.yaml").exists()):
         spec = yaml.safe_load((d / "section.yaml").read_text(encoding="utf-8")) or {}
         if not isinstance(spec, dict) or not spec.get("title"):
             raise SpecError(f"{d.name}/section.yaml: needs a 'title'")
-        unknown = set(spec) - {"title", "question", "text", "tables", "after"}
+        if "tables" in spec:
+            raise SpecError(f"{d.name}/section.yaml: 'tables' is gone: a section holds one current results set, "
+                            "under 'table'; an older or side table moves to docs/findings.md (git keeps it)")
+        unknown = set(spec) - SECTION_KEYS
         if unknown:
             raise SpecError(f"{d.name}/section.yaml: unknown keys {sorted(unknown)}")
+        if not isinstance(spec.get("table"), dict):
+            raise SpecError(f"{d.name}/section.yaml: needs one 'table' (the results set that answers its question)")
         for key in ("text", "after"):
-            pasted = re.search(r"^\s*- kind: .*$", spec.get(key) or "", re.M)
+            pasted = re.search(r"^\s*-? ?kind: .*$", spec.get(key) or "", re.M)
             if pasted:
                 raise SpecError(f"{d.name}/section.yaml: '{pasted.group(0).strip()}' sits inside the '{key}' text "
-                                "block, where it would print as text: move the entry into 'tables'")
+                                "block, where it would print as text: move the entry into 'table'")
+        if questions is not None:
+            q = spec.get("question")
+            if q not in questions:
+                raise SpecError(f"{d.name}/section.yaml: question {q!r} is not one of page.yaml's questions "
+                                f"({', '.join(questions)})")
+            if q in answered:
+                raise SpecError(f"question {q!r} is answered twice, by {answered[q]} and {d.name}: one current "
+                                "results set per question; the newer replaces the older (git history keeps it, "
+                                "docs/findings.md may discuss it)")
+            answered[q] = d.name
         out.append((d, spec))
+    if questions is not None:
+        unanswered = [q for q in questions if q not in answered]
+        if unanswered:
+            raise SpecError(f"page.yaml's questions {unanswered} have no section answering them")
     return out
+
+
+def _orphans(bench_dir: Path, sections: list[tuple[Path, dict]]) -> None:
+    """Every results file under benchmarks/ feeds a table: a file that no longer does moves to
+    docs/findings/ (if docs/findings.md cites it) or goes (git keeps it)."""
+    used = {p.resolve() for d, s in sections for p in table_paths(d, s["table"])}
+    for path in sorted(bench_dir.rglob("*.json")):
+        if path.resolve() not in used:
+            raise SpecError(f"{path.relative_to(bench_dir)} feeds no table: move it to docs/findings/ if "
+                            "docs/findings.md cites it, else delete it (git history keeps it)")
 
 
 def render(bench_dir: Path = ROOT / "benchmarks", root: Path | None = None) -> str:
     """The text of BENCHMARKS.md for the specs and results under ``bench_dir``."""
     root = root or bench_dir.parent
     page = yaml.safe_load((bench_dir / "page.yaml").read_text(encoding="utf-8")) or {}
-    sections = load_sections(bench_dir)
+    questions = page.get("questions")
+    if not isinstance(questions, dict) or not questions:
+        raise SpecError("page.yaml: needs 'questions', a mapping of question id to the question a section answers")
+    exempt = [str(x) for x in page.get("exempt") or []]
+    sections = load_sections(bench_dir, questions)
+    by_q = {s["question"]: (d, s) for d, s in sections}
     out = [HEADER, "", f"# {page.get('title', 'Benchmarks')}", ""]
     if page.get("intro"):
         out += [page["intro"].strip(), ""]
     out += ["Contents:", ""]
-    out += [f"- [{s['title']}](#{_anchor(s['title'])})" for _, s in sections]
+    out += [f"- [{questions[q].strip()}](#{_anchor(by_q[q][1]['title'])})" for q in questions]
     out.append("")
-    for d, s in sections:
-        out += [f"## {s['title']}", ""]
-        if s.get("question"):
-            out += [f"*{s['question'].strip()}*", ""]
+    for q in questions:
+        d, s = by_q[q]
+        block, table, files, table_prose = render_table_block(d, s["table"], root)
+        prose = {k: s[k] for k in ("text", "after") if s.get(k)}
+        prose.update({f"table note {i + 1}": t for i, t in enumerate(table_prose)})
+        check_numbers(d.name, prose, NumberIndex(table, files), exempt)
+        out += [f"## {s['title']}", "", f"*{questions[q].strip()}*", ""]
         if s.get("text"):
             out += [s["text"].strip(), ""]
-        for t in s.get("tables") or []:
-            out += [render_table_block(d, t, root), ""]
+        out += [block, ""]
         if s.get("after"):
             out += [s["after"].strip(), ""]
+    _orphans(bench_dir, sections)
     if page.get("outro"):
         out += [page["outro"].strip(), ""]
     return "\n".join(out).rstrip() + "\n"
+
 
 
 def main(argv: list[str] | None = None) -> int:
