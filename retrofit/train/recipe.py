@@ -600,14 +600,22 @@ def bundled_recipe_dir() -> Path:
 
 
 def _find_recipe(path: str | os.PathLike) -> Path:
+    """A recipe file: the path itself, else a bundled recipe when ``path`` names one (``NAME``,
+    ``NAME.yaml`` or ``configs/NAME.yaml``, the folder they live in within the repository). Any other
+    missing path is an error, never a bundled recipe that shares its file name."""
     p = Path(path).expanduser()
     if p.is_file():
         return p
-    for candidate in (bundled_recipe_dir() / p.name, bundled_recipe_dir() / f"{p.name}.yaml"):
-        if not p.is_absolute() and candidate.is_file():
-            return candidate
+    names_bundled = not p.is_absolute() and p.parent in (Path("."), Path("configs"))
+    candidates = (bundled_recipe_dir() / p.name, bundled_recipe_dir() / f"{p.name}.yaml")
+    found = next((c for c in candidates if c.is_file()), None)
+    if names_bundled and found is not None:
+        return found
     from retrofit.catalog import recipe_names
 
+    if found is not None:
+        raise SpecError(f"recipe file {str(path)!r} not found (the bundled recipe of that name is "
+                        f"'retrofit train {found.stem}')")
     raise SpecError(f"recipe file {str(path)!r} not found; bundled recipes: {', '.join(recipe_names())} "
                     "(retrofit ls lists them with the convert specs, datasets and DeepSpeed configs)")
 

@@ -248,3 +248,13 @@ def test_layer_weights_are_checked_with_the_recipe():
                          (["train.layer_weights={3: 2}", "train.objective=kl"], "has neither")):
         with pytest.raises(SpecError, match=message):
             load_recipe(cfg, bad)
+
+
+def test_a_mistyped_recipe_path_is_an_error_not_the_bundled_recipe_of_that_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no configs/ here: bundled names resolve through the package
+    for name in ("smollm2-135m-macchiato-cpu", "smollm2-135m-macchiato-cpu.yaml", "configs/smollm2-135m-macchiato-cpu.yaml"):
+        assert load_recipe(name).model.name == "smollm2-135m", name
+    for typo in ("typo/smollm2-135m-macchiato-cpu.yaml", str(tmp_path / "smollm2-135m-macchiato-cpu.yaml"),
+                 "configs/deepspeed/smollm2-135m-macchiato-cpu.yaml"):
+        with pytest.raises(SpecError, match="not found .*retrofit train smollm2-135m-macchiato-cpu"):
+            load_recipe(typo)
