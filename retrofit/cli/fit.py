@@ -6,7 +6,9 @@
 The recipe's model, conversion and data sections as for `retrofit train`, and its `fit` section
 (retrofit.train.fit). The fitted model is a delta checkpoint in --out (default: the recipe's
 checkpoint.output_dir + /final) with the fit's report, fit.json; `retrofit eval`, `generate`,
-`bench` and `train` (model.name=...) read it.
+`bench` and `train` (model.name=...) read it. While it fits, a progress bar on stderr shows the
+layer (i/N), the steps, the loss and the time spent (none with -q or logging.progress=false), and
+a line per fitted layer follows on stdout.
 """
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ def _fit(args: argparse.Namespace, recipe, out) -> int:
 
     say = (lambda _msg: None) if args.quiet else (lambda msg: print(msg, flush=True))
     start = time.time()
-    report = run_fit(recipe, out, overwrite=args.overwrite, log=say)
+    report = run_fit(recipe, out, overwrite=args.overwrite, log=say, progress=not args.quiet)
     if not args.quiet:
         print(report.table())
         print(f"[retrofit] done in {(time.time() - start) / 60:.1f} min; fitted model in {out} (its report: {out / 'fit.json'})")

@@ -162,10 +162,10 @@ def _mean_kl(attn: nn.Module, inputs: LayerInputs, qkv: list, rows: list[torch.T
 
 
 def fit_maps(attn: nn.Module, inputs: LayerInputs, *, steps: int, queries: int, lr: float,
-             generator: torch.Generator) -> dict:
+             generator: torch.Generator, on_step: Callable[[float], None] | None = None) -> dict:
     """Adam on ``attn``'s feature maps for ``steps`` steps, each on ``queries`` random rows of one
     random sequence of ``inputs``; returns the KL (nats per row, mean over heads) on fixed rows of
-    every sequence before and after."""
+    every sequence before and after. ``on_step(kl)`` is called after each step with its rows' mean KL."""
     qkv = _qkv(attn, inputs)
     fixed = [torch.linspace(_first_row(attn, h.shape[1]), h.shape[1] - 1, queries).round().long().unique()
              for h, _ in inputs]
@@ -175,10 +175,12 @@ def fit_maps(attn: nn.Module, inputs: LayerInputs, *, steps: int, queries: int, 
     for _ in range(steps):
         n = int(torch.randint(len(inputs), (1,), generator=generator))
         h, pe = inputs[n]
-        loss = attn.read_kl(h, pe, None, _rows(attn, h.shape[1], queries, generator), qkv[n]).sum()
+        kl = attn.read_kl(h, pe, None, _rows(attn, h.shape[1], queries, generator), qkv[n])
         opt.zero_grad(set_to_none=True)
-        loss.backward(inputs=params)
+        kl.sum().backward(inputs=params)
         opt.step()
+        if on_step is not None:
+            on_step(float(kl.detach().mean()))
     return {"kl_before": before, "kl_after": _mean_kl(attn, inputs, qkv, fixed)}
 
 
@@ -216,29 +218,73 @@ def fit_scale(attn: nn.Module, inputs: LayerInputs, *, queries: int, generator: 
             "count_weight": float(coef[:, -1].mean()), "rows": int(x.shape[1])}
 
 
-def _part(model: nn.Module, layers: list[nn.Module], sequences: list[torch.Tensor],
-          per_layer: Callable[[nn.Module, LayerInputs], dict], label: str, log: Callable[[str], None]) -> dict:
-    """Capture every layer's inputs on ``sequences``, then ``per_layer`` each layer; the part's record."""
+def _bar(total: int, desc: str, unit: str, enabled: bool):
+    """A progress bar on stderr (elapsed and remaining time), as ``retrofit train`` and ``eval`` show."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=False, disable=not enabled)
+
+
+def _capture(model: nn.Module, sequences: list[torch.Tensor], label: str, progress: bool) -> list[dict]:
+    with _bar(len(sequences), f"fit {label}: capture", "seq", progress) as bar:
+        captured = []
+        for ids in sequences:
+            captured.append(capture_layer_inputs(model, ids))
+            bar.update(1)
+    return captured
+
+
+PerLayer = Callable[[nn.Module, LayerInputs, Callable[[float], None]], dict]
+
+
+def _part(model: nn.Module, layers: list[nn.Module], sequences: list[torch.Tensor], per_layer: PerLayer,
+          label: str, log: Callable[[str], None], *, steps: int = 0, progress: bool = True) -> dict:
+    """Capture every layer's inputs on ``sequences``, then ``per_layer`` each layer; the part's record.
+    ``per_layer(attn, inputs, on_step)`` calls ``on_step(loss)`` after each of its ``steps`` steps
+    (none: the layer is one unit of the progress bar, which shows layer i/N, steps, loss and elapsed time)."""
     start = time.time()
-    captured = [capture_layer_inputs(model, ids) for ids in sequences]
+    captured = _capture(model, sequences, label, progress)
     log(f"[retrofit] fit {label}: captured {len(layers)} layers' inputs on {len(sequences)} x {len(sequences[0]):,} "
         f"tokens ({time.time() - start:.0f} s)")
-    rows = []
-    for i, attn in enumerate(layers, start=1):
-        li = int(attn.layer_idx)
-        record = {"layer": li, **per_layer(attn, [c[li] for c in captured])}
-        rows.append(record)
-        shown = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items() if k != "layer")
-        log(f"[retrofit] fit {label}: layer {li} ({i}/{len(layers)}) {shown} ({(time.time() - start) / 60:.1f} min)")
+    rows = _fit_layers(layers, captured, per_layer, label, log, steps=steps, progress=progress, start=start)
     return {"sequences": len(sequences), "seq_len": len(sequences[0]), "tokens": sum(len(s) for s in sequences),
             "minutes": round((time.time() - start) / 60, 2), "layers": rows}
 
 
-def fit_read(model: nn.Module, tokenizer: Any, recipe: Recipe, *, log: Callable[[str], None] = print) -> FitReport:
+def _fit_layers(layers: list[nn.Module], captured: list[dict], per_layer: PerLayer, label: str,
+                log: Callable[[str], None], *, steps: int, progress: bool, start: float) -> list[dict]:
+    """``per_layer`` on each layer under one progress bar; a log line (above the bar) after each layer."""
+    from tqdm.auto import tqdm
+
+    rows = []
+    with _bar(len(layers) * max(steps, 1), f"fit {label}", "step" if steps else "layer", progress) as bar:
+        for i, attn in enumerate(layers, start=1):
+            li, where = int(attn.layer_idx), f"layer {i}/{len(layers)}"
+            bar.set_postfix_str(where)
+
+            def on_step(loss: float, where: str = where) -> None:
+                bar.set_postfix_str(f"{where} loss {loss:.3f}", refresh=False)
+                bar.update(1)
+
+            record = {"layer": li, **per_layer(attn, [c[li] for c in captured], on_step)}
+            if not steps:
+                bar.update(1)
+            bar.refresh()  # the layer's last step and loss, however fast its steps were
+            rows.append(record)
+            shown = ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items() if k != "layer")
+            with tqdm.external_write_mode():  # the line above the bar, not through it
+                log(f"[retrofit] fit {label}: layer {li} ({i}/{len(layers)}) {shown} ({(time.time() - start) / 60:.1f} min)")
+    return rows
+
+
+def fit_read(model: nn.Module, tokenizer: Any, recipe: Recipe, *, log: Callable[[str], None] = print,
+             progress: bool = True) -> FitReport:
     """``recipe.fit``'s two parts on ``model`` (converted, method hedgehog), in place: the maps, then
     the scale (a part with ``sequences: 0`` is skipped). Seeds: ``train.seed`` plus the layer index,
-    so a layer's fit does not depend on the others."""
+    so a layer's fit does not depend on the others. ``progress``: a progress bar on stderr (also
+    off with ``logging.progress: false``)."""
     layers = fittable_layers(model)
+    progress = progress and recipe.logging.progress
     report = FitReport()
     m, s = recipe.fit.maps, recipe.fit.scale
     seed = recipe.train.seed
@@ -248,13 +294,14 @@ def fit_read(model: nn.Module, tokenizer: Any, recipe: Recipe, *, log: Callable[
 
     if m.sequences and m.steps:
         seqs = fit_sequences(recipe, tokenizer, m.seq_len, m.sequences, m.recall_facts)
-        report.maps = _part(model, layers, seqs, lambda a, x: fit_maps(a, x, steps=m.steps, queries=m.queries, lr=m.lr,
-                                                                        generator=gen(a, 0)), "maps", log)
+        report.maps = _part(model, layers, seqs, lambda a, x, tick: fit_maps(
+            a, x, steps=m.steps, queries=m.queries, lr=m.lr, generator=gen(a, 0), on_step=tick),
+            "maps", log, steps=m.steps, progress=progress)
         report.maps.update(asdict(m))
     if s.sequences:
         seqs = fit_sequences(recipe, tokenizer, s.seq_len, s.sequences, s.recall_facts)
-        report.scale = _part(model, layers, seqs, lambda a, x: fit_scale(a, x, queries=s.queries, generator=gen(a, 10_000)),
-                             "scale", log)
+        report.scale = _part(model, layers, seqs, lambda a, x, _tick: fit_scale(
+            a, x, queries=s.queries, generator=gen(a, 10_000)), "scale", log, progress=progress)
         report.scale.update(asdict(s))
     for attn in layers:
         for p in (attn.feature_query.weight, attn.feature_key.weight, attn.memory_scale.weight):
@@ -282,16 +329,16 @@ def save_fitted(model: nn.Module, out: str | Path, recipe: Recipe, report: FitRe
 
 
 def run_fit(recipe: Recipe, out: str | Path, *, overwrite: bool = False,
-            log: Callable[[str], None] = print) -> FitReport:
+            log: Callable[[str], None] = print, progress: bool = True) -> FitReport:
     """The whole of ``retrofit fit``: build the recipe's model (converted as its conversion section
-    says, on CUDA when there is one), fit its read (:func:`fit_read`) and save it in ``out``
-    (:func:`save_fitted`); returns the report."""
+    says, on CUDA when there is one), fit its read (:func:`fit_read`, ``progress``: its bar on stderr)
+    and save it in ``out`` (:func:`save_fitted`); returns the report."""
     from retrofit.train.model import build_model, model_dtype
 
     cuda = torch.cuda.is_available()
     model, tokenizer = build_model(recipe, dtype=model_dtype(recipe, cuda), log=log)
     fittable_layers(model)  # a model of another method fails before any sequence is captured
     model.eval().to("cuda" if cuda else "cpu")
-    report = fit_read(model, tokenizer, recipe, log=log)
+    report = fit_read(model, tokenizer, recipe, log=log, progress=progress)
     save_fitted(model, out, recipe, report, overwrite=overwrite)
     return report

@@ -4,6 +4,7 @@ squares solution, and the verb writes a delta every other verb reads (and refuse
 from __future__ import annotations
 
 import copy
+import re
 import json
 
 import pytest
@@ -175,3 +176,20 @@ def test_demo_fits_a_fit_recipe_instead_of_training_it(tmp_path, books, pretrain
     name = "model.layers.1.self_attn.feature_key.weight"
     assert not torch.equal(fitted[name], converted[name])  # the scored model is the fitted one
     assert (out / "fit" / "final" / "fit.json").is_file()
+
+
+def test_fit_cli_shows_progress_on_stderr_unless_quiet(tmp_path, books, pretrained_base, capsys):
+    recipe = _recipe(tmp_path, books, pretrained_base)
+    assert main(["fit", str(recipe), "--out", str(tmp_path / "shown"), "logging.progress=true"]) == 0
+    captured = capsys.readouterr()
+    err = captured.err
+    for part in ("fit maps: capture", "fit maps", "fit scale: capture", "fit scale"):
+        assert part in err, part
+    assert "layer 1/2" in err and "layer 2/2" in err
+    assert re.search(r"fit maps: +\d+%.*15/30 \[\d\d:\d\d<.*step.*layer 1/2 loss \d+\.\d{3}", err), err
+    assert re.search(r"fit maps: .*30/30 \[\d\d:\d\d<.*layer 2/2 loss \d+\.\d{3}", err)
+    assert "%|" not in captured.out and "fit maps: layer 1 (2/2)" in captured.out  # the bar on stderr, the log lines on stdout
+
+    assert main(["fit", str(recipe), "--out", str(tmp_path / "quiet"), "-q", "logging.progress=true"]) == 0
+    captured = capsys.readouterr()
+    assert "fit maps" not in captured.err and "layer" not in captured.err and captured.out == ""
