@@ -41,9 +41,15 @@ def check_output_folder(out: str | os.PathLike, what: str = "--out") -> Path:
 
 
 def folder_files(folder: str | os.PathLike) -> tuple[list[str], list[str]]:
-    """``(files, odd)`` under ``folder`` as relative POSIX paths: plain files, and links / other entries."""
+    """``(files, odd)`` under ``folder`` as relative POSIX paths: plain files, and links / other entries
+    (a sub-folder that cannot be read is one: what it holds is unknown, so it is never retrofit's)."""
     files, odd = [], []
-    for root, dirs, names in os.walk(folder):
+
+    def unreadable(exc: OSError) -> None:
+        where = os.path.relpath(exc.filename, folder) if exc.filename is not None else "."
+        odd.append(Path(where).as_posix() + "/ (unreadable)")
+
+    for root, dirs, names in os.walk(folder, onerror=unreadable):
         rel = Path(root).relative_to(folder)
         for name in sorted(dirs):
             if os.path.islink(os.path.join(root, name)):

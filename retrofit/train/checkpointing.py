@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import shutil
 from pathlib import Path
@@ -32,13 +33,15 @@ from typing import Iterator
 from retrofit.errors import CheckpointError
 from retrofit.fs import atomic_directory, clean_stale_temps, remove_directory
 from retrofit.fs.atomic import write_json_atomic as _write_json_atomic, write_manifest
-from retrofit.fs.guard import MANIFEST
+from retrofit.fs.guard import MANIFEST, is_replaceable_checkpoint
 from retrofit.fs.tempdirs import SWAP_KIND, recover_interrupted_swaps
 
 __all__ = [
     "STATE_FILE", "checkpoint_dir", "list_checkpoints", "latest_checkpoint", "publishing", "write_state",
     "rotate", "clean_stale", "read_state", "write_json_atomic",
 ]
+
+log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
@@ -94,12 +97,21 @@ def publishing(final: Path) -> Iterator[Path]:
 
 
 def rotate(output_dir: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` complete checkpoints; return the deleted folders."""
+    """Delete all but the newest ``keep_last`` complete checkpoints; return the deleted folders.
+
+    Only a checkpoint exactly as retrofit wrote it goes (its manifest lists every file in it): one
+    holding anything else (a user's note, eval results written into it, a folder retrofit did not
+    write, a sub-folder it cannot read) stays, with a warning naming what kept it."""
     found = list_checkpoints(output_dir)
-    doomed = [p for _, p in found[: max(0, len(found) - keep_last)]]
-    for p in doomed:
+    deleted = []
+    for _, p in found[: max(0, len(found) - keep_last)]:
+        ok, why = is_replaceable_checkpoint(p)
+        if not ok:
+            log.warning("checkpoint rotation keeps %s: %s (delete it yourself if it is not needed)", p, why)
+            continue
         remove_directory(p)
-    return doomed
+        deleted.append(p)
+    return deleted
 
 
 def clean_stale(output_dir: Path) -> None:
