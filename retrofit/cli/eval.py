@@ -70,11 +70,35 @@ def commands_help(help_text: str, kinds: list[Evaluator]) -> str:
     return f"{help_text}: " + ", ".join(ev.command for ev in kinds) + ", or all of them"
 
 
-EPILOG = "retrofit eval COMMAND --help for a command's options."
+EPILOG = "retrofit eval COMMAND --help for a command's options (retrofit eval all --help: its prefixed flags)."
 
 
 def _all_help(kinds: list[Evaluator]) -> str:
     return " + ".join(ev.label or ev.name for ev in kinds) + ", and one markdown report"
+
+
+def prefixed_flags(parser: argparse.ArgumentParser, kinds: list[Evaluator]) -> dict[str, list[str]]:
+    """``eval all``'s flags that carry a command's prefix (``--ppl-lengths``), by command."""
+    flags = [o for action in parser._actions for o in action.option_strings]
+    return {ev.command: [f for f in flags if f.startswith(f"--{ev.command}-")] for ev in kinds}
+
+
+def _all_epilog(parser: argparse.ArgumentParser, kinds: list[Evaluator]) -> str:
+    """What ``retrofit eval all --help`` ends with: its prefixed flags, read from ``parser``."""
+    import textwrap
+
+    by_command = {c: f for c, f in prefixed_flags(parser, kinds).items() if f}
+    width = max(map(len, by_command), default=0) + 1
+    lines = ["prefixed flags: here these flags of the single commands take the command's name as a prefix",
+             "(--ppl-lengths is retrofit eval ppl --lengths; retrofit eval COMMAND --help says what each means):"]
+    lines += [textwrap.fill(" ".join(f), 100, initial_indent=f"  {c + ':':<{width}} ", subsequent_indent=" " * (width + 3))
+              for c, f in by_command.items()]
+    lines += ["The other flags keep their names (e.g. --datasets, --tasks, --depths); --chat-template and",
+              "--prefill-chunk apply to every generation-scored command alike.",
+              "",
+              "example: retrofit eval all MODEL --baseline BASE --ppl-lengths 4K 16K --passkey-lengths 1K 4K \\",
+              "             --ruler-samples 2 --skip harness"]
+    return "\n".join(lines)
 
 
 def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
@@ -92,12 +116,13 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
         pe.set_defaults(handler=_run_one, evaluator=ev.name)
 
     names = [ev.name for ev in kinds]
-    pa = evsub.add_parser("all", help=_all_help(kinds))
+    pa = evsub.add_parser("all", help=_all_help(kinds), description=_all_help(kinds) + " (report.md in --out)")
     _common(pa)
     for ev in kinds:
         ev.add_arguments(pa, f"{ev.command}-")
     _shared(pa, bos=any(ev.uses_bos for ev in kinds), seed=any(ev.uses_seed for ev in kinds))
     pa.add_argument("--skip", nargs="+", default=[], choices=names, help="sections to leave out")
+    pa.epilog = _all_epilog(pa, kinds)
     pa.set_defaults(handler=_run_all)
 
 

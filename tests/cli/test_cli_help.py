@@ -79,3 +79,19 @@ def test_top_level_help_says_where_each_verbs_help_is(capsys):
     assert "retrofit VERB COMMAND --help" in text
     assert "retrofit bench SUITE --help" in _flat(_sub(build_parser(), "bench").format_help())
     assert "retrofit eval COMMAND --help" in _flat(_sub(build_parser(), "eval").format_help())
+
+
+def test_eval_all_documents_its_prefixed_flags():
+    from pathlib import Path
+
+    all_parser = _sub(build_parser(), "eval", "all")
+    options = [o for action in all_parser._actions for o in action.option_strings]
+    flags = {ev.command: [o for o in options if o.startswith(f"--{ev.command}-")] for ev in evaluators()}
+    assert "--ppl-lengths" in flags["ppl"] and "--ruler-tasks" in flags["ruler"] and "--passkey-lengths" in flags["passkey"]
+    epilog = all_parser.epilog or ""
+    readme = (Path(__file__).resolve().parents[2] / "eval" / "README.md").read_text(encoding="utf-8")
+    for command, names in flags.items():
+        for flag in names:
+            assert flag in epilog, flag
+            assert f"`{flag}`" in readme, flag
+    assert "retrofit eval all --help" in _flat(_sub(build_parser(), "eval").format_help())
