@@ -1,4 +1,4 @@
-"""`retrofit demo`: the main job end to end on a real model, as a recipe says (default: Gemma 3 270M; see retrofit/demo.py)."""
+"""`retrofit demo`: a recipe's whole job end to end on a real model (default: Gemma 3 270M; see retrofit/demo.py)."""
 from __future__ import annotations
 
 import argparse
