@@ -244,9 +244,12 @@ def test_6_second_writer_of_an_output_is_refused_and_stale_locks_are_taken_over(
     from retrofit.surgery.checkpoint import atomic_directory
 
     out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom retrofit.fs.locks import output_lock\n"
+         "with output_lock(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(60)", str(out)],
+        stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
-        lock_path(out).write_text(json.dumps({"pid": holder.pid, "host": host_name(), "time": 0}))
+        assert holder.stdout.readline().strip() == "held"
         fails(convert_argv(base, out), capsys, "being written by pid", str(holder.pid))
         recipe = recipe_file(tmp_path, base, books)
         fails(["train", str(recipe)], capsys, "being written by pid")
@@ -254,7 +257,9 @@ def test_6_second_writer_of_an_output_is_refused_and_stale_locks_are_taken_over(
     finally:
         holder.kill()
         holder.wait()
-    assert main(convert_argv(base, out)) == 0  # the holder is dead: its lock is stale
+    # a killed run's lock file (its pid gone) is free: the kernel released its lock
+    lock_path(out).write_text(json.dumps({"pid": holder.pid, "host": host_name(), "time": 0}))
+    assert main(convert_argv(base, out)) == 0
     assert not leftovers(tmp_path)
     # a target that appears while a writer works is not replaced without overwrite
     other = tmp_path / "race"
