@@ -1,0 +1,400 @@
+"""Three tiers of memory beside a pretrained attention: a window, a bounded tier of exact tokens, a linear read.
+
+Query ``t`` attends, in one normalisation, to
+
+* its *exact* keys, scored by the pretrained softmax: the sinks (the first ``n`` real tokens), the
+  tokens not yet settled (``F(t) <= s <= t``: the window of at least ``w`` tokens) and the *tier*:
+  at most ``capacity`` tokens per KV head kept, exactly, from those that left the window;
+* the *memory*: a Hedgehog linear read (:mod:`retrofit.ops.hedgehog`) of every other older token,
+  weighed against the exact keys as the layer's Hedgehog read is weighed against its window:
+
+      o_t = (1 - p_t) exact_t + p_t num_t / mass_t,   p_t = sigmoid(log mass_t + c_t - lse_t)
+
+  with ``lse_t`` the log-sum-exp of the exact scores and ``c_t = scale_t + g_h log n_t`` the read's
+  log-scale (``n_t`` the tokens in the memory). Nothing is counted twice or lost: every older real
+  token is in exactly one tier.
+
+Tokens settle in blocks of ``block`` (``C``): ``F(t) = C floor((t - w + 1) / C)`` (at least 0), so
+the window holds ``w`` to ``w + C - 1`` tokens. When ``F`` advances by ``C``, the block leaving the
+window and the tier's members compete: the ``capacity`` with the highest score stay (ties: the
+newer token), the rest go into the memory for good. Because settling happens only at these
+points, a prefill and a token-by-token decode do exactly the same settling, and the tier, the
+memory and the window stay bounded: the decoding cost per token does not grow with the context.
+
+Scores (``rule``), per KV head over its query heads' memories:
+
+* ``"recall"`` (LoLA, McDermott et al. 2025): the self-recall error ``|v - phi(k)^T S / phi(k)^T z|``
+  of the token through the memory as it is before the block settles (the mean over the group's
+  query heads): what the linear read would get wrong is kept exact;
+* ``"norm"``: the key's norm (outlying keys dominate the scores they take part in);
+* ``"recency"``: the newest tokens, i.e. a window longer by ``capacity`` (the fair baseline: the
+  same bytes spent on a longer window).
+
+Tier keys are scored with the read's queries and keys (``mq``, ``mk``: position-free with the
+Hedgehog read's ``memory_distance``, else the pretrained post-RoPE ones); the sinks and the window
+with the pretrained ones (sinks farther than ``sink_distance`` at that distance, as
+:mod:`retrofit.ops.sinks` scores them).
+
+Shapes: queries ``(B, Hq, T, d)``, keys ``(B, Hkv, T, d)``, values ``(B, Hkv, T, D)``, features
+``(B, Hq, T, 2f)``; the state's tensors as in :class:`TierState`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+from typing import Callable
+
+import torch
+
+from retrofit.ops.hedgehog import hedgehog_features
+from retrofit.ops.rope import rope_rotate
+from retrofit.ops.sdpa import repeat_kv_heads
+
+__all__ = ["TIER_RULES", "TierState", "settle_frontier", "tiered_attention", "tiered_attention_reference"]
+
+TIER_RULES = ("recall", "norm", "recency")
+
+
+def _rep(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x`` with each KV head (dim 1) repeated over its ``group`` query heads."""
+    return x if group == 1 else x.repeat_interleave(group, dim=1)
+
+
+@dataclass
+class TierState:
+    """One layer's three tiers between calls (all bounded).
+
+    * window buffer, from stream index ``frontier``: ``keys`` / ``read_keys`` ``(B, Hkv, P, d)``,
+      ``values`` ``(B, Hkv, P, D)``, ``valid`` ``(B, P)`` (``P <= w + C - 1`` after a call);
+    * tier: ``tier_keys`` (read keys) ``(B, Hkv, capacity, d)``, ``tier_values`` ``(B, Hkv, capacity, D)``,
+      ``tier_index`` ``(B, Hkv, capacity)`` stream indices (``-1``: empty slot);
+    * memory: ``S`` ``(B, Hq, F, D)``, ``z`` ``(B, Hq, F)`` fp32 at least, ``count`` ``(B, Hkv)`` tokens in it;
+    * ``frontier``: the stream index of the first unsettled token; ``length``: tokens seen.
+    """
+
+    keys: torch.Tensor
+    read_keys: torch.Tensor
+    values: torch.Tensor
+    valid: torch.Tensor
+    tier_keys: torch.Tensor
+    tier_values: torch.Tensor
+    tier_index: torch.Tensor
+    S: torch.Tensor
+    z: torch.Tensor
+    count: torch.Tensor
+    frontier: int = 0
+    length: int = 0
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+
+    def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "TierState":
+        """A copy with ``fn`` applied to every tensor (device moves, beam reordering)."""
+        return replace(self, **{f.name: fn(getattr(self, f.name)) for f in fields(self)
+                                if isinstance(getattr(self, f.name), torch.Tensor)})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+def settle_frontier(t: int, window: int, block: int) -> int:
+    """``F(t)``: the first stream index query ``t`` still reads as a window token."""
+    return max(0, block * ((t - window + 1) // block))
+
+
+def _empty_state(k: torch.Tensor, v: torch.Tensor, fq: torch.Tensor, capacity: int) -> TierState:
+    B, Hkv, _, d = k.shape
+    Hq, Fe, D = fq.shape[1], fq.shape[-1], v.shape[-1]
+    acc = torch.promote_types(fq.dtype, torch.float32)
+    return TierState(
+        keys=k[:, :, :0], read_keys=k[:, :, :0], values=v[:, :, :0],
+        valid=torch.ones(B, 0, dtype=torch.bool, device=k.device),
+        tier_keys=k.new_zeros(B, Hkv, capacity, d), tier_values=v.new_zeros(B, Hkv, capacity, D),
+        tier_index=torch.full((B, Hkv, capacity), -1, dtype=torch.long, device=k.device),
+        S=fq.new_zeros(B, Hq, Fe, D, dtype=acc), z=fq.new_zeros(B, Hq, Fe, dtype=acc),
+        count=torch.zeros(B, Hkv, dtype=acc, device=k.device),
+    )
+
+
+def _capped(scores: torch.Tensor, scores_far: torch.Tensor | None, far: torch.Tensor | None) -> torch.Tensor:
+    return scores if far is None else torch.where(far, scores_far, scores)
+
+
+def _sink_scores(q, sinks, t, frontier, sink_distance, inv_freq):
+    """Scores ``(B, Hq, R, n)`` of queries at positions ``t`` ``(R,)`` against the sinks settled before
+    ``frontier`` (-inf elsewhere); pairs farther than ``sink_distance`` scored at that distance."""
+    idx, ok, sk, _ = sinks
+    group = q.shape[1] // sk.shape[1]
+    s = q @ _rep(sk, group).transpose(-1, -2).to(q.dtype)
+    if sink_distance and inv_freq is not None:
+        far = (t[None, :, None] - idx[:, None, :]) > sink_distance  # (B, R, n)
+        if bool(far.any()):
+            q_far = rope_rotate(q, (sink_distance - t).to(q.dtype), inv_freq)
+            k0 = rope_rotate(sk, -idx[:, None, :].to(q.dtype), inv_freq)
+            s = torch.where(far[:, None], q_far @ _rep(k0, group).transpose(-1, -2).to(q.dtype), s)
+    seen = ok & (idx < frontier)  # a sink at or after the frontier is a window token
+    return s.masked_fill(~seen[:, None, None, :], float("-inf"))
+
+
+def _softcapped(s: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
+    s = s * scaling
+    return torch.tanh(s / softcap) * softcap if softcap else s
+
+
+def _scores(rule: str, mk, v, index, S, z, feature_key_weight, group: int) -> torch.Tensor:
+    """``(B, Hkv, N)`` selection scores of N candidate tokens (read keys ``mk``, values ``v``, ``index``)."""
+    if rule == "recency":
+        return index.to(S.dtype)
+    if rule == "norm":
+        return mk.to(S.dtype).norm(dim=-1)
+    fk = hedgehog_features(_rep(mk, group), feature_key_weight).to(S.dtype)  # (B, Hq, N, F)
+    num = fk @ S
+    mass = (fk * z[:, :, None]).sum(-1, keepdim=True)
+    pred = torch.where(mass > 0, num / mass.clamp_min(torch.finfo(S.dtype).tiny), torch.zeros_like(num))
+    err = (_rep(v, group).to(S.dtype) - pred).norm(dim=-1)  # (B, Hq, N)
+    B, Hq, N = err.shape
+    return err.view(B, Hq // group, group, N).mean(2)
+
+
+def _settle(state: TierState, block: int, capacity: int, rule: str, feature_key_weight, sinks) -> TierState:
+    """Advance the frontier by ``block``: the block leaving the window and the tier compete; the
+    ``capacity`` best stay exact, the rest go into the memory."""
+    B, Hkv, _, d = state.keys.shape
+    Hq = state.S.shape[1]
+    group = Hq // Hkv
+    F0 = state.frontier
+    idx = torch.arange(F0, F0 + block, device=state.keys.device)
+    write = state.valid[:, :block].clone()  # (B, C): real tokens that are not sinks
+    if sinks is not None:
+        s_idx, s_ok = sinks[0], sinks[1]
+        write &= ~((idx[None, :, None] == s_idx[:, None, :]) & s_ok[:, None, :]).any(-1)
+    cand_k = torch.cat([state.tier_keys, state.read_keys[:, :, :block]], dim=2)  # (B, Hkv, cap + C, d)
+    cand_v = torch.cat([state.tier_values, state.values[:, :, :block]], dim=2)
+    cand_i = torch.cat([state.tier_index, idx.expand(B, Hkv, block)], dim=2)
+    cand_ok = torch.cat([state.tier_index >= 0, write[:, None].expand(B, Hkv, block)], dim=2)
+    score = _scores(rule, cand_k, cand_v, cand_i, state.S, state.z, feature_key_weight, group)
+    score = score.masked_fill(~cand_ok, float("-inf"))
+    # the best `capacity` by score, ties to the newer token: sort by index, then stably by score
+    by_index = cand_i.argsort(dim=-1, descending=True)
+    order = by_index.gather(-1, score.gather(-1, by_index).argsort(dim=-1, descending=True, stable=True))
+    keep, drop = order[..., :capacity], order[..., capacity:]
+    keep_ok = cand_ok.gather(-1, keep)
+    pick = lambda x, i: x.gather(2, i[..., None].expand(*i.shape, x.shape[-1]))  # noqa: E731
+    tier_keys, tier_values = pick(cand_k, keep), pick(cand_v, keep)
+    tier_index = torch.where(keep_ok, cand_i.gather(-1, keep), torch.full_like(keep, -1))
+    drop_ok = cand_ok.gather(-1, drop)  # (B, Hkv, N - capacity): into the memory
+    S, z, count = state.S, state.z, state.count
+    if bool(drop_ok.any()):
+        dk, dv = pick(cand_k, drop), pick(cand_v, drop)
+        fk = hedgehog_features(_rep(dk, group), feature_key_weight).to(S.dtype)
+        fk = fk * _rep(drop_ok[..., None], group).to(S.dtype)
+        S = S + fk.transpose(-1, -2) @ _rep(dv, group).to(S.dtype)
+        z = z + fk.sum(2)
+        count = count + drop_ok.sum(-1).to(count.dtype)
+    return replace(state, keys=state.keys[:, :, block:], read_keys=state.read_keys[:, :, block:],
+                   values=state.values[:, :, block:], valid=state.valid[:, block:], tier_keys=tier_keys,
+                   tier_values=tier_values, tier_index=tier_index, S=S, z=z, count=count, frontier=F0 + block)
+
+
+def _segment(state: TierState, q, mq, fq, scale, count_weight, t, sinks, *, scaling, softcap, sink_distance,
+             inv_freq) -> torch.Tensor:
+    """Outputs ``(B, Hq, R, D)`` of R queries at stream positions ``t`` that share one frontier."""
+    B, Hq, R, _ = q.shape
+    Hkv = state.keys.shape[1]
+    group = Hq // Hkv
+    acc = state.S.dtype
+    W = int(t[-1]) + 1 - state.frontier  # window tokens the last query reads
+    kw, vw, okw = state.keys[:, :, :W], state.values[:, :, :W], state.valid[:, :W]
+    pos = torch.arange(state.frontier, state.frontier + W, device=q.device)
+    qa, mqa = q.to(acc), mq.to(acc)
+    s_win = qa @ _rep(kw, group).to(acc).transpose(-1, -2)  # (B, Hq, R, W)
+    allowed = (pos[None, :] <= t[:, None])[None] & okw[:, None, :]  # (B, R, W)
+    parts_s = [s_win.masked_fill(~allowed[:, None], float("-inf"))]
+    parts_v = [_rep(vw, group)]
+    if sinks is not None and sinks[2].shape[2]:
+        parts_s.append(_sink_scores(qa, sinks, t, state.frontier, sink_distance, inv_freq))
+        parts_v.append(_rep(sinks[3], group))
+    if state.tier_keys.shape[2]:
+        s_tier = mqa @ _rep(state.tier_keys, group).to(acc).transpose(-1, -2)
+        parts_s.append(s_tier.masked_fill(~_rep((state.tier_index >= 0)[..., None], group)
+                                          .transpose(-1, -2), float("-inf")))
+        parts_v.append(_rep(state.tier_values, group))
+    s = torch.cat(parts_s, dim=-1)
+    s = _softcapped(s, scaling, softcap).masked_fill(s == float("-inf"), float("-inf"))  # tanh(-inf) is finite
+    lse = torch.logsumexp(s, dim=-1)  # (B, Hq, R); -inf only for a padded query
+    finite = torch.isfinite(lse)
+    p = torch.exp(s - torch.where(finite, lse, torch.zeros_like(lse))[..., None])
+    exact = p @ torch.cat(parts_v, dim=2).to(acc)
+    f = fq.to(acc)
+    num = f @ state.S
+    mass = (f * state.z[:, :, None]).sum(-1)
+    n = _rep(state.count[..., None, None], group)[..., 0, 0]  # (B, Hq)
+    c = scale.to(acc) + count_weight.to(acc)[None, :, None] * n.clamp_min(1.0).log()[..., None]
+    share = torch.sigmoid(torch.log(mass) + c - lse)  # mass = 0: log = -inf, share = 0
+    share = torch.where(finite & (mass > 0), share, torch.zeros_like(share))
+    read = num / mass.clamp_min(torch.finfo(acc).tiny)[..., None]
+    out = exact + share[..., None] * (read - exact)
+    return torch.where(finite[..., None], out, torch.zeros_like(out))
+
+
+def tiered_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mq: torch.Tensor,
+    mk: torch.Tensor,
+    fq: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    feature_key_weight: torch.Tensor,
+    count_weight: torch.Tensor,
+    window: int,
+    block: int,
+    capacity: int,
+    rule: str = "recall",
+    scaling: float | None = None,
+    softcap: float | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    sinks: tuple[torch.Tensor, ...] | None = None,
+    sink_distance: int = 0,
+    inv_freq: torch.Tensor | None = None,
+    state: TierState | None = None,
+) -> tuple[torch.Tensor, TierState]:
+    """The three-tier attention of T new tokens (a prefill, or one decoding token), and the new state.
+
+    Args:
+        q: ``(B, Hq, T, d)`` post-RoPE queries (window and sinks); ``k``: ``(B, Hkv, T, d)`` keys; ``v``:
+            ``(B, Hkv, T, D)`` values.
+        mq: ``(B, Hq, T, d)`` the read's queries (scores against the tier); ``mk``: ``(B, Hkv, T, d)`` the
+            read's keys (what the tier and the memory store).
+        fq: ``(B, Hq, T, 2f)`` the read's query features; ``scale``: ``(B, Hq, T)`` the read's log-scale
+            without its count term.
+        feature_key_weight: ``(Hq, f, d)`` the key feature map (a token settling into the memory).
+        count_weight: ``(Hq,)`` ``g_h``, the weight of ``log n`` in the read's log-scale.
+        window: ``w``, the fewest tokens a query reads as its window; ``block``: ``C``, tokens settled
+            at a time; ``capacity``: tier tokens per KV head; ``rule``: one of :data:`TIER_RULES`.
+        scaling, softcap: the pretrained scores' scale and soft-cap.
+        key_padding_mask: ``(B, T)`` bool, True at real tokens (padded queries output 0, padded keys are
+            never read or kept).
+        sinks: ``(idx (B, n), valid (B, n), k (B, Hkv, n, d), v (B, Hkv, n, D))``, the first n real tokens
+            (:func:`retrofit.ops.sinks.first_valid`); they never settle.
+        sink_distance, inv_freq: sinks farther than ``sink_distance`` are scored at that RoPE distance.
+        state: the tiers after the previous call (None: an empty cache).
+
+    Returns:
+        ``(out (B, Hq, T, D) in v's dtype, state)``.
+    """
+    if rule not in TIER_RULES:
+        raise ValueError(f"rule must be one of {TIER_RULES}, got {rule!r}")
+    if window < 1 or block < 1 or capacity < 0:
+        raise ValueError(f"window ({window}) and block ({block}) must be >= 1 and capacity ({capacity}) >= 0")
+    B, Hq, T, d = q.shape
+    scaling = d ** -0.5 if scaling is None else scaling
+    state = _empty_state(k, v, fq, capacity) if state is None else state
+    valid = torch.ones(B, T, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask.bool()
+    state = replace(state, keys=torch.cat([state.keys, k], 2), read_keys=torch.cat([state.read_keys, mk], 2),
+                    values=torch.cat([state.values, v], 2), valid=torch.cat([state.valid, valid], 1))
+    start = state.length
+    inv = None if inv_freq is None else inv_freq.to(q.device)
+    outs, i = [], 0
+    while i < T:
+        settle_at = state.frontier + block + window - 1  # the first query that reads past this frontier
+        if start + i >= settle_at:
+            state = _settle(state, block, capacity, rule, feature_key_weight, sinks)
+            continue
+        j = min(T, settle_at - start)
+        t = torch.arange(start + i, start + j, device=q.device)
+        outs.append(_segment(state, q[:, :, i:j], mq[:, :, i:j], fq[:, :, i:j], scale[:, :, i:j], count_weight, t, sinks,
+                             scaling=scaling, softcap=softcap, sink_distance=sink_distance, inv_freq=inv))
+        i = j
+    out = torch.cat(outs, dim=2) * valid[:, None, :, None]
+    return out.to(v.dtype), replace(state, length=start + T)
+
+
+def tiered_attention_reference(q, k, v, mq, mk, fq, scale, *, feature_key_weight, count_weight, window, block, capacity,
+                               rule="recall", scaling=None, softcap=None, key_padding_mask=None, num_sinks=0,
+                               sink_distance=0, inv_freq=None) -> torch.Tensor:
+    """:func:`tiered_attention` of a whole sequence, query by query from the definition, in fp64.
+
+    The tiers are built from explicit per-head sets of stream indices: for query ``t`` the exact
+    keys are the sinks before ``F(t)`` (the first ``num_sinks`` real tokens), every real token in
+    ``[F(t), t]`` and the tier; the memory is the set of settled tokens not in the tier.
+    """
+    f64 = torch.float64
+    q, k, v, mq, mk, fq, scale = (x.to(f64) for x in (q, k, v, mq, mk, fq, scale))
+    B, Hq, T, d = q.shape
+    Hkv = k.shape[1]
+    group = Hq // Hkv
+    scaling = d ** -0.5 if scaling is None else scaling
+    valid = torch.ones(B, T, dtype=torch.bool) if key_padding_mask is None else key_padding_mask.bool().cpu()
+    weight = feature_key_weight.to(f64)
+    fk = hedgehog_features(_rep(mk, group), weight)  # (B, Hq, T, F)
+    inv = None if inv_freq is None else inv_freq.to(f64)
+    out = torch.zeros(B, Hq, T, v.shape[-1], dtype=f64)
+
+    def score_of(b: int, g: int, s: int, memory: list[int]) -> float:
+        if rule == "recency":
+            return float(s)
+        if rule == "norm":
+            return float(mk[b, g, s].norm())
+        errs = []
+        for h in range(g * group, (g + 1) * group):
+            if memory:
+                w_ = torch.stack([fk[b, h, s] @ fk[b, h, m] for m in memory])
+                pred = (w_[:, None] * torch.stack([v[b, g, m] for m in memory])).sum(0) / w_.sum()
+            else:
+                pred = torch.zeros_like(v[b, g, s])
+            errs.append(float((v[b, g, s] - pred).norm()))
+        return sum(errs) / group
+
+    for b in range(B):
+        real = [s for s in range(T) if valid[b, s]]
+        sink_set = set(real[:num_sinks])
+        for g in range(Hkv):
+            tier: list[int] = []
+            memory: list[int] = []
+            frontier = 0
+            for t in range(T):
+                while settle_frontier(t, window, block) > frontier:
+                    block_ids = [s for s in range(frontier, frontier + block) if valid[b, s] and s not in sink_set]
+                    scored = [(score_of(b, g, s, memory), s) for s in tier + block_ids]
+                    scored.sort(key=lambda x: (x[0], x[1]), reverse=True)
+                    tier = [s for _, s in scored[:capacity]]
+                    memory += [s for _, s in scored[capacity:]]
+                    frontier += block
+                if not valid[b, t]:
+                    continue
+                for h in range(g * group, (g + 1) * group):
+                    logits, vals = [], []
+                    for s in range(t + 1):
+                        if not valid[b, s]:
+                            continue
+                        if s >= frontier:
+                            x = q[b, h, t] @ k[b, g, s]
+                        elif s in sink_set:
+                            if sink_distance and inv is not None and t - s > sink_distance:
+                                x = (rope_rotate(q[b, h, t], torch.tensor(float(sink_distance - t), dtype=f64), inv)
+                                     @ rope_rotate(k[b, g, s], torch.tensor(float(-s), dtype=f64), inv))
+                            else:
+                                x = q[b, h, t] @ k[b, g, s]
+                        elif s in tier:
+                            x = mq[b, h, t] @ mk[b, g, s]
+                        else:
+                            continue
+                        x = x * scaling
+                        logits.append(torch.tanh(x / softcap) * softcap if softcap else x)
+                        vals.append(v[b, g, s])
+                    logits_t = torch.stack(logits)
+                    lse = torch.logsumexp(logits_t, 0)
+                    exact = (torch.softmax(logits_t, 0)[:, None] * torch.stack(vals)).sum(0)
+                    if memory:
+                        w_ = torch.stack([fq[b, h, t] @ fk[b, h, m] for m in memory])
+                        mass = w_.sum()
+                        read = (w_[:, None] * torch.stack([v[b, g, m] for m in memory])).sum(0) / mass
+                        c = scale[b, h, t] + float(count_weight[h]) * math.log(max(len(memory), 1))
+                        p = torch.sigmoid(torch.log(mass) + c - lse)
+                        out[b, h, t] = (1 - p) * exact + p * read
+                    else:
+                        out[b, h, t] = exact
+    return out
