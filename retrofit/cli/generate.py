@@ -5,7 +5,7 @@
 
 Converted layers decode with a constant-memory cache (latent state + the last w-1 keys and
 values); the cache size is printed at the end. ``--compile`` decodes through
-:class:`retrofit.decoding.CompiledDecoder` (every layer Macchiato or delta, LLaMA-shaped families): one
+:class:`retrofit.decoding.CompiledDecoder` (every layer Macchiato, delta or Hedgehog, LLaMA-shaped families): one
 compiled graph per token, whose compilation the first token pays.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default: cuda if available)")
     p.add_argument("--compile", action="store_true",
                    help="decode through retrofit.decoding.CompiledDecoder: one compiled step per token (a model with "
-                        "every layer Macchiato or delta, LLaMA-shaped). The first run compiles for about a minute, later runs "
+                        "every layer Macchiato, delta or Hedgehog, LLaMA-shaped). The first run compiles for about a minute, later runs "
                         "reuse inductor's cache (seconds): worth it for long outputs")
     p.set_defaults(handler=_run)
 

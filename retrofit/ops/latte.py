@@ -1,4 +1,4 @@
-"""Latte: latent attention (Dutordoir et al., Definitions 1-2) in reference, chunked and recurrent forms.
+"""Latte: latent attention (Dolga, Maystre, Cobzarenco and Barber 2024, Definitions 1-2) in reference, chunked and recurrent forms.
 
 Notation per head: ``L`` latent states, ``D`` value dim, ``T`` tokens.
 
