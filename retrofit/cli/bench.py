@@ -128,11 +128,20 @@ def _apply_backend(args: argparse.Namespace) -> None:
         set_default_backend(args.backend)
 
 
+def _locked(args: argparse.Namespace):
+    """``--out``'s output lock (the one convert, train and eval take): a second bench into the same folder
+    is refused, naming the run that writes it, instead of both writing one results set."""
+    from retrofit.fs import check_output_folder, output_lock
+
+    return output_lock(check_output_folder(args.out))
+
+
 def _run_attention(args: argparse.Namespace) -> int:
     from retrofit.bench.attention import run_attention_benchmark
 
     _apply_backend(args)
-    run_attention_benchmark(args)
+    with _locked(args):
+        run_attention_benchmark(args)
     return 0
 
 
@@ -140,7 +149,8 @@ def _run_decode(args: argparse.Namespace) -> int:
     from retrofit.bench.decode import run_decode_benchmark
 
     _apply_backend(args)
-    run_decode_benchmark(args)
+    with _locked(args):
+        run_decode_benchmark(args)
     return 0
 
 
@@ -148,5 +158,6 @@ def _run_model(args: argparse.Namespace) -> int:
     from retrofit.bench.model import run_model_benchmark
 
     _apply_backend(args)
-    run_model_benchmark(args)
+    with _locked(args):
+        run_model_benchmark(args)
     return 0

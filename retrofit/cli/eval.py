@@ -227,12 +227,23 @@ def _finish(res: dict, out: Path, as_json: bool = False) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _locked(out: Path, args: argparse.Namespace):
+    """Hold ``out``'s output lock (the one convert and train take): a second eval into the same folder is
+    refused, naming the run that writes it, instead of both succeeding and one losing its results."""
+    from retrofit.fs import output_lock
+
+    with output_lock(out):
+        _check_results_folder(out, args)  # results a run finished meanwhile are not replaced without --overwrite
+        yield
+
+
 def _run_one(args: argparse.Namespace) -> int:
     ev: Evaluator = get_evaluator(args.evaluator)
     out = _out(args, ev.command)
     runner = ev.runner()
     zero_shot = {"zero_shot": args.zero_shot} if takes_zero_shot(runner) else {}
-    with _text_policy(args) if ev.reads_text else contextlib.nullcontext():
+    with _locked(out, args), _text_policy(args) if ev.reads_text else contextlib.nullcontext():
         res = runner(args.model, baseline=args.baseline, device=args.device, dtype=args.dtype, out=out,
                      rope_cap=args.rope_cap, command=_command(), **zero_shot, **ev.kwargs(args))
     return _finish(res, out, args.json)
@@ -240,7 +251,7 @@ def _run_one(args: argparse.Namespace) -> int:
 
 def _run_all(args: argparse.Namespace) -> int:
     out = _out(args, "all")
-    with _text_policy(args):
+    with _locked(out, args), _text_policy(args):
         res = _run_all_sections(args, out)
     if args.json:
         from retrofit.cli.common import print_json
