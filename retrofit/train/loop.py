@@ -183,9 +183,11 @@ class _Run:
         from retrofit.fs import check_output_folder, check_replaceable, output_lock
         from retrofit.train.data import data_files
         from retrofit.train.data_checks import check_decodable, check_heldout
+        from retrofit.train.data_digest import data_digest
 
         r = self.recipe
         self.files = data_files(r)  # a bad data path fails here, before any model loads
+        self.data_digest = data_digest(self.files, r.base_dir)  # what a resume checks its data against
         check_decodable(r, self.files)  # and so does undecodable text
         check_heldout(r, self.files)  # and held-out files with no text in them
         check_output_folder(self.output_dir, "checkpoint.output_dir")
@@ -208,6 +210,8 @@ class _Run:
         set_seed(r.train.seed)
 
         self.resume_from = self._find_resume()
+        if self.resume_from is not None:
+            self._check_data(self.resume_from, ckpt.read_state(self.resume_from))  # before any model loads
         self._build_model()
         self._build_data()
         self.log(self._summary())
@@ -384,6 +388,21 @@ class _Run:
         self.tokens = int(state["tokens"])
         self.train_seconds = float(state.get("train_seconds", 0.0))
         self.last_saved = folder
+
+    def _check_data(self, folder: Path, state: dict) -> None:
+        """The local data files are those the checkpoint was trained on: the same list, sizes and content."""
+        from retrofit.train.data_digest import compare_data_digests
+
+        fresh = "start fresh in another checkpoint.output_dir (or delete its checkpoints)"
+        recorded = state.get("data_digest")
+        if not isinstance(recorded, dict):
+            raise CheckpointError(f"{folder / ckpt.STATE_FILE} has no data digest (data_digest): it was edited or "
+                                  "written by an older version, so this run cannot tell whether its data files are the "
+                                  f"same; {fresh}")
+        why = compare_data_digests(recorded, self.data_digest)
+        if why:
+            raise CheckpointError(f"{folder} was trained on other data: {why}; resume with the data files as they "
+                                  f"were, or {fresh}")
 
     def _check_identity(self, folder: Path, state: dict) -> None:
         """The checkpoint was written for this retrofit section, tokenizer and base weights."""
@@ -568,7 +587,8 @@ class _Run:
                             "world_size": self.world,
                             "total_steps": self.total_steps, "fingerprint": _fingerprint(self.recipe),
                             "base_fingerprint": self.base_fingerprint, "section_digest": self.section_digest,
-                            "tokenizer_digest": self.tokenizer_digest, "time": time.time()})
+                            "tokenizer_digest": self.tokenizer_digest, "data_digest": self.data_digest,
+                            "time": time.time()})
                 except OSError as exc:  # full or read-only disk: the temporary folder goes, no checkpoint appears
                     raise self._save_failed(final, exc) from None
                 except Exception as exc:  # torch's zip writer and safetensors report a failed write (a full disk) so
