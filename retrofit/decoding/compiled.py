@@ -1,5 +1,6 @@
 """A compiled one-token decoding step for a model whose every attention layer is Macchiato (or the
-delta or hedgehog method: Macchiato's window with a delta-rule memory or a Hedgehog read beyond it).
+delta or hedgehog method: the same window branch, :mod:`retrofit.layers.window`, with a delta-rule
+memory or a Hedgehog read beyond it).
 
 Eager decoding runs each token through transformers' forward: per layer a dozen module calls,
 the cache entry's Python bookkeeping and some forty small kernels, about a quarter of a CPU step
@@ -42,7 +43,8 @@ from retrofit.errors import RetrofitError
 from retrofit.layers.cache import cache_keyword, output_cache
 from retrofit.layers.delta import DeltaAttention
 from retrofit.layers.hedgehog import HedgehogAttention
-from retrofit.layers.macchiato import MacchiatoAttention, MacchiatoLayerCache
+from retrofit.layers.macchiato import MacchiatoAttention
+from retrofit.layers.window import WindowAttention, WindowLayerCache
 from retrofit.ops import DeltaState, LatteState, capped_sink_keys, macchiato_slot_step, slot_attention_step
 # the torch kernel itself, not the dispatched op: the backend registry's lookups stay out of the traced step
 from retrofit.ops.delta_rule import delta_rule_step
@@ -55,6 +57,8 @@ __all__ = ["CompiledDecoder", "SUPPORTED_FAMILIES", "compiled_decoding_support",
 # families (patches/families.py) whose decoder layers are input_layernorm -> self_attn ->
 # post_attention_layernorm -> mlp (pre-norm, plain residuals, unscaled embeddings, no logit soft-cap)
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# the window methods whose step this module writes (another WindowAttention subclass is decoded eagerly)
+SUPPORTED_LAYERS = (MacchiatoAttention, DeltaAttention, HedgehogAttention)
 
 _DECODER_IDS = itertools.count()
 
@@ -69,7 +73,7 @@ def compiled_decoding_support(model: nn.Module) -> str | None:
         return "compiled decoding needs fixed RoPE frequencies; dynamic NTK rescales them with the length"
     for i, layer in enumerate(layers):
         attn = getattr(layer, "self_attn", None)
-        if not isinstance(attn, MacchiatoAttention):
+        if not isinstance(attn, SUPPORTED_LAYERS):
             kind = type(attn).__name__
             return (f"compiled decoding needs every attention layer converted to Macchiato, delta or hedgehog; layer {i} "
                     f"is {kind}")
@@ -205,8 +209,8 @@ class CompiledDecoder:
         self.buffers = []
         position = None
         for layer, entry in zip(self.layers, entries):
-            if not isinstance(entry, MacchiatoLayerCache) or not entry.has_past:
-                raise RetrofitError("compiled decoding continues a prefill: every layer needs its Macchiato cache entry")
+            if not isinstance(entry, WindowLayerCache) or not entry.has_past:
+                raise RetrofitError("compiled decoding continues a prefill: every layer needs its window cache entry")
             if position is None:
                 position = entry.cumulative_length
             self.buffers.append(_adopt_layer(layer.self_attn, entry))
@@ -269,7 +273,7 @@ class CompiledDecoder:
                    for t in vars(b).values() if isinstance(t, torch.Tensor))
 
 
-def _adopt_layer(attn: MacchiatoAttention, entry: MacchiatoLayerCache) -> _LayerBuffers:
+def _adopt_layer(attn: WindowAttention, entry: WindowLayerCache) -> _LayerBuffers:
     keys, values, valid = entry.past_kv()  # chronological: the last min(seen, w - 1) tokens
     if valid is not None and not bool(valid.all()):
         raise RetrofitError("compiled decoding takes prompts without padding; decode padded batches eagerly")
@@ -291,7 +295,7 @@ def _adopt_layer(attn: MacchiatoAttention, entry: MacchiatoLayerCache) -> _Layer
     slot_k[:, :, ring], slot_v[:, :, ring] = keys, values
     state = entry.state
     m = z = None
-    if attn.latent_k is not None:
+    if isinstance(attn, MacchiatoAttention) and attn.latent_k is not None:
         if state is None:
             state = LatteState.empty(B, attn.num_heads, attn.latents_per_head, values.shape[-1], device=keys.device)
         m, z = state.m.clone(), state.z.clone()
@@ -311,14 +315,14 @@ def _adopt_layer(attn: MacchiatoAttention, entry: MacchiatoLayerCache) -> _Layer
             device=keys.device)
         read_z = state.z.clone() if state is not None else read_S.new_zeros(B, attn.num_heads, F)
     tail = None
-    if attn.conv is not None:
+    if isinstance(attn, MacchiatoAttention) and attn.conv is not None:
         tail = entry.conv_tail.clone() if entry.conv_tail is not None else keys.new_zeros(
             B, attn.conv.kernel_size - 1, attn.hidden_size)
     return _LayerBuffers(slot_k, slot_v, sink_k.clone(), sink_idx.clone(), sink_ok.clone(), m, z, memory, read_S,
                          read_z, tail)
 
 
-def _attention_step(attn: MacchiatoAttention, buf: _LayerBuffers, h: torch.Tensor, cos_sin, t: torch.Tensor):
+def _attention_step(attn: WindowAttention, buf: _LayerBuffers, h: torch.Tensor, cos_sin, t: torch.Tensor):
     """One token through one Macchiato (delta, hedgehog) layer over its fixed buffers: ``(B, 1, hidden)``."""
     B = h.shape[0]
     q, k, v = attn.patch.project_qkv(attn, h, cos_sin)  # (B, Hq|Hkv, 1, d)

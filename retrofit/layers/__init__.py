@@ -16,6 +16,7 @@ from retrofit.layers.macchiato import (
     DEFAULT_INIT_SWA_SHARE, MacchiatoAttention, MacchiatoConfig, MacchiatoLayerCache, swa_bias,
 )
 from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, MethodInfo, available_methods, get_method, register_method
+from retrofit.layers.window import WindowAttention, WindowConfig, WindowLayerCache
 
 __all__ = [
     "DEFAULT_INIT_SWA_SHARE",
@@ -41,6 +42,9 @@ __all__ = [
     "RetrofitAttention",
     "RetrofitCache",
     "RetrofitLayerCache",
+    "WindowAttention",
+    "WindowConfig",
+    "WindowLayerCache",
     "available_methods",
     "get_method",
     "layer_cache",

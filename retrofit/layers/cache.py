@@ -11,8 +11,9 @@ Per converted layer a :class:`RetrofitLayerCache` holds what every method shares
 
 A method that keeps more defines a subclass next to its layer (the per-method hook): it adds its
 fields, lists them in :meth:`RetrofitLayerCache.extra_tensors` and re-indexes them in
-:meth:`RetrofitLayerCache._apply`, and the layer's ``new_cache_layer()`` returns it (Macchiato's
-conv tail, attention sinks and decoding slots live in :mod:`retrofit.layers.macchiato`).
+:meth:`RetrofitLayerCache._apply`, and the layer's ``new_cache_layer()`` returns it (the window's
+attention sinks and decoding slots live in :mod:`retrofit.layers.window`, Macchiato's conv tail in
+:mod:`retrofit.layers.macchiato`).
 
 Layers left as softmax attention keep the usual transformers layer (growing
 ``DynamicLayer``, or ``DynamicSlidingWindowLayer`` for natively windowed layers).

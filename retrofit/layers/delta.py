@@ -11,7 +11,8 @@ it, delta-rule states do not ("What Matters in Linearizing Language Models", 202
 SmolLM2-135M itself).
 
 * SWA_t: the pretrained attention restricted to the last ``window`` tokens, with attention sinks
-  and their capped distance exactly as in Macchiato (same window branch, same decoding slots).
+  and their capped distance: the window branch of :mod:`retrofit.layers.window`, as in Macchiato
+  (same decoding slots).
 * ``p(.|t) = softmax([memory_gate(x_t), 0])`` per query head: state 0 the window, state 1 the
   memory. ``memory_gate.weight = 0`` and its bias ``log(share / (1 - share))`` at conversion, so
   ``p(0|t) = init_swa_share`` exactly (default 0.98, see ``DEFAULT_DELTA_SWA_SHARE``); 1 saturates
@@ -29,7 +30,6 @@ New weights: ``memory_gate``, ``memory_beta``, ``memory_decay`` (each Linear(hid
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,11 +37,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from retrofit.errors import SpecError
-from retrofit.layers.base import RetrofitAttention
-from retrofit.layers.macchiato import (
-    SATURATED_LOGIT, MacchiatoAttention, check_window_options, resolved_window_options, window_option_help,
+from retrofit.layers.method import DEFAULT_WINDOW, opt, register_method
+from retrofit.layers.window import (
+    SATURATED_LOGIT, WINDOW_SHARE_HELP, WindowAttention, WindowConfig, check_window_share, window_config,
 )
-from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, register_method
 from retrofit.ops import DeltaState, delta_rule_chunked, delta_rule_step, repeat_kv_heads
 
 __all__ = ["DEFAULT_DELTA_SWA_SHARE", "DEFAULT_MEMORY_HALF_LIFE", "DeltaAttention", "DeltaConfig", "HeadwiseLinear", "build_delta"]
@@ -56,31 +55,27 @@ DEFAULT_MEMORY_HALF_LIFE = 4096
 # every length 1K-32K (BENCHMARKS.md, "SmolLM2-135M"). The cost: on a toy whose untrained memory
 # hurts nothing, retrieval past the window is learnt a little later (2 points behind on a copy).
 DEFAULT_DELTA_SWA_SHARE = 0.98
-# the window branch's options mean what they mean in Macchiato: one help text each
-_SHARED_HELP = window_option_help()
 
 
-@dataclass
-class DeltaConfig(MethodConfig):
-    """Hyper-parameters of a window + delta-rule memory conversion (``retrofit convert --method delta``)."""
+@window_config("window", "init_swa_share", "memory_half_life", "sinks", "sink_distance", "chunk_size")
+class DeltaConfig(WindowConfig):
+    """Hyper-parameters of a window + delta-rule memory conversion (``retrofit convert --method delta``):
+    the window's (:class:`~retrofit.layers.window.WindowConfig`) and the memory's."""
 
     method = "delta"
     capabilities = frozenset({"window_dropout"})
-    window: int | None = opt(None, _SHARED_HELP["window"])
-    init_swa_share: float = opt(DEFAULT_DELTA_SWA_SHARE, _SHARED_HELP["init_swa_share"])
+    init_swa_share: float = opt(DEFAULT_DELTA_SWA_SHARE, WINDOW_SHARE_HELP)
     memory_half_life: int = opt(DEFAULT_MEMORY_HALF_LIFE, "tokens over which a stored value halves at conversion "
                                                           "(the decay gate's initial bias; 0 = no decay)")
-    sinks: int = opt(0, _SHARED_HELP["sinks"])
-    sink_distance: int | None = opt(None, _SHARED_HELP["sink_distance"])
     chunk_size: int = opt(64, "chunk length of the chunkwise-parallel scan over the new state")
 
     def check(self) -> None:
-        check_window_options(self)
+        super().check()
+        check_window_share(self.init_swa_share)
+        if self.chunk_size < 1:
+            raise SpecError(f"chunk_size must be >= 1, got {self.chunk_size}")
         if self.memory_half_life < 0:
             raise SpecError(f"memory_half_life must be >= 0 tokens (0 = no decay), got {self.memory_half_life}")
-
-    def resolved(self, model_config: Any, layers: Any) -> "DeltaConfig":
-        return resolved_window_options(self, model_config, layers)
 
 
 class HeadwiseLinear(nn.Module):
@@ -105,8 +100,9 @@ def decay_bias(half_life: int) -> float:
     return math.log(a / (1.0 - a))
 
 
-class DeltaAttention(MacchiatoAttention):
-    """Pretrained attention as a ``window``-token SWA state mixed with a gated delta-rule memory.
+class DeltaAttention(WindowAttention):
+    """Pretrained attention as a ``window``-token SWA state (:class:`~retrofit.layers.window.WindowAttention`)
+    mixed with a gated delta-rule memory.
 
     Args:
         original: the pretrained attention module (its projections and norms move into this layer).
@@ -115,7 +111,7 @@ class DeltaAttention(MacchiatoAttention):
         init_swa_share: initial ``p(0|t)`` in (0, 1] (1: the memory starts closed).
         memory_half_life: tokens over which a stored value halves at conversion (0: no decay gate).
         chunk_size: chunk length of the chunkwise-parallel delta rule.
-        sinks, sink_distance: the window branch's attention sinks, as in :class:`MacchiatoAttention`.
+        sinks, sink_distance: the window branch's attention sinks (:class:`~retrofit.layers.window.WindowAttention`).
         generator: seeds the write-strength initialisation.
 
     Returns:
@@ -148,17 +144,16 @@ class DeltaAttention(MacchiatoAttention):
         init_swa_share: float = DeltaConfig.init_swa_share,
         memory_half_life: int = DeltaConfig.memory_half_life,
         chunk_size: int = DeltaConfig.chunk_size,
-        sinks: int = DeltaConfig.sinks,
-        sink_distance: int | None = DeltaConfig.sink_distance,
+        sinks: int = WindowConfig.sinks,
+        sink_distance: int | None = WindowConfig.sink_distance,
         generator: torch.Generator | None = None,
     ):
-        super().__init__(original, patch, window=window, latents=0, init_swa_share=1.0, chunk_size=chunk_size,
-                         sinks=sinks, sink_distance=sink_distance, generator=generator)
+        super().__init__(original, patch, window=window, sinks=sinks, sink_distance=sink_distance)
         if not 0.0 < init_swa_share <= 1.0:
             raise ValueError(f"init_swa_share must be in (0, 1], got {init_swa_share}")
-        del self.latent_q  # the window's share comes from memory_gate
-        self.init_swa_share = float(init_swa_share)
+        self.init_swa_share = float(init_swa_share)  # the window's share comes from memory_gate
         self.memory_half_life = int(memory_half_life)
+        self.chunk_size = int(chunk_size)
         kw = dict(device=self._weight_ref.device, dtype=self._weight_ref.dtype)
         H = self.num_heads
         self.memory_gate = nn.Linear(self.hidden_size, H, bias=True, **kw)
@@ -171,8 +166,6 @@ class DeltaAttention(MacchiatoAttention):
     @torch.no_grad()
     def reset_new_parameters(self, generator: torch.Generator | None = None) -> None:
         """Initial values described in the module docstring (``generator`` for reproducibility)."""
-        if getattr(self, "memory_gate", None) is None:  # the window's own init, while Macchiato builds it
-            return
         self.memory_gate.weight.zero_()
         share = self.init_swa_share
         self.memory_gate.bias.fill_(SATURATED_LOGIT if share >= 1.0 else math.log(share / (1.0 - share)))
@@ -185,25 +178,13 @@ class DeltaAttention(MacchiatoAttention):
         self.memory_query_map.reset_parameters()
         self.memory_key_map.reset_parameters()
 
-    def supports(self, capability: str) -> bool:
-        return super(MacchiatoAttention, self).supports(capability)
-
-    @property
-    def memory_closed(self) -> bool:
-        return self.latent_path_closed
-
     def mixing_logits(self, x: torch.Tensor, valid: torch.Tensor | None, tail: torch.Tensor | None):
         """``mix (B, H, T, 2)``: state 0 the window, state 1 the memory (column 0 saturated when the
         memory is closed, -saturated for a sequence whose window is dropped in training); no latent
         logits, no conv tail."""
         gate = self.memory_gate(x).transpose(1, 2)  # (B, H, T)
         mix = torch.stack([gate, torch.zeros_like(gate)], dim=-1)
-        if self.latent_path_closed:
-            mix = torch.zeros_like(mix)
-            mix[..., 0] = SATURATED_LOGIT
-        elif self.training and self.window_dropout > 0.0:
-            mix = self._drop_window(mix)
-        return mix, None, None
+        return self.window_share(mix), None, None
 
     def memory_inputs(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden_states: torch.Tensor):
         """The memory's inputs for this call's tokens: ``q' (B, Hq, T, d)`` and ``k' (B, Hq, T, d)``
@@ -225,7 +206,7 @@ class DeltaAttention(MacchiatoAttention):
     def attend(self, q, k, v, valid, cache, *, hidden_states, position_embeddings):
         previous = cache.state if cache is not None else None
         mix, _, _ = self.mixing_logits(hidden_states, valid, None)
-        window_part = self.mixed_attention(q, k, v, valid, cache, mix, None, None)  # p(0|t) * SWA_t
+        window_part = self.mixed_attention(q, k, v, valid, cache, mix, chunk_size=self.chunk_size)  # p(0|t) * SWA_t
         if self.latent_path_closed:
             return window_part
         mq, mk, mv, beta, g = self.memory_inputs(q, k, v, hidden_states)
@@ -238,11 +219,8 @@ class DeltaAttention(MacchiatoAttention):
             cache.state = state
         return window_part + (self.memory_share(mix) * memory).to(window_part.dtype)
 
-    def extra_repr(self) -> str:
-        return (
-            f"{RetrofitAttention.extra_repr(self)}, window={self.window}, init_swa_share={self.init_swa_share}, memory_half_life={self.memory_half_life}"
-            + self._sinks_repr()
-        )
+    def _options_repr(self) -> str:
+        return f", init_swa_share={self.init_swa_share}, memory_half_life={self.memory_half_life}"
 
 
 def build_delta(original: nn.Module, patch: Any, spec: Any, layer_idx: int,

@@ -4,7 +4,7 @@
         = (1 - p_t) SWA_t + p_t num_t / mass_t,      p_t = sigmoid(log mass_t + c(q_t) - log E_t)
 
 The LoLCATs-style hybrid (Zhang et al. 2024, "LoLCATs"): the frozen pretrained attention over the
-last ``window`` tokens (with attention sinks, exactly as in Latte Macchiato), and a linear
+last ``window`` tokens (with attention sinks: :mod:`retrofit.layers.window`'s branch), and a linear
 attention in learned spiky feature maps (Hedgehog) over every older key, the two weighed in one
 normalisation as the full softmax would weigh them:
 
@@ -20,7 +20,7 @@ normalisation as the full softmax would weigh them:
 
 Queries and keys are the pretrained post-RoPE ones (keys repeated over their GQA group), values
 the pretrained ones. The state per query head is ``(2f x D)`` plus ``2f``: constant in the length.
-Decoding reads the window from the cache's in-place slots (as Macchiato does) with its
+Decoding reads the window from the cache's in-place slots (the window branch's) with its
 log-sum-exp, and moves the key leaving the window into the state (:func:`hedgehog_read_step`).
 
 With ``memory_distance`` the read is position-free: keys rotated back to position 0 with the
@@ -35,7 +35,6 @@ with std ``d^-1/2``) and ``memory_scale`` (``a_h = 0``, ``b_h = init_log_scale``
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -43,15 +42,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from retrofit.errors import SpecError
-from retrofit.layers.base import RetrofitAttention
-from retrofit.layers.macchiato import (
-    MacchiatoAttention, check_window_options, resolved_window_options, window_option_help,
-)
-from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, register_method
-from retrofit.ops import repeat_kv_heads, sink_window_attention, slot_attention_step
+from retrofit.layers.method import DEFAULT_WINDOW, opt, register_method
+from retrofit.layers.window import WindowAttention, WindowConfig, window_config
+from retrofit.ops import repeat_kv_heads
 from retrofit.ops.hedgehog import HedgehogState, hedgehog_features, hedgehog_read_chunked, hedgehog_read_step
 from retrofit.ops.rope import rope_at, rope_move, rope_rotate, rope_unrotate
-from retrofit.ops.sliding_window import sliding_window_attention_with_lse
 
 __all__ = ["DEFAULT_HEDGEHOG_FEATURES", "DEFAULT_INIT_LOG_SCALE", "FeatureMap", "HedgehogAttention",
            "HedgehogConfig", "MemoryScale", "build_hedgehog"]
@@ -63,16 +58,15 @@ DEFAULT_HEDGEHOG_FEATURES = 128
 # layer 3.4-7.0): the kernel's mass is e^5 times smaller than the softmax's. Starting lower keeps an
 # untrained read (random maps) at a few percent of the share it will earn.
 DEFAULT_INIT_LOG_SCALE = 2.0
-_SHARED_HELP = window_option_help()
 
 
-@dataclass
-class HedgehogConfig(MethodConfig):
-    """Hyper-parameters of a window + Hedgehog linear read conversion (``retrofit convert --method hedgehog``)."""
+@window_config("window", "features", "init_log_scale", "memory_distance", "sinks", "sink_distance", "chunk_size")
+class HedgehogConfig(WindowConfig):
+    """Hyper-parameters of a window + Hedgehog linear read conversion (``retrofit convert --method hedgehog``):
+    the window's (:class:`~retrofit.layers.window.WindowConfig`) and the read's."""
 
     method = "hedgehog"
     capabilities = frozenset({"attention_weights"})
-    window: int | None = opt(None, _SHARED_HELP["window"])
     features: int = opt(DEFAULT_HEDGEHOG_FEATURES, "f: each Hedgehog feature map has 2 f features "
                                                    "(softmax(Wx) and softmax(-Wx))")
     init_log_scale: float = opt(DEFAULT_INIT_LOG_SCALE, "initial log-factor between the read's mass and the softmax's "
@@ -80,21 +74,18 @@ class HedgehogConfig(MethodConfig):
     memory_distance: int | None = opt(None, "score every key beyond the window as if exactly this many tokens before "
                                             "its query (RoPE distance): the read then depends on no position and holds "
                                             "past the lengths it was fitted or trained on (None: true distances)")
-    sinks: int = opt(0, _SHARED_HELP["sinks"])
-    sink_distance: int | None = opt(None, _SHARED_HELP["sink_distance"])
     chunk_size: int = opt(64, "chunk length of the chunked linear read")
 
     def check(self) -> None:
-        check_window_options(self)
+        super().check()
+        if self.chunk_size < 1:
+            raise SpecError(f"chunk_size must be >= 1, got {self.chunk_size}")
         if self.memory_distance is not None and self.memory_distance < 0:
             raise SpecError(f"memory_distance must be >= 0 tokens (or null: true distances), got {self.memory_distance}")
         if self.features < 1:
             raise SpecError(f"features must be >= 1, got {self.features}")
         if not math.isfinite(self.init_log_scale):
             raise SpecError(f"init_log_scale must be finite, got {self.init_log_scale}")
-
-    def resolved(self, model_config: Any, layers: Any) -> "HedgehogConfig":
-        return resolved_window_options(self, model_config, layers)
 
 
 class FeatureMap(nn.Module):
@@ -142,8 +133,9 @@ class _WeightTerms(NamedTuple):
     real_rows: torch.Tensor  # (B, R) bool: rows that are real tokens (not padding)
 
 
-class HedgehogAttention(MacchiatoAttention):
-    """Pretrained attention as a ``window``-token SWA with a Hedgehog linear read of the older keys.
+class HedgehogAttention(WindowAttention):
+    """Pretrained attention as a ``window``-token SWA (:class:`~retrofit.layers.window.WindowAttention`) with a
+    Hedgehog linear read of the older keys.
 
     Args:
         original: the pretrained attention module (its projections and norms move into this layer).
@@ -153,7 +145,7 @@ class HedgehogAttention(MacchiatoAttention):
         init_log_scale: ``memory_scale``'s bias at conversion.
         memory_distance: score the keys beyond the window at this RoPE distance (None: their own).
         chunk_size: chunk length of the chunked linear read.
-        sinks, sink_distance: the window branch's attention sinks, as in :class:`MacchiatoAttention`.
+        sinks, sink_distance: the window branch's attention sinks (:class:`~retrofit.layers.window.WindowAttention`).
         generator: seeds the feature maps.
 
     Returns:
@@ -187,13 +179,12 @@ class HedgehogAttention(MacchiatoAttention):
         init_log_scale: float = HedgehogConfig.init_log_scale,
         memory_distance: int | None = HedgehogConfig.memory_distance,
         chunk_size: int = HedgehogConfig.chunk_size,
-        sinks: int = HedgehogConfig.sinks,
-        sink_distance: int | None = HedgehogConfig.sink_distance,
+        sinks: int = WindowConfig.sinks,
+        sink_distance: int | None = WindowConfig.sink_distance,
         generator: torch.Generator | None = None,
     ):
-        super().__init__(original, patch, window=window, latents=0, init_swa_share=1.0, chunk_size=chunk_size,
-                         sinks=sinks, sink_distance=sink_distance, generator=generator)
-        del self.latent_q
+        super().__init__(original, patch, window=window, sinks=sinks, sink_distance=sink_distance)
+        self.chunk_size = int(chunk_size)
         self.features = int(features)
         self.init_log_scale = float(init_log_scale)
         self.memory_distance = None if memory_distance is None else int(memory_distance)
@@ -215,8 +206,6 @@ class HedgehogAttention(MacchiatoAttention):
     @torch.no_grad()
     def reset_new_parameters(self, generator: torch.Generator | None = None) -> None:
         """Initial values described in the module docstring (``generator`` for reproducibility)."""
-        if getattr(self, "memory_scale", None) is None:  # the window's own init, while Macchiato builds it
-            return
         w = self.feature_query.weight
         maps = torch.randn(w.shape, generator=generator) * self.head_dim ** -0.5
         self.feature_query.weight.copy_(maps)
@@ -224,22 +213,6 @@ class HedgehogAttention(MacchiatoAttention):
         self.memory_scale.weight.zero_()
         self.memory_scale.bias.fill_(self.init_log_scale)
         self.memory_scale.count_weight.zero_()
-
-    def supports(self, capability: str) -> bool:
-        return super(MacchiatoAttention, self).supports(capability)
-
-    @property
-    def memory_closed(self) -> bool:
-        return self.latent_path_closed
-
-    def window_with_lse(self, q, k_all, v_all, valid_all, num_past, sinks, seen, far):
-        """The window (and sinks) attention and its log-sum-exp: ``(B, Hq, T, D)``, ``(B, Hq, T)`` fp32."""
-        kw = dict(scaling=self.scaling, softcap=self.softcap, key_padding_mask=valid_all, num_past=num_past)
-        if sinks is not None:
-            idx, sink_valid, sink_k, sink_v = sinks
-            return sink_window_attention(q, k_all, v_all, self.window, sink_k, sink_v, idx, sink_valid, q_start=seen,
-                                         far=far, with_lse=True, **kw)
-        return sliding_window_attention_with_lse(q, k_all, v_all, self.window, **kw)
 
     def memory_writes(self, B: int, num_keys: int, valid_all, sinks, first: int, device) -> torch.Tensor:
         """``(B, num_keys)`` bool: the keys at stream positions ``first, first + 1, ...`` the memory
@@ -475,7 +448,7 @@ class HedgehogAttention(MacchiatoAttention):
             if valid_all is not None:  # padded queries output 0, as the window kernels do
                 out = torch.where(valid_all[:, None, -T:, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
         if cache is not None:
-            cache.store(k_all, v_all, valid_all, state, T, None, sinks=sinks)
+            cache.store(k_all, v_all, valid_all, state, T, sinks=sinks)
         return out
 
     def memory_step(self, q, k_old, v_old, write, state: HedgehogState | None, position_embeddings, swa, lse):
@@ -500,11 +473,9 @@ class HedgehogAttention(MacchiatoAttention):
         """One decoding token: the window through the cache's slots (:meth:`slot_window`) with its
         log-sum-exp, the read of the state, and the key leaving the window written into the state:
         ``(B, Hq, 1, D)``."""
-        slot_k, slot_v, allowed = self.slot_window(k, v, valid, cache)
+        out, lse = self.slot_window_step(q, k, v, valid, cache)
         t = cache.cumulative_length  # this token's stream index
-        n = slot_k.shape[2] - cache.slot_filled  # sink slots
-        out, lse = slot_attention_step(q, slot_k, slot_v, allowed, scaling=self.scaling, softcap=self.softcap,
-                                       with_lse=True)
+        n = cache.sink_slots
         state = cache.state
         if not self.latent_path_closed:
             # the oldest token of this query's window, t - w + 1, is in no later window: the state takes it
@@ -519,14 +490,12 @@ class HedgehogAttention(MacchiatoAttention):
                                           write, state, position_embeddings, out, lse)
         if valid is not None:  # a padded query outputs 0 (it may see no slot at all)
             out = torch.where(valid[:, None, :, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
-        cache.advance(state, None)
+        cache.advance(state)
         return out
 
-    def extra_repr(self) -> str:
-        return (f"{RetrofitAttention.extra_repr(self)}, window={self.window}, features={self.features}, "
-                f"init_log_scale={self.init_log_scale}"
-                + (f", memory_distance={self.memory_distance}" if self.memory_distance is not None else "")
-                + self._sinks_repr())
+    def _options_repr(self) -> str:
+        return (f", features={self.features}, init_log_scale={self.init_log_scale}"
+                + (f", memory_distance={self.memory_distance}" if self.memory_distance is not None else ""))
 
 
 def build_hedgehog(original: nn.Module, patch: Any, spec: Any, layer_idx: int,

@@ -10,7 +10,7 @@ import pytest
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-MODULES = ["base", "cache", "conv", "exp_linear", "lavo", "llp", "macchiato"]
+MODULES = ["base", "cache", "conv", "exp_linear", "lavo", "llp", "macchiato", "window"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
