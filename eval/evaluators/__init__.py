@@ -20,7 +20,8 @@ from typing import Callable
 from retrofit.errors import RetrofitError
 from retrofit.plugins import Discovery, import_submodules
 
-__all__ = ["Evaluator", "evaluators", "get_evaluator", "length_arg", "depth_arg", "register_evaluator"]
+__all__ = ["MAX_COUNT", "Evaluator", "count_arg", "evaluators", "get_evaluator", "length_arg", "depth_arg",
+           "positive_float_arg", "register_evaluator"]
 
 
 @dataclass(frozen=True)
@@ -89,18 +90,49 @@ def get_evaluator(name: str) -> Evaluator:
 
 
 # ---------------------------------------------------------------------- argument types shared by kinds
+# (the bench suites read their counts and lengths through these too: one rule across the CLI)
 _LENGTH_UNITS = {"": 1, "k": 1024, "m": 1024 * 1024}
+MAX_COUNT = 2**31 - 1  # the most tokens / steps / items any flag takes: beyond it sizes overflow torch's int32 paths
 
 
 def length_arg(text: str) -> int:
-    """'4096', '4K', '4k', '32K', '1M' -> tokens (K = 1024, M = 1024 * 1024)."""
+    """'4096', '4K', '4k', '32K', '1M' -> tokens (K = 1024, M = 1024 * 1024), from 2 to :data:`MAX_COUNT`."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*", text)
     if not m:
         raise argparse.ArgumentTypeError(f"not a length: {text!r} (use 4096, 4K or 1M)")
     value = float(m.group(1)) * _LENGTH_UNITS[m.group(2).lower()]
     if value != int(value) or value < 2:
         raise argparse.ArgumentTypeError(f"not a whole number of tokens >= 2: {text!r}")
+    if value > MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"{text.strip()} tokens is more than any model reads (at most {MAX_COUNT})")
     return int(value)
+
+
+def count_arg(minimum: int = 1) -> Callable[[str], int]:
+    """An argparse type: a whole number from ``minimum`` to :data:`MAX_COUNT` (a count, size or number of tokens)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+        if not minimum <= value <= MAX_COUNT:
+            raise argparse.ArgumentTypeError(f"{value} is out of range: give a whole number from {minimum} to "
+                                             f"{MAX_COUNT}")
+        return value
+
+    parse.__name__ = "int"  # what argparse and --help call the type
+    return parse
+
+
+def positive_float_arg(text: str) -> float:
+    """An argparse type: a finite number > 0 (seconds, a budget)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number > 0")
+    return value
 
 
 def depth_arg(text: str) -> float:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from retrofit.eval.evaluators import count_arg
+
 
 def _has(p: argparse.ArgumentParser, flag: str) -> bool:
     return flag in p._option_string_actions  # argparse keeps no public index of its flags
@@ -22,7 +24,7 @@ def add_generation_arguments(p: argparse.ArgumentParser) -> None:
                             "turn, the answer's opening words after the assistant header); auto: when the "
                             "tokenizer has one (default auto)")
     if not _has(p, "--prefill-chunk"):
-        g.add_argument("--prefill-chunk", type=int, default=4096, metavar="TOKENS",
+        g.add_argument("--prefill-chunk", type=count_arg(0), default=4096, metavar="TOKENS",
                        help="run a longer prompt through the model's cache this many tokens at a time before "
                             "generating (bounded memory; the same answer as one prefill); 0 = one prefill "
                             "(default 4096)")

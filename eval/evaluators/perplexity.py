@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from retrofit.eval.evaluators import Evaluator, length_arg, register_evaluator
+from retrofit.eval.evaluators import Evaluator, count_arg, length_arg, register_evaluator
 
 
 def add_arguments(p: argparse.ArgumentParser, prefix: str) -> None:
@@ -16,12 +16,12 @@ def add_arguments(p: argparse.ArgumentParser, prefix: str) -> None:
     g.add_argument("--protocol", choices=("windows", "packed"),
                    help="windows: exact-length windows inside long documents (PG-19 style); packed: "
                         "documents joined with separators. Default: each dataset's registry setting")
-    g.add_argument("--max-windows", type=int, default=8, help="cap on windows per dataset and length; 0 = all")
-    g.add_argument("--max-docs", type=int, help="stop reading a corpus after this many documents")
-    g.add_argument("--chunk-size", type=int,
+    g.add_argument("--max-windows", type=count_arg(0), default=8, help="cap on windows per dataset and length; 0 = all")
+    g.add_argument("--max-docs", type=count_arg(1), help="stop reading a corpus after this many documents")
+    g.add_argument("--chunk-size", type=count_arg(1),
                    help="forward MODEL this many tokens at a time through its cache (bounded memory)")
-    g.add_argument("--baseline-chunk-size", type=int, help="the same for the baseline (default: one forward)")
-    g.add_argument("--logit-budget-mb", type=int, default=256,
+    g.add_argument("--baseline-chunk-size", type=count_arg(1), help="the same for the baseline (default: one forward)")
+    g.add_argument("--logit-budget-mb", type=count_arg(1), default=256,
                    help="fp32 logits held at once; sets the lm_head slice size (default 256 MiB)")
     g.add_argument("--text-field", help="record field holding the text (jsonl / hub rows)")
     g.add_argument("--no-reuse-prefixes", dest="reuse_prefixes", action="store_false",

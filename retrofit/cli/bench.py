@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from retrofit.eval.evaluators import length_arg
+from retrofit.eval.evaluators import count_arg, length_arg, positive_float_arg
 
 
 def _common(p: argparse.ArgumentParser, out: str) -> None:
@@ -17,13 +17,13 @@ def _common(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--backend", default=None,
                    help="attention kernels: auto | torch | fla | flash | flex, or a comma list "
                         "(default: $RETROFIT_BACKEND, else auto)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--threads", type=count_arg(1), default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--malloc", default="cached", choices=["cached", "system"],
                    help="CPU allocator behaviour for timed runs: cached (freed memory reused, as with "
                         "jemalloc/tcmalloc) or system (glibc default: big blocks are fresh mmaps)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (median)")
+    p.add_argument("--repeats", type=count_arg(1), default=3, help="timed runs per point (median)")
     p.add_argument("--quick", action="store_true", help="short smoke run (small lengths, fewer repeats)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=count_arg(0), default=0)
     p.add_argument("--out", default=out, help="folder for results.json, results.md and the PNG")
     p.add_argument("--quiet", action="store_true", help="no progress bar and no printed table")
 
@@ -34,9 +34,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--converted", default=None,
                    help="a converted checkpoint folder to compare (default: convert --model in memory)")
     p.add_argument("--method", default="macchiato", help="conversion method when converting in memory")
-    p.add_argument("--window", type=int, default=None,
+    p.add_argument("--window", type=count_arg(1), default=None,
                    help="sliding window w of a windowed method (default: the method's, retrofit.layers.DEFAULT_WINDOW)")
-    p.add_argument("--latents", type=int, default=None,
+    p.add_argument("--latents", type=count_arg(0), default=None,
                    help="latent states L in total over the query heads (default: "
                         "retrofit.bench.defaults.LATENTS_PER_HEAD per query head)")
     p.add_argument("--tiny-size", default="small", choices=["tiny", "small"],
@@ -53,22 +53,22 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
                                       "causal Latte, Macchiato, the sliding window and exp-linear against SDPA causal.")
     a.add_argument("--lengths", type=length_arg, nargs="+", default=None, metavar="L",
                    help="sequence lengths, 4096 or 4K (default 1K..32K; --quick: 1K 2K 4K)")
-    a.add_argument("--batch", type=int, default=1)
-    a.add_argument("--heads", type=int, default=8)
-    a.add_argument("--head-dim", type=int, default=256)
-    a.add_argument("--latents", type=int, default=None,
+    a.add_argument("--batch", type=count_arg(1), default=1)
+    a.add_argument("--heads", type=count_arg(1), default=8)
+    a.add_argument("--head-dim", type=count_arg(1), default=256)
+    a.add_argument("--latents", type=count_arg(1), default=None,
                    help="latent states L in total, split over --heads (L_h = L / heads), as in convert and "
                         "bench decode (default: retrofit.bench.defaults.LATENTS_PER_HEAD per head)")
-    a.add_argument("--window", type=int, default=None,
+    a.add_argument("--window", type=count_arg(1), default=None,
                    help="sliding window w (default: the methods' retrofit.layers.DEFAULT_WINDOW)")
-    a.add_argument("--chunk-size", type=int, default=None, help="chunk size for the chunked ops (default: op default)")
+    a.add_argument("--chunk-size", type=count_arg(1), default=None, help="chunk size for the chunked ops (default: op default)")
     a.add_argument("--ops", nargs="+", default=None, help="subset of: latte macchiato swa exp_linear delta sdpa")
     a.add_argument("--modes", nargs="+", default=None, choices=["fwd", "fwd+bwd"], help="default: both")
     a.add_argument("--sdpa-max-length", type=length_arg, default=32768, metavar="L",
                    help="skip SDPA above this length, 32768 or 32K (default 32K)")
-    a.add_argument("--max-seconds", type=float, default=30.0,
+    a.add_argument("--max-seconds", type=positive_float_arg, default=30.0,
                    help="time budget per point and mode: fewer timed runs when one run is slow")
-    a.add_argument("--point-timeout", type=float, default=3600.0, help="give up on a point after this many seconds")
+    a.add_argument("--point-timeout", type=positive_float_arg, default=3600.0, help="give up on a point after this many seconds")
     a.add_argument("--no-isolate", dest="isolate", action="store_false",
                    help="measure in this process instead of a fresh worker per point (faster; memory less exact)")
     _common(a, "runs/bench/attention")
@@ -79,9 +79,9 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
                                       "with each model's cache (retrofit's constant-memory cache for the converted one).")
     d.add_argument("--lengths", type=length_arg, nargs="+", default=None, metavar="L",
                    help="context lengths, 4096 or 4K (default 1K..32K; --quick: 256 512 1K)")
-    d.add_argument("--new-tokens", type=int, default=16, help="timed decoding steps per length")
-    d.add_argument("--prefill-chunk", type=int, default=2048, help="prefill the context in chunks of this many tokens")
-    d.add_argument("--batch", type=int, default=1)
+    d.add_argument("--new-tokens", type=count_arg(1), default=16, help="timed decoding steps per length")
+    d.add_argument("--prefill-chunk", type=count_arg(1), default=2048, help="prefill the context in chunks of this many tokens")
+    d.add_argument("--batch", type=count_arg(1), default=1)
     d.add_argument("--compile", action="store_true",
                    help="decode the converted model through retrofit.decoding.CompiledDecoder (one compiled step, "
                         "weights frozen) and time the base both as it ships and compiled with a StaticCache")
@@ -94,7 +94,7 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
                                       "throughput of a converted model and its base at several sequence lengths.")
     m.add_argument("--lengths", type=length_arg, nargs="+", default=None, metavar="L",
                    help="sequence lengths, 4096 or 4K (default 1K 2K 4K 8K; --quick: 256 512)")
-    m.add_argument("--batch", type=int, default=1)
+    m.add_argument("--batch", type=count_arg(1), default=1)
     m.add_argument("--train-all", action="store_true",
                    help="train every weight of both models (default: base trains all, converted its new weights)")
     m.add_argument("--no-train", dest="train", action="store_false", help="prefill only")

@@ -38,6 +38,8 @@ __all__ = ["ConversionSpec", "DEFAULT_INIT_SWA_SHARE", "DEFAULT_WINDOW", "DTYPES
 LAYER_KEYWORDS = ("all", "global")
 
 DTYPES = ("float32", "bfloat16", "float16")
+MAX_SIZE = 2**31 - 1  # the largest window / latent count / token distance a spec takes: torch indexes in int64,
+# but sizes past int32 overflow kernels and cache shapes long before (an absurd value fails here, not in generate)
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 # keys a checkpoint's record carries besides the spec fields
 RECORD_KEYS = ("toolkit_version", "base_model", "converted_layers")
@@ -228,6 +230,10 @@ class ConversionSpec:
             raise SpecError(f"config must be a {info.config.__name__} for method {self.method!r}, "
                             f"got {type(self.config).__name__}")
         self.config = info.config(**self.config.to_dict())  # re-checked (fields may have been assigned)
+        for key, value in {**self.config.to_dict(), "rope_cap": self.rope_cap}.items():
+            if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_SIZE:
+                raise SpecError(f"{key}={value} is beyond any model (at most {MAX_SIZE}): give a size the model "
+                                "can hold, e.g. a window or latent count of a few thousand")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise SpecError(f"seed must be an integer, got {self.seed!r}")
         if self.rope_cap is not None and (isinstance(self.rope_cap, bool) or not isinstance(self.rope_cap, int)
@@ -318,9 +324,12 @@ class ConversionSpec:
         if not p.is_file():
             raise SpecError(f"conversion config {p} does not exist")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as exc:
             raise SpecError(f"{p} is not valid YAML: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise SpecError(f"{p} is not UTF-8 text (byte {exc.start}: {exc.object[exc.start:exc.start + 1]!r}); "
+                            "save it as UTF-8") from None
         if isinstance(data, dict) and isinstance(data.get("convert"), dict):
             data = data["convert"]
         if not isinstance(data, dict):

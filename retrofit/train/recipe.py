@@ -626,9 +626,12 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
 
     file = _find_recipe(path)
     try:
-        data = yaml.safe_load(file.read_text()) or {}
+        data = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as exc:
         raise SpecError(f"recipe {file} is not valid YAML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise SpecError(f"recipe {file} is not UTF-8 text (byte {exc.start}: {exc.object[exc.start:exc.start + 1]!r}); "
+                        "save it as UTF-8") from None
     if not isinstance(data, dict):
         raise SpecError(f"recipe {file} must be a mapping of sections (model, data, train, ...)")
     apply_overrides(data, list(overrides or []))
