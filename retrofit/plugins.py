@@ -20,7 +20,10 @@
 4. Anything else registers by the same call: import your module before use.
 
 A registration made after the built-ins replaces a built-in of the same name (methods ask
-for ``overwrite=True``). A plugin module that fails to import warns and is skipped.
+for ``overwrite=True``). A plugin module that fails to import or register (whatever it raises,
+``SystemExit`` included; only Ctrl-C goes through) is reported in one warning line and skipped:
+one broken plugin never breaks a verb. :func:`report_broken` is that line, for a registry that
+finds a plugin unusable later (an evaluator whose flags clash with the CLI's).
 """
 from __future__ import annotations
 
@@ -31,7 +34,16 @@ import warnings
 from importlib import metadata
 from typing import Callable
 
-__all__ = ["Discovery", "import_submodules"]
+__all__ = ["Discovery", "import_submodules", "report_broken"]
+
+
+def report_broken(what: str, why: BaseException | str) -> None:
+    """One warning line: the plugin ``what`` is skipped, and ``why`` (an exception: its type and message)."""
+    if isinstance(why, BaseException):
+        why = f"{type(why).__name__}: {why}" if str(why) else type(why).__name__
+    # warn_explicit without a source file: the line is printed alone, with no code line under it
+    warnings.warn_explicit(f"retrofit: {what} skipped: {why}", RuntimeWarning, filename="retrofit", lineno=0,
+                           module="retrofit.plugins")
 
 
 def import_submodules(package: str) -> None:
@@ -77,6 +89,8 @@ class Discovery:
         for ep in sorted(metadata.entry_points(group=self.group), key=lambda e: e.name):
             try:
                 ep.load()
-            except Exception as exc:  # a broken plugin never breaks retrofit
-                warnings.warn(f"retrofit: {self.group} entry point {ep.name!r} ({ep.value}) failed to load: {exc!r}",
-                              RuntimeWarning, stacklevel=2)
+            except KeyboardInterrupt:
+                raise
+            except BaseException as exc:  # SystemExit too: a broken plugin never breaks retrofit
+                report_broken(f"{self.group} entry point {ep.name!r} ({ep.value}) failed to load or register and is",
+                              exc)

@@ -21,7 +21,7 @@ from retrofit.errors import RetrofitError
 from retrofit.plugins import Discovery, import_submodules
 
 __all__ = ["MAX_COUNT", "Evaluator", "count_arg", "evaluators", "get_evaluator", "length_arg", "depth_arg",
-           "positive_float_arg", "register_evaluator"]
+           "positive_float_arg", "register_evaluator", "unregister_evaluator"]
 
 
 @dataclass(frozen=True)
@@ -67,13 +67,21 @@ _FOUND = Discovery("retrofit.evaluators", lambda: import_submodules(__name__))  
 
 
 def register_evaluator(ev: Evaluator) -> Evaluator:
-    """Add an evaluator kind (a name or command already taken by another kind is an error)."""
+    """Add an evaluator kind (a name or command already taken by another kind, or ``all``, is an error)."""
     _FOUND.builtins()
+    if "all" in (ev.command, ev.name):
+        raise RetrofitError(f"evaluator {ev.name!r}: 'all' is retrofit eval's command that runs every kind; "
+                            "choose another command and name")
     for other in _REGISTRY.values():
         if other.name != ev.name and ev.command in (other.command, other.name):
             raise RetrofitError(f"evaluator {ev.name!r}: command {ev.command!r} is taken by {other.name!r}")
     _REGISTRY[ev.name] = ev
     return ev
+
+
+def unregister_evaluator(name: str) -> None:
+    """Drop a kind (the CLI drops a plugin whose flags clash with its own)."""
+    _REGISTRY.pop(name, None)
 
 
 def evaluators() -> list[Evaluator]:

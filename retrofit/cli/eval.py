@@ -101,9 +101,53 @@ def _all_epilog(parser: argparse.ArgumentParser, kinds: list[Evaluator]) -> str:
     return "\n".join(lines)
 
 
+def _fits(kinds: list[Evaluator], every: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """Build the flags of ``kinds[-1]``'s own command, and of ``eval all`` with every one of ``kinds`` (onto
+    ``every``, a scratch ``eval all`` parser holding the kinds before it); raises whatever a clash raises."""
+    ev = kinds[-1]
+    one = argparse.ArgumentParser()
+    _common(one)
+    ev.add_arguments(one, "")
+    _shared(one, bos=ev.uses_bos, seed=ev.uses_seed)
+    if every is None:
+        every = argparse.ArgumentParser()
+        _common(every)
+        for k in kinds[:-1]:
+            k.add_arguments(every, f"{k.command}-")
+    ev.add_arguments(every, f"{ev.command}-")
+    final = argparse.ArgumentParser(parents=[every], add_help=False)  # what _shared and --skip then add
+    _shared(final, bos=True, seed=True)
+    final.add_argument("--skip")
+    return every
+
+
+def _usable(kinds: list[Evaluator]) -> list[Evaluator]:
+    """The kinds whose flags fit the CLI. A kind (a plugin) whose ``add_arguments`` clashes with the common
+    flags or another kind's, or fails at all, is reported in one warning line and dropped from the
+    registry, so every verb (and ``--help``) still works."""
+    from retrofit.eval.evaluators import unregister_evaluator
+    from retrofit.plugins import report_broken
+
+    ok: list[Evaluator] = []
+    every = None
+    for ev in kinds:
+        try:
+            every = _fits(ok + [ev], every)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:
+            every = None  # it may have added part of its flags: rebuild from the kinds kept
+            unregister_evaluator(ev.name)
+            report_broken(f"evaluator {ev.name!r} (retrofit eval {ev.command}): its flags do not fit the CLI; it is",
+                          exc)
+            continue
+        ok.append(ev)
+    return ok
+
+
 def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     """``retrofit eval COMMAND``: one sub-command per registered evaluator, plus ``all``."""
-    kinds = evaluators()
+    kinds = _usable(evaluators())
     summary = commands_help(help_text, kinds)
     p = sub.add_parser("eval", help=summary, description=summary, epilog=EPILOG)
     evsub = p.add_subparsers(dest="eval_command", metavar="COMMAND")
