@@ -99,9 +99,10 @@ class WindowConfig(MethodConfig):
 
 def window_config(*order: str) -> Callable[[type], type]:
     """``@dataclass`` for a :class:`WindowConfig` subclass whose fields (the window's and its own)
-    are listed in ``order`` wherever fields are listed (``dataclasses.fields``, ``to_dict``, the
-    ``retrofit convert`` flags, recorded recipes, ``repr``), not the window's first: a method keeps
-    the order its options always had (``window`` first, its own, the sinks', ``chunk_size``).
+    are listed with ``order`` first wherever fields are listed (``dataclasses.fields``, ``to_dict``,
+    the ``retrofit convert`` flags, recorded recipes, ``repr``), not the window's first: a method
+    keeps the order its options always had (``window`` first, its own, the sinks', ``chunk_size``).
+    Fields ``order`` leaves out follow in declaration order (where a plain subclass puts them).
 
     Example::
 
@@ -109,16 +110,17 @@ def window_config(*order: str) -> Callable[[type], type]:
         >>> @window_config("window", "gain", "sinks", "sink_distance")
         ... class GainConfig(WindowConfig):
         ...     gain: float = opt(1.0, "output gain")
+        ...     bias: float = opt(0.0, "output bias")
         >>> GainConfig.field_names()
-        ('window', 'gain', 'sinks', 'sink_distance')
+        ('window', 'gain', 'sinks', 'sink_distance', 'bias')
     """
 
     def make(cls: type) -> type:
         cls = dataclass(cls, repr=False)  # WindowConfig.__repr__ follows the order set here
         fields = cls.__dataclass_fields__
         names = [f.name for f in dataclasses.fields(cls)]
-        if sorted(order) != sorted(names):
-            raise TypeError(f"window_config of {cls.__name__} must list each of its fields once: {names}, "
+        if len(set(order)) != len(order) or not set(order) <= set(names):
+            raise TypeError(f"window_config of {cls.__name__} names each of its fields at most once: {names}, "
                             f"got {list(order)}")
         # dataclasses.fields() lists __dataclass_fields__ in its order (ClassVar pseudo-fields stay after)
         cls.__dataclass_fields__ = {**{n: fields[n] for n in order},
