@@ -130,10 +130,13 @@ def _apply_backend(args: argparse.Namespace) -> None:
 
 def _locked(args: argparse.Namespace):
     """``--out``'s output lock (the one convert, train and eval take): a second bench into the same folder
-    is refused, naming the run that writes it, instead of both writing one results set."""
-    from retrofit.fs import check_output_folder, output_lock
+    is refused, naming the run that writes it, instead of both writing one results set. ``--out`` is never a
+    model or checkpoint folder (results written there would make it one retrofit may no longer replace)."""
+    from retrofit.fs import output_lock
+    from retrofit.fs.guard import check_not_model_folder
 
-    return output_lock(check_output_folder(args.out))
+    inputs = [getattr(args, "model", None), getattr(args, "converted", None)]
+    return output_lock(check_not_model_folder(args.out, "--out", inputs))
 
 
 def _run_attention(args: argparse.Namespace) -> int:

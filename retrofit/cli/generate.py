@@ -73,8 +73,9 @@ def _run(args: argparse.Namespace) -> int:
         out, state_bytes = _generate_compiled(model, tokenizer, inputs["input_ids"], args, streamer)
         dt = time.perf_counter() - t0
         n_new = out.shape[1] - inputs["input_ids"].shape[1]
-        print(f"[{n_new} tokens in {dt:.1f}s (compilation included), {n_new / max(dt, 1e-9):.1f} tok/s, "
-              f"compiled step, state {state_bytes / 2**20:.2f} MiB for {out.shape[1]} tokens]", file=sys.stderr)
+        if not args.quiet:  # -q: the text alone
+            print(f"[{n_new} tokens in {dt:.1f}s (compilation included), {n_new / max(dt, 1e-9):.1f} tok/s, "
+                  f"compiled step, state {state_bytes / 2**20:.2f} MiB for {out.shape[1]} tokens]", file=sys.stderr)
         return 0
     with torch.no_grad():
         out = model.generate(
@@ -87,7 +88,8 @@ def _run(args: argparse.Namespace) -> int:
     stats = f"[{n_new} tokens in {dt:.1f}s, {n_new / max(dt, 1e-9):.1f} tok/s"
     if cache is not None:
         stats += f", cache {cache.memory_bytes() / 2**20:.2f} MiB for {out.shape[1]} tokens"
-    print(stats + "]", file=sys.stderr)
+    if not args.quiet:  # -q: the text alone
+        print(stats + "]", file=sys.stderr)
     return 0
 
 

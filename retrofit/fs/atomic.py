@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO, Any, Callable, Iterable, Iterator
 
 from retrofit.errors import CheckpointError
-from retrofit.fs.guard import MANIFEST, check_replaceable, folder_files
+from retrofit.fs.guard import MANIFEST, check_replaceable, file_record, folder_files
 from retrofit.fs.locks import output_lock
 from retrofit.fs.tempdirs import SWAP_KIND, clean_stale_temps, make_temp_dir, settle_swap, temp_name
 from retrofit.fs.write_errors import write_failure
@@ -225,10 +225,12 @@ class AppendLog:
 
 
 def write_manifest(folder: str | os.PathLike) -> Path:
-    """Record every file now in ``folder`` as written by retrofit (what makes it replaceable later)."""
-    files, _ = folder_files(folder)
+    """Record every file now in ``folder`` as written by retrofit, with its size, modification time and sha256
+    (what makes it replaceable later, as long as each file is as written: see :mod:`retrofit.fs.guard`)."""
+    files = [f for f in folder_files(folder)[0] if f != MANIFEST]
+    records = {f: file_record(Path(folder) / f) for f in files}
     return write_text_atomic(Path(folder) / MANIFEST, json.dumps(
-        {"written_by": "retrofit", "files": [f for f in files if f != MANIFEST]}, indent=1) + "\n")
+        {"written_by": "retrofit", "files": files, "records": records}, indent=1) + "\n")
 
 
 def remove_directory(path: str | os.PathLike) -> None:

@@ -1,13 +1,21 @@
 """What an output path may be, and what ``--overwrite`` may replace.
 
 ``--overwrite`` replaces only a folder this toolkit wrote (:func:`retrofit.fs.atomic_directory`
-leaves a manifest, ``.retrofit-files.json``, listing every file it wrote: see
-:func:`retrofit.fs.atomic.write_manifest`) that holds nothing beyond those files (a user's note
-dropped in makes it irreplaceable: unknown files are never deleted), and never a folder that is or
-contains a protected path: the current directory, the input model, a delta's base.
+leaves a manifest, ``.retrofit-files.json``, listing every file it wrote with its size, modification
+time and sha256: see :func:`retrofit.fs.atomic.write_manifest`) that holds nothing beyond those files,
+each as written (a user's note dropped in, or a file the user edited, makes it irreplaceable: what
+retrofit did not write is never deleted), and never a folder that is or contains a protected path:
+the current directory, the input model, a delta's base.
+
+A listed file counts as unchanged when its size and modification time (ns) are as recorded; when the
+time differs (a copy, a ``touch``) its content is hashed and compared, so an edit is caught whatever its
+size, and a multi-GB checkpoint is not read again on every check (any write through the file system
+moves the time; only a deliberately restored time with same-size content would pass unhashed).
+A manifest of an earlier version (names only) is checked by names.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -16,8 +24,8 @@ from typing import Iterable
 from retrofit.errors import CheckpointError
 
 __all__ = [
-    "MANIFEST", "check_output_folder", "check_replaceable", "folder_files", "is_replaceable_checkpoint",
-    "protected_paths",
+    "MANIFEST", "check_not_model_folder", "check_output_folder", "check_replaceable", "file_record", "folder_files",
+    "is_replaceable_checkpoint", "protected_paths",
 ]
 
 MANIFEST = ".retrofit-files.json"
@@ -37,6 +45,33 @@ def check_output_folder(out: str | os.PathLike, what: str = "--out") -> Path:
             if not parent.is_dir():
                 raise CheckpointError(f"{what} {path} lies below the file {parent}; give a folder path")
             break
+    return path
+
+
+# what marks a folder as a model or checkpoint (transformers, PEFT, GGUF, a training checkpoint, retrofit's manifest)
+MODEL_MARKERS = ("config.json", "adapter_config.json", "*.safetensors", "pytorch_model*.bin", "*.gguf",
+                 "trainer_state.json", MANIFEST)
+
+
+def check_not_model_folder(out: str | os.PathLike, what: str = "--out",
+                           inputs: Iterable[str | os.PathLike | None] = ()) -> Path:
+    """Results (bench, eval) never go into a model or checkpoint folder: ``out`` must hold none of
+    :data:`MODEL_MARKERS` and be neither an input folder nor inside one. Returns ``out`` checked as a folder path."""
+    path = check_output_folder(out, what)
+    real = _real(path)
+    for item in inputs:
+        if item is None or str(item) == "":
+            continue
+        p = Path(os.path.expanduser(os.fspath(item)))
+        if p.is_dir() and (real == _real(p) or _real(p) in real.parents):
+            where = "is" if real == _real(p) else "lies inside"
+            raise CheckpointError(f"{what} {path} {where} the model folder {item}; results never go into a model "
+                                  "folder: choose an output folder elsewhere")
+    if path.is_dir():
+        found = sorted({f.name for pattern in MODEL_MARKERS for f in path.glob(pattern)})
+        if found:
+            raise CheckpointError(f"{what} {path} holds a model or checkpoint ({', '.join(found[:3])}); results never "
+                                  "go into a model folder: choose an output folder elsewhere")
     return path
 
 
@@ -60,13 +95,50 @@ def folder_files(folder: str | os.PathLike) -> tuple[list[str], list[str]]:
     return sorted(files), sorted(odd)
 
 
-def _manifest(folder: Path) -> set[str] | None:
+def _sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_record(path: str | os.PathLike) -> dict:
+    """What a manifest records of a file: ``{"size", "mtime_ns", "sha256"}``."""
+    st = os.stat(path)
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": _sha256(path)}
+
+
+def _manifest(folder: Path) -> tuple[set[str], dict] | None:
+    """``(names, records by name)`` from ``folder``'s manifest (records empty for an earlier version's); None if
+    there is no readable manifest retrofit wrote."""
     try:
         data = json.loads((folder / MANIFEST).read_text())
         files = data["files"] if isinstance(data, dict) and data.get("written_by") == "retrofit" else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    return set(map(str, files)) if isinstance(files, list) else None
+    if not isinstance(files, list):
+        return None
+    records = data.get("records")
+    return set(map(str, files)), records if isinstance(records, dict) else {}
+
+
+def _changed(folder: Path, name: str, record: dict | None) -> bool:
+    """Whether the listed file ``name`` differs from its manifest record (a file gone is no change: nothing to lose)."""
+    if record is None:
+        return False  # an earlier version's manifest: names only
+    try:
+        st = os.stat(folder / name)
+    except OSError:
+        return False
+    if not isinstance(record, dict) or st.st_size != record.get("size"):
+        return True
+    if st.st_mtime_ns == record.get("mtime_ns"):
+        return False
+    try:
+        return _sha256(folder / name) != record.get("sha256")
+    except OSError:
+        return True
 
 
 def _listed(names: list[str]) -> str:
@@ -79,12 +151,16 @@ def is_replaceable_checkpoint(folder: str | os.PathLike) -> tuple[bool, str]:
     if folder.is_symlink() or not folder.is_dir():
         return False, "it is not a folder"
     files, odd = folder_files(folder)
-    known = _manifest(folder)
-    if known is None:
+    manifest = _manifest(folder)
+    if manifest is None:
         return False, f"retrofit did not write it (no readable {MANIFEST}); it holds {_listed(files + odd)}"
+    known, records = manifest
     foreign = sorted(odd + [f for f in files if f != MANIFEST and f not in known])
     if foreign:
         return False, f"it also holds {_listed(foreign)}, which retrofit did not write there"
+    edited = [f for f in files if f != MANIFEST and _changed(folder, f, records.get(f) if records else None)]
+    if edited:
+        return False, f"{_listed(edited)} changed since retrofit wrote it (edited by hand?)"
     return True, ""
 
 

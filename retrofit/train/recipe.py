@@ -314,6 +314,7 @@ class Recipe:
         if d.files is None and d.holdout_last:
             raise SpecError("data.holdout_last needs local data.files (a streamed hub dataset has no file order)")
         self._check_output_outside_data()
+        self._check_output_outside_model()
         self._check_fit()
         return self
 
@@ -360,6 +361,19 @@ class Recipe:
             raise SpecError(f"train.window_dropout drops a converted layer's sliding-window branch; conversion.method "
                             f"is {method!r}, which has none (set train.window_dropout=0)")
         ConversionSpec.from_dict(conversion).config.check_capability(WINDOW_DROPOUT)
+
+    def _check_output_outside_model(self) -> None:
+        """``checkpoint.output_dir`` is not the input model's folder nor inside it: the run writes recipe.yaml,
+        metrics and checkpoints there, replacing the model's own files (its recipe.yaml) and mixing with them."""
+        model = Path(str(self.model.name)).expanduser()  # as the trainer loads it
+        if not model.is_dir():
+            return  # a hub id or alias
+        out, folder = Path(self.checkpoint.output_dir).expanduser().resolve(), model.resolve()
+        if out == folder or folder in out.parents:
+            where = "is" if out == folder else "lies inside"
+            raise SpecError(f"checkpoint.output_dir {self.checkpoint.output_dir} {where} the input model folder "
+                            f"{self.model.name}: the run would write over the model's files; set "
+                            "checkpoint.output_dir to a folder outside the model")
 
     def _check_output_outside_data(self) -> None:
         """``checkpoint.output_dir`` is not a data folder nor inside one: the next run would read the
