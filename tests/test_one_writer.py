@@ -26,9 +26,7 @@ WRITER = "retrofit/fs/atomic.py"
 # (file, enclosing function, call): in-place writes that are right as they are. Keep it short and named.
 ALLOWED: dict[tuple[str, str, str], str] = {
     ("retrofit/fs/locks.py", "_acquire", "os.open"):
-        "the lock file is created with O_CREAT | O_EXCL: that exclusive create is the lock itself",
-    ("retrofit/fs/locks.py", "_acquire", "os.fdopen"):
-        "fills in the lock file just created exclusively (a reader allows an empty one a grace period)",
+        "opens (or creates) the lock file to flock it: the flock on that open file is the lock itself",
     ("retrofit/fs/tempdirs.py", "settle_swap", "os.rename"):
         "finishes or undoes atomic_directory's swap that a killed writer left: the rename is the publication",
     ("retrofit/bench/common.py", "_reset_hwm", "open"):
