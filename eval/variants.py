@@ -35,7 +35,13 @@ KINDS: dict[str, tuple[str, str, bool]] = {
     "linear": ("baseline", "{label} + linear PI x{value:g}", True),
     "cap": ("baseline", "{label} + RoPE cap {value:d}", True),
     "closed": ("model", "{label}, latent path closed", False),
+    # a bounded tier of exact tokens beside a Hedgehog layer's window and read (retrofit.layers.tier):
+    # N tokens per KV head, chosen by the rule in the kind's name (tier: self-recall error)
+    "tier": ("model", "{label} + exact tier {value:d} (recall)", True),
+    "tier-norm": ("model", "{label} + exact tier {value:d} (key norm)", True),
+    "tier-recency": ("model", "{label} + exact tier {value:d} (recency)", True),
 }
+_INT_KINDS = ("cap", "tier", "tier-norm", "tier-recency")  # a number of tokens, not a factor
 
 
 @dataclass(frozen=True)
@@ -90,19 +96,22 @@ def parse_variant(text: str) -> Variant:
     kind, _, raw = str(text).strip().partition(":")
     if kind not in KINDS:
         raise RetrofitError(f"unknown zero-shot variant {text!r}; use yarn:F, dynamic:F, linear:F (factor F > 1), "
-                            f"cap:N (RoPE distance cap, N >= 1 tokens) or closed (the latent path closed)")
+                            f"cap:N (RoPE distance cap, N >= 1 tokens), closed (the latent path closed) or "
+                            f"tier:N / tier-norm:N / tier-recency:N (an exact tier of N tokens per KV head)")
     takes_value = KINDS[kind][2]
     if not takes_value:
         if raw:
             raise RetrofitError(f"zero-shot variant {kind!r} takes no value, got {text!r}")
         return Variant(kind)
     try:
-        value = int(raw) if kind == "cap" else float(raw)
+        value = int(raw) if kind in _INT_KINDS else float(raw)
     except ValueError:
         value = None
-    if value is None or (kind == "cap" and value < 1) or (kind != "cap" and not value > 1.0):
-        need = "an integer number of tokens >= 1" if kind == "cap" else "a factor > 1"
-        raise RetrofitError(f"zero-shot variant {text!r}: {kind} needs {need}, e.g. {kind}:{8191 if kind == 'cap' else 4}")
+    tokens = kind in _INT_KINDS
+    if value is None or (tokens and value < 1) or (not tokens and not value > 1.0):
+        need = "an integer number of tokens >= 1" if tokens else "a factor > 1"
+        example = {"cap": 8191}.get(kind, 512 if tokens else 4)
+        raise RetrofitError(f"zero-shot variant {text!r}: {kind} needs {need}, e.g. {kind}:{example}")
     return Variant(kind, value)
 
 
@@ -134,6 +143,13 @@ def apply_variant(model: Any, variant: Variant) -> Any:
                                 "is what is closed); MODEL has no Macchiato layer")
         for m in layers:
             m.latent_path_closed = True
+    elif variant.kind.startswith("tier"):
+        from retrofit.layers.tier import set_tier
+
+        rule = {"tier": "recall", "tier-norm": "norm", "tier-recency": "recency"}[variant.kind]
+        if not set_tier(model, int(variant.value), rule):
+            raise RetrofitError(f"zero-shot variant {variant.spec!r} needs a converted Hedgehog model (the tier sits "
+                                "beside its window and read); MODEL has no Hedgehog layer")
     return model
 
 

@@ -63,6 +63,22 @@ TABLE: dict[str, dict] = {'window': {'flag': '--window',
                      'help': 'score every key beyond the window as if exactly this many tokens before its '
                              'query (RoPE distance): the read then depends on no position and holds past the '
                              'lengths it was fitted or trained on (None: true distances) [hedgehog: None]'},
+ 'tier': {'flag': '--tier',
+          'kind': 'int',
+          'nullable': False,
+          'help': 'exact tier: tokens per KV head kept exactly, read by the pretrained softmax beside the '
+                  'window, chosen among those leaving it (0 = none: every older token goes to the read) '
+                  '[hedgehog: 0]'},
+ 'tier_rule': {'flag': '--tier-rule',
+               'kind': 'str',
+               'nullable': False,
+               'help': "how the tier's tokens are chosen: recall (the read's self-recall error, LoLA), norm "
+                       '(key norm) or recency (the newest: a longer window) [hedgehog: recall]'},
+ 'tier_block': {'flag': '--tier-block',
+                'kind': 'int',
+                'nullable': False,
+                'help': 'tokens settled into the tier or the read at a time (the window then holds w to w + '
+                        'tier_block - 1 tokens) [hedgehog: 64]'},
  'bases': {'flag': '--bases',
            'kind': 'int',
            'nullable': True,

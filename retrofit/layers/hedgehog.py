@@ -43,6 +43,7 @@ from torch import nn
 
 from retrofit.errors import SpecError
 from retrofit.layers.method import DEFAULT_WINDOW, opt, register_method
+from retrofit.layers.tier import DEFAULT_TIER_BLOCK, TIER_RULES, TierLayerCache, tiered_attend
 from retrofit.layers.window import WindowAttention, WindowConfig, window_config
 from retrofit.ops import repeat_kv_heads
 from retrofit.ops.hedgehog import HedgehogState, hedgehog_features, hedgehog_read_chunked, hedgehog_read_step
@@ -60,7 +61,8 @@ DEFAULT_HEDGEHOG_FEATURES = 128
 DEFAULT_INIT_LOG_SCALE = 2.0
 
 
-@window_config("window", "features", "init_log_scale", "memory_distance", "sinks", "sink_distance", "chunk_size")
+@window_config("window", "features", "init_log_scale", "memory_distance", "sinks", "sink_distance", "chunk_size",
+               "tier", "tier_rule", "tier_block")
 class HedgehogConfig(WindowConfig):
     """Hyper-parameters of a window + Hedgehog linear read conversion (``retrofit convert --method hedgehog``):
     the window's (:class:`~retrofit.layers.window.WindowConfig`) and the read's."""
@@ -75,9 +77,19 @@ class HedgehogConfig(WindowConfig):
                                             "its query (RoPE distance): the read then depends on no position and holds "
                                             "past the lengths it was fitted or trained on (None: true distances)")
     chunk_size: int = opt(64, "chunk length of the chunked linear read")
+    tier: int = opt(0, "exact tier: tokens per KV head kept exactly, read by the pretrained softmax beside the "
+                       "window, chosen among those leaving it (0 = none: every older token goes to the read)")
+    tier_rule: str = opt("recall", "how the tier's tokens are chosen: recall (the read's self-recall error, LoLA), "
+                                   "norm (key norm) or recency (the newest: a longer window)")
+    tier_block: int = opt(DEFAULT_TIER_BLOCK, "tokens settled into the tier or the read at a time (the window then "
+                                              "holds w to w + tier_block - 1 tokens)")
 
     def check(self) -> None:
         super().check()
+        if self.tier < 0 or self.tier_block < 1:
+            raise SpecError(f"tier must be >= 0 and tier_block >= 1, got {self.tier} and {self.tier_block}")
+        if self.tier_rule not in TIER_RULES:
+            raise SpecError(f"tier_rule must be one of {', '.join(TIER_RULES)}, got {self.tier_rule!r}")
         if self.chunk_size < 1:
             raise SpecError(f"chunk_size must be >= 1, got {self.chunk_size}")
         if self.memory_distance is not None and self.memory_distance < 0:
@@ -181,10 +193,14 @@ class HedgehogAttention(WindowAttention):
         chunk_size: int = HedgehogConfig.chunk_size,
         sinks: int = WindowConfig.sinks,
         sink_distance: int | None = WindowConfig.sink_distance,
+        tier: int = HedgehogConfig.tier,
+        tier_rule: str = HedgehogConfig.tier_rule,
+        tier_block: int = HedgehogConfig.tier_block,
         generator: torch.Generator | None = None,
     ):
         super().__init__(original, patch, window=window, sinks=sinks, sink_distance=sink_distance)
         self.chunk_size = int(chunk_size)
+        self.tier, self.tier_rule, self.tier_block = int(tier), str(tier_rule), int(tier_block)  # retrofit.layers.tier
         self.features = int(features)
         self.init_log_scale = float(init_log_scale)
         self.memory_distance = None if memory_distance is None else int(memory_distance)
@@ -422,8 +438,15 @@ class HedgehogAttention(WindowAttention):
             raise RuntimeError("this cache was filled with the read closed (latent_path_closed), so it holds no "
                                "memory of the keys before: start a new cache to decode with the read open")
 
+    def new_cache_layer(self):
+        return TierLayerCache() if self.tier else super().new_cache_layer()
+
     def attend(self, q, k, v, valid, cache, *, hidden_states, position_embeddings):
         B, H, T, _ = q.shape
+        if self.tier and not self.latent_path_closed:
+            if cache is not None and not isinstance(cache, TierLayerCache):
+                raise RuntimeError("this cache was filled without the exact tier: start a new cache after set_tier")
+            return tiered_attend(self, q, k, v, valid, cache, position_embeddings)
         previous: HedgehogState | None = cache.state if cache is not None else None
         self.check_cache_has_memory(cache, previous)
         if self._takes_slot_step(T, cache):
@@ -495,7 +518,8 @@ class HedgehogAttention(WindowAttention):
 
     def _options_repr(self) -> str:
         return (f", features={self.features}, init_log_scale={self.init_log_scale}"
-                + (f", memory_distance={self.memory_distance}" if self.memory_distance is not None else ""))
+                + (f", memory_distance={self.memory_distance}" if self.memory_distance is not None else "")
+                + (f", tier={self.tier} ({self.tier_rule}, block {self.tier_block})" if self.tier else ""))
 
 
 def build_hedgehog(original: nn.Module, patch: Any, spec: Any, layer_idx: int,
@@ -504,8 +528,8 @@ def build_hedgehog(original: nn.Module, patch: Any, spec: Any, layer_idx: int,
     c: HedgehogConfig = spec.config
     return HedgehogAttention(
         original, patch, window=c.window if c.window is not None else DEFAULT_WINDOW, features=c.features,
-        init_log_scale=c.init_log_scale, memory_distance=c.memory_distance, chunk_size=c.chunk_size, sinks=c.sinks, sink_distance=c.sink_distance,
-        generator=generator,
+        init_log_scale=c.init_log_scale, memory_distance=c.memory_distance, chunk_size=c.chunk_size, sinks=c.sinks,
+        sink_distance=c.sink_distance, tier=c.tier, tier_rule=c.tier_rule, tier_block=c.tier_block, generator=generator,
     )
 
 
