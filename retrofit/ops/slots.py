@@ -4,7 +4,7 @@ Two callers: a few-query call with attention sinks (:func:`retrofit.ops.sinks.si
 concatenates ``[sinks; window keys]`` and builds the band mask), and one decoding step over a
 converted layer's preallocated key slots. The decoding cache keeps its attention sinks and its
 ``w``-token window in one buffer, ``[n sink slots | w ring slots]``
-(:class:`retrofit.layers.macchiato.MacchiatoLayerCache`): the new token overwrites the ring slot of the
+(:class:`retrofit.layers.window.WindowLayerCache`): the new token overwrites the ring slot of the
 token that just left the window, so a step copies one key instead of concatenating and
 re-slicing the whole window. Slot order carries no meaning (keys are post-RoPE); ``allowed``
 says which slots the query sees: filled, real (not padding) and, for a sink, before the query's

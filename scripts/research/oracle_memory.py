@@ -190,7 +190,7 @@ def oracle_attend(layer: DeltaAttention, rung: str, needle: tuple[int, int], tai
             del scores
         share = share.clamp(1e-9, 1 - 1e-6)
         mix = torch.stack([torch.log1p(-share), torch.log(share)], dim=-1)
-        window_part = layer.mixed_attention(q, k, v, valid, cache, mix.to(q.dtype), None, None)  # (1 - m) SWA
+        window_part = layer.mixed_attention(q, k, v, valid, cache, mix.to(q.dtype), chunk_size=layer.chunk_size)  # (1 - m) SWA
         if rung == "closed":
             return window_part
         read = torch.zeros(B, H, T, vr.shape[-1], device=dev)
