@@ -48,7 +48,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                         "linear:F (transformers' RoPE scaling of BASE by factor F), cap:N (BASE's RoPE distance "
                         "capped at N; without --baseline, an unconverted MODEL is the base they change), "
                         "closed (MODEL with its latent path closed: the frozen window and sinks alone, i.e. "
-                        "StreamingLLM); e.g. --zero-shot yarn:4 dynamic:4 cap:8191 closed")
+                        "StreamingLLM), tier:N, tier-norm:N, tier-recency:N (a Hedgehog MODEL with an exact tier "
+                        "of N tokens per KV head beside its window, chosen by self-recall error, key norm or "
+                        "recency); e.g. --zero-shot yarn:4 dynamic:4 cap:8191 closed")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--text-errors", choices=("strict", "replace"), default="strict",
                    help="local text that is not UTF-8: strict = error naming file and byte offset (default), "
