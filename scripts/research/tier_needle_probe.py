@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from retrofit.eval import loading, prompting
+from retrofit.fs.atomic import write_json_atomic
 from retrofit.eval.passkey import NEEDLE, prompt_grid
 from retrofit.layers.cache import RetrofitCache, cache_keyword
 from retrofit.layers.tier import TIER_RULES, set_tier
@@ -84,8 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                          "seconds": round(time.perf_counter() - t0, 1)})
             print(json.dumps(rows[-1]), flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"capacity": args.capacity, "block": args.block, "model": args.model,
-                                          "rows": rows}, indent=1) + "\n")
+    write_json_atomic(Path(args.out), {"capacity": args.capacity, "block": args.block, "model": args.model,
+                                       "rows": rows})
     return 0
 
 
