@@ -40,8 +40,10 @@ KINDS: dict[str, tuple[str, str, bool]] = {
     "tier": ("model", "{label} + exact tier {value:d} (recall)", True),
     "tier-norm": ("model", "{label} + exact tier {value:d} (key norm)", True),
     "tier-recency": ("model", "{label} + exact tier {value:d} (recency)", True),
+    # block retrieval (unbounded): every settled block kept, each query reading its best N blocks exactly
+    "retrieve": ("model", "{label} + retrieval of {value:d} blocks", True),
 }
-_INT_KINDS = ("cap", "tier", "tier-norm", "tier-recency")  # a number of tokens, not a factor
+_INT_KINDS = ("cap", "tier", "tier-norm", "tier-recency", "retrieve")  # a number of tokens, not a factor
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,8 @@ def parse_variant(text: str) -> Variant:
     if kind not in KINDS:
         raise RetrofitError(f"unknown zero-shot variant {text!r}; use yarn:F, dynamic:F, linear:F (factor F > 1), "
                             f"cap:N (RoPE distance cap, N >= 1 tokens), closed (the latent path closed) or "
-                            f"tier:N / tier-norm:N / tier-recency:N (an exact tier of N tokens per KV head)")
+                            f"tier:N / tier-norm:N / tier-recency:N (an exact tier of N tokens per KV head) or retrieve:N "
+                            f"(each query reads its best N stored blocks exactly)")
     takes_value = KINDS[kind][2]
     if not takes_value:
         if raw:
@@ -143,11 +146,15 @@ def apply_variant(model: Any, variant: Variant) -> Any:
                                 "is what is closed); MODEL has no Macchiato layer")
         for m in layers:
             m.latent_path_closed = True
-    elif variant.kind.startswith("tier"):
+    elif variant.kind.startswith("tier") or variant.kind == "retrieve":
         from retrofit.layers.tier import set_tier
 
-        rule = {"tier": "recall", "tier-norm": "norm", "tier-recency": "recency"}[variant.kind]
-        if not set_tier(model, int(variant.value), rule):
+        if variant.kind == "retrieve":
+            changed = set_tier(model, 0, retrieve=int(variant.value))
+        else:
+            rule = {"tier": "recall", "tier-norm": "norm", "tier-recency": "recency"}[variant.kind]
+            changed = set_tier(model, int(variant.value), rule)
+        if not changed:
             raise RetrofitError(f"zero-shot variant {variant.spec!r} needs a converted Hedgehog model (the tier sits "
                                 "beside its window and read); MODEL has no Hedgehog layer")
     return model

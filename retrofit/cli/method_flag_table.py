@@ -79,6 +79,12 @@ TABLE: dict[str, dict] = {'window': {'flag': '--window',
                 'nullable': False,
                 'help': 'tokens settled into the tier or the read at a time (the window then holds w to w + '
                         'tier_block - 1 tokens) [hedgehog: 64]'},
+ 'retrieve': {'flag': '--retrieve',
+              'kind': 'int',
+              'nullable': False,
+              'help': 'block retrieval: every settled block of tier_block tokens is kept, and each query '
+                      'reads this many of them exactly, those whose keys bound its score highest (0 = off; '
+                      'the cache then grows with the context; replaces the tier) [hedgehog: 0]'},
  'bases': {'flag': '--bases',
            'kind': 'int',
            'nullable': True,

@@ -82,8 +82,8 @@ def compiled_decoding_support(model: nn.Module) -> str | None:
                     f"layers); this model is {attn.patch.family}")
         if attn.softcap:
             return "compiled decoding does not soft-cap attention logits"
-        if getattr(attn, "tier", 0):
-            return "compiled decoding has no step for an exact tier (tier > 0); decode eagerly"
+        if getattr(attn, "tier", 0) or getattr(attn, "retrieve", 0):
+            return "compiled decoding has no step for an exact tier or block retrieval; decode eagerly"
         if attn.training or attn.distill_mode is not None:
             return "compiled decoding needs the model in eval mode, outside distillation"
     return None

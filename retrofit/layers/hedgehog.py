@@ -62,7 +62,7 @@ DEFAULT_INIT_LOG_SCALE = 2.0
 
 
 @window_config("window", "features", "init_log_scale", "memory_distance", "sinks", "sink_distance", "chunk_size",
-               "tier", "tier_rule", "tier_block")
+               "tier", "tier_rule", "tier_block", "retrieve")
 class HedgehogConfig(WindowConfig):
     """Hyper-parameters of a window + Hedgehog linear read conversion (``retrofit convert --method hedgehog``):
     the window's (:class:`~retrofit.layers.window.WindowConfig`) and the read's."""
@@ -83,6 +83,9 @@ class HedgehogConfig(WindowConfig):
                                    "norm (key norm) or recency (the newest: a longer window)")
     tier_block: int = opt(DEFAULT_TIER_BLOCK, "tokens settled into the tier or the read at a time (the window then "
                                               "holds w to w + tier_block - 1 tokens)")
+    retrieve: int = opt(0, "block retrieval: every settled block of tier_block tokens is kept, and each query reads "
+                           "this many of them exactly, those whose keys bound its score highest (0 = off; the "
+                           "cache then grows with the context; replaces the tier)")
 
     def check(self) -> None:
         super().check()
@@ -90,6 +93,9 @@ class HedgehogConfig(WindowConfig):
             raise SpecError(f"tier must be >= 0 and tier_block >= 1, got {self.tier} and {self.tier_block}")
         if self.tier_rule not in TIER_RULES:
             raise SpecError(f"tier_rule must be one of {', '.join(TIER_RULES)}, got {self.tier_rule!r}")
+        if self.retrieve < 0 or (self.retrieve and self.tier):
+            raise SpecError(f"retrieve must be >= 0 and is used without a tier (tier=0), got retrieve={self.retrieve} "
+                            f"and tier={self.tier}")
         if self.chunk_size < 1:
             raise SpecError(f"chunk_size must be >= 1, got {self.chunk_size}")
         if self.memory_distance is not None and self.memory_distance < 0:
@@ -196,11 +202,13 @@ class HedgehogAttention(WindowAttention):
         tier: int = HedgehogConfig.tier,
         tier_rule: str = HedgehogConfig.tier_rule,
         tier_block: int = HedgehogConfig.tier_block,
+        retrieve: int = HedgehogConfig.retrieve,
         generator: torch.Generator | None = None,
     ):
         super().__init__(original, patch, window=window, sinks=sinks, sink_distance=sink_distance)
         self.chunk_size = int(chunk_size)
         self.tier, self.tier_rule, self.tier_block = int(tier), str(tier_rule), int(tier_block)  # retrofit.layers.tier
+        self.retrieve = int(retrieve)
         self.features = int(features)
         self.init_log_scale = float(init_log_scale)
         self.memory_distance = None if memory_distance is None else int(memory_distance)
@@ -439,11 +447,16 @@ class HedgehogAttention(WindowAttention):
                                "memory of the keys before: start a new cache to decode with the read open")
 
     def new_cache_layer(self):
-        return TierLayerCache() if self.tier else super().new_cache_layer()
+        return TierLayerCache() if self.exact_tokens else super().new_cache_layer()
+
+    @property
+    def exact_tokens(self) -> bool:
+        """Whether the layer reads older tokens exactly beside its read (a tier or block retrieval)."""
+        return bool(self.tier or self.retrieve)
 
     def attend(self, q, k, v, valid, cache, *, hidden_states, position_embeddings):
         B, H, T, _ = q.shape
-        if self.tier and not self.latent_path_closed:
+        if self.exact_tokens and not self.latent_path_closed:
             if cache is not None and not isinstance(cache, TierLayerCache):
                 raise RuntimeError("this cache was filled without the exact tier: start a new cache after set_tier")
             return tiered_attend(self, q, k, v, valid, cache, position_embeddings)
@@ -519,7 +532,8 @@ class HedgehogAttention(WindowAttention):
     def _options_repr(self) -> str:
         return (f", features={self.features}, init_log_scale={self.init_log_scale}"
                 + (f", memory_distance={self.memory_distance}" if self.memory_distance is not None else "")
-                + (f", tier={self.tier} ({self.tier_rule}, block {self.tier_block})" if self.tier else ""))
+                + (f", tier={self.tier} ({self.tier_rule}, block {self.tier_block})" if self.tier else "")
+                + (f", retrieve={self.retrieve} blocks of {self.tier_block}" if self.retrieve else ""))
 
 
 def build_hedgehog(original: nn.Module, patch: Any, spec: Any, layer_idx: int,
@@ -529,7 +543,8 @@ def build_hedgehog(original: nn.Module, patch: Any, spec: Any, layer_idx: int,
     return HedgehogAttention(
         original, patch, window=c.window if c.window is not None else DEFAULT_WINDOW, features=c.features,
         init_log_scale=c.init_log_scale, memory_distance=c.memory_distance, chunk_size=c.chunk_size, sinks=c.sinks,
-        sink_distance=c.sink_distance, tier=c.tier, tier_rule=c.tier_rule, tier_block=c.tier_block, generator=generator,
+        sink_distance=c.sink_distance, tier=c.tier, tier_rule=c.tier_rule, tier_block=c.tier_block, retrieve=c.retrieve,
+        generator=generator,
     )
 
 

@@ -66,17 +66,22 @@ def tier_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if hasattr(m, "tier") and hasattr(m, "feature_key")]
 
 
-def set_tier(model: nn.Module, capacity: int, rule: str = "recall", block: int = DEFAULT_TIER_BLOCK) -> int:
+def set_tier(model: nn.Module, capacity: int, rule: str = "recall", block: int = DEFAULT_TIER_BLOCK,
+             retrieve: int = 0) -> int:
     """Give every Hedgehog layer of ``model`` an exact tier of ``capacity`` tokens per KV head (0: none),
-    chosen by ``rule`` every ``block`` tokens; returns the number of layers changed. A cache filled
-    before the change must not be reused."""
+    chosen by ``rule`` every ``block`` tokens, or (``retrieve`` > 0, ``capacity`` 0) block retrieval of
+    ``retrieve`` stored blocks per query; returns the number of layers changed. A cache filled before
+    the change must not be reused."""
     if rule not in TIER_RULES:
         raise ValueError(f"tier rule must be one of {', '.join(TIER_RULES)}, got {rule!r}")
-    if capacity < 0 or block < 1:
-        raise ValueError(f"tier capacity must be >= 0 and its block >= 1, got {capacity} and {block}")
+    if capacity < 0 or block < 1 or retrieve < 0:
+        raise ValueError(f"tier capacity and retrieve must be >= 0 and its block >= 1, got {capacity}, {retrieve} "
+                         f"and {block}")
+    if capacity and retrieve:
+        raise ValueError(f"block retrieval replaces the tier: give a capacity of 0 with retrieve={retrieve}")
     layers = tier_layers(model)
     for layer in layers:
-        layer.tier, layer.tier_rule, layer.tier_block = int(capacity), rule, int(block)
+        layer.tier, layer.tier_rule, layer.tier_block, layer.retrieve = int(capacity), rule, int(block), int(retrieve)
     return len(layers)
 
 
@@ -116,7 +121,8 @@ def tiered_attend(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.T
     sinks = _sinks(layer, k, v, valid, cache, start)
     out, state = tiered_attention(
         q, k, v, mq, mk, fq, scale, feature_key_weight=layer.feature_key.weight, count_weight=layer.memory_scale.count_weight,
-        window=layer.window, block=layer.tier_block, capacity=layer.tier, rule=layer.tier_rule, scaling=layer.scaling,
+        window=layer.window, block=layer.tier_block, capacity=layer.tier, rule=layer.tier_rule,
+        retrieve=layer.retrieve, scaling=layer.scaling,
         softcap=layer.softcap, key_padding_mask=valid, sinks=sinks, sink_distance=layer.sink_distance,
         inv_freq=layer.sink_inv_freq, state=cache.tier if cache is not None else None,
     )

@@ -21,6 +21,17 @@ newer token), the rest go into the memory for good. Because settling happens onl
 points, a prefill and a token-by-token decode do exactly the same settling, and the tier, the
 memory and the window stay bounded: the decoding cost per token does not grow with the context.
 
+**Block retrieval** (``retrieve = k > 0``, with ``capacity = 0``; the unbounded mode InfLLM and
+LongHeads use, with Quest's page bound as the block score): every settled block is also *stored*
+(its read keys and values, and per KV head the element-wise minimum ``lo`` and maximum ``hi`` of its
+keys), and each query reads exactly, beside its window and sinks, the ``k`` stored blocks with the
+highest bound ``sum_j max(mq_j lo_j, mq_j hi_j)`` (an upper bound on the block's best read score;
+ties: the older block). The memory still holds every settled token, so a retrieved token is counted
+twice (exactly, and in the read): the read's share then falls as the retrieved scores raise
+``lse_t``. The cache grows with the context (the store), the selection per token by ``T / C``
+bounds; a GPU kernel would gather the ``k C`` tokens, this reference form scores every stored key
+and masks.
+
 Scores (``rule``), per KV head over its query heads' memories:
 
 * ``"recall"`` (LoLA, McDermott et al. 2025): the self-recall error ``|v - phi(k)^T S / phi(k)^T z|``
@@ -69,6 +80,9 @@ class TierState:
     * tier: ``tier_keys`` (read keys) ``(B, Hkv, capacity, d)``, ``tier_values`` ``(B, Hkv, capacity, D)``,
       ``tier_index`` ``(B, Hkv, capacity)`` stream indices (``-1``: empty slot);
     * memory: ``S`` ``(B, Hq, F, D)``, ``z`` ``(B, Hq, F)`` fp32 at least, ``count`` ``(B, Hkv)`` tokens in it;
+    * store (block retrieval only, else empty): ``store_keys`` ``(B, Hkv, N, d)``, ``store_values``
+      ``(B, Hkv, N, D)``, ``store_valid`` ``(B, N)`` every settled token in stream order (``N = frontier``),
+      ``store_lo`` / ``store_hi`` ``(B, Hkv, N / C, d)`` each block's key bounds;
     * ``frontier``: the stream index of the first unsettled token; ``length``: tokens seen.
     """
 
@@ -82,6 +96,11 @@ class TierState:
     S: torch.Tensor
     z: torch.Tensor
     count: torch.Tensor
+    store_keys: torch.Tensor
+    store_values: torch.Tensor
+    store_valid: torch.Tensor
+    store_lo: torch.Tensor
+    store_hi: torch.Tensor
     frontier: int = 0
     length: int = 0
 
@@ -114,6 +133,8 @@ def _empty_state(k: torch.Tensor, v: torch.Tensor, fq: torch.Tensor, capacity: i
         tier_index=torch.full((B, Hkv, capacity), -1, dtype=torch.long, device=k.device),
         S=fq.new_zeros(B, Hq, Fe, D, dtype=acc), z=fq.new_zeros(B, Hq, Fe, dtype=acc),
         count=torch.zeros(B, Hkv, dtype=acc, device=k.device),
+        store_keys=k[:, :, :0], store_values=v[:, :, :0], store_valid=torch.ones(B, 0, dtype=torch.bool, device=k.device),
+        store_lo=k[:, :, :0], store_hi=k[:, :, :0],
     )
 
 
@@ -157,9 +178,25 @@ def _scores(rule: str, mk, v, index, S, z, feature_key_weight, group: int) -> to
     return err.view(B, Hq // group, group, N).mean(2)
 
 
-def _settle(state: TierState, block: int, capacity: int, rule: str, feature_key_weight, sinks) -> TierState:
+def _stored(state: TierState, block: int, write: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The store with the settling block appended (its read keys, values, real-token mask and key bounds)."""
+    k = state.read_keys[:, :, :block]
+    ok = write[:, None, :, None]
+    big = torch.finfo(k.dtype).max
+    lo = torch.where(ok, k, torch.full_like(k, big)).amin(2, keepdim=True)
+    hi = torch.where(ok, k, torch.full_like(k, -big)).amax(2, keepdim=True)
+    empty = ~write.any(-1)[:, None, None, None]  # a block with no real token: bounds 0, never chosen
+    lo, hi = lo.masked_fill(empty, 0), hi.masked_fill(empty, 0)
+    return dict(store_keys=torch.cat([state.store_keys, k], 2),
+                store_values=torch.cat([state.store_values, state.values[:, :, :block]], 2),
+                store_valid=torch.cat([state.store_valid, write], 1),
+                store_lo=torch.cat([state.store_lo, lo], 2), store_hi=torch.cat([state.store_hi, hi], 2))
+
+
+def _settle(state: TierState, block: int, capacity: int, rule: str, feature_key_weight, sinks,
+            retrieve: int = 0) -> TierState:
     """Advance the frontier by ``block``: the block leaving the window and the tier compete; the
-    ``capacity`` best stay exact, the rest go into the memory."""
+    ``capacity`` best stay exact, the rest go into the memory (and, with ``retrieve``, the store)."""
     B, Hkv, _, d = state.keys.shape
     Hq = state.S.shape[1]
     group = Hq // Hkv
@@ -192,13 +229,28 @@ def _settle(state: TierState, block: int, capacity: int, rule: str, feature_key_
         S = S + fk.transpose(-1, -2) @ _rep(dv, group).to(S.dtype)
         z = z + fk.sum(2)
         count = count + drop_ok.sum(-1).to(count.dtype)
-    return replace(state, keys=state.keys[:, :, block:], read_keys=state.read_keys[:, :, block:],
+    store = _stored(state, block, write) if retrieve else {}
+    return replace(state, **store, keys=state.keys[:, :, block:], read_keys=state.read_keys[:, :, block:],
                    values=state.values[:, :, block:], valid=state.valid[:, block:], tier_keys=tier_keys,
                    tier_values=tier_values, tier_index=tier_index, S=S, z=z, count=count, frontier=F0 + block)
 
 
+def _retrieved(state: TierState, mq: torch.Tensor, retrieve: int, block: int) -> torch.Tensor:
+    """``(B, Hq, R, N)`` True where a query reads a stored token exactly: the real tokens of its ``retrieve``
+    blocks with the highest key bound (ties: the older block)."""
+    Hkv, NB = state.store_lo.shape[1], state.store_lo.shape[2]
+    group = mq.shape[1] // Hkv
+    lo, hi = (_rep(x, group).to(mq.dtype) for x in (state.store_lo, state.store_hi))
+    bound = mq.clamp_min(0) @ hi.transpose(-1, -2) + mq.clamp_max(0) @ lo.transpose(-1, -2)  # (B, Hq, R, NB)
+    has_real = state.store_valid.view(-1, NB, block).any(-1)  # (B, NB)
+    bound = bound.masked_fill(~has_real[:, None, None, :], float("-inf"))
+    top = bound.argsort(dim=-1, descending=True, stable=True)[..., : min(retrieve, NB)]
+    chosen = torch.zeros_like(bound, dtype=torch.bool).scatter_(-1, top, True)
+    return chosen.repeat_interleave(block, dim=-1) & state.store_valid[:, None, None, :]
+
+
 def _segment(state: TierState, q, mq, fq, scale, count_weight, t, sinks, *, scaling, softcap, sink_distance,
-             inv_freq) -> torch.Tensor:
+             inv_freq, retrieve: int = 0, block: int = 1) -> torch.Tensor:
     """Outputs ``(B, Hq, R, D)`` of R queries at stream positions ``t`` that share one frontier."""
     B, Hq, R, _ = q.shape
     Hkv = state.keys.shape[1]
@@ -220,6 +272,10 @@ def _segment(state: TierState, q, mq, fq, scale, count_weight, t, sinks, *, scal
         parts_s.append(s_tier.masked_fill(~_rep((state.tier_index >= 0)[..., None], group)
                                           .transpose(-1, -2), float("-inf")))
         parts_v.append(_rep(state.tier_values, group))
+    if retrieve and state.store_keys.shape[2]:
+        s_store = mqa @ _rep(state.store_keys, group).to(acc).transpose(-1, -2)  # (B, Hq, R, N)
+        parts_s.append(s_store.masked_fill(~_retrieved(state, mqa, retrieve, block), float("-inf")))
+        parts_v.append(_rep(state.store_values, group))
     s = torch.cat(parts_s, dim=-1)
     s = _softcapped(s, scaling, softcap).masked_fill(s == float("-inf"), float("-inf"))  # tanh(-inf) is finite
     lse = torch.logsumexp(s, dim=-1)  # (B, Hq, R); -inf only for a padded query
@@ -253,6 +309,7 @@ def tiered_attention(
     block: int,
     capacity: int,
     rule: str = "recall",
+    retrieve: int = 0,
     scaling: float | None = None,
     softcap: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
@@ -267,13 +324,15 @@ def tiered_attention(
         q: ``(B, Hq, T, d)`` post-RoPE queries (window and sinks); ``k``: ``(B, Hkv, T, d)`` keys; ``v``:
             ``(B, Hkv, T, D)`` values.
         mq: ``(B, Hq, T, d)`` the read's queries (scores against the tier); ``mk``: ``(B, Hkv, T, d)`` the
-            read's keys (what the tier and the memory store).
+            read's keys (what the tier, the memory and the store hold).
         fq: ``(B, Hq, T, 2f)`` the read's query features; ``scale``: ``(B, Hq, T)`` the read's log-scale
             without its count term.
         feature_key_weight: ``(Hq, f, d)`` the key feature map (a token settling into the memory).
         count_weight: ``(Hq,)`` ``g_h``, the weight of ``log n`` in the read's log-scale.
         window: ``w``, the fewest tokens a query reads as its window; ``block``: ``C``, tokens settled
             at a time; ``capacity``: tier tokens per KV head; ``rule``: one of :data:`TIER_RULES`.
+        retrieve: blocks of ``block`` settled tokens each query reads exactly, chosen per query among every
+            settled block (0: none; needs ``capacity = 0``); the state then keeps every settled token.
         scaling, softcap: the pretrained scores' scale and soft-cap.
         key_padding_mask: ``(B, T)`` bool, True at real tokens (padded queries output 0, padded keys are
             never read or kept).
@@ -287,8 +346,12 @@ def tiered_attention(
     """
     if rule not in TIER_RULES:
         raise ValueError(f"rule must be one of {TIER_RULES}, got {rule!r}")
-    if window < 1 or block < 1 or capacity < 0:
-        raise ValueError(f"window ({window}) and block ({block}) must be >= 1 and capacity ({capacity}) >= 0")
+    if window < 1 or block < 1 or capacity < 0 or retrieve < 0:
+        raise ValueError(f"window ({window}) and block ({block}) must be >= 1, capacity ({capacity}) and retrieve "
+                         f"({retrieve}) >= 0")
+    if retrieve and capacity:
+        raise ValueError(f"block retrieval (retrieve={retrieve}) replaces the bounded tier: capacity must be 0, "
+                         f"got {capacity}")
     B, Hq, T, d = q.shape
     scaling = d ** -0.5 if scaling is None else scaling
     state = _empty_state(k, v, fq, capacity) if state is None else state
@@ -301,25 +364,27 @@ def tiered_attention(
     while i < T:
         settle_at = state.frontier + block + window - 1  # the first query that reads past this frontier
         if start + i >= settle_at:
-            state = _settle(state, block, capacity, rule, feature_key_weight, sinks)
+            state = _settle(state, block, capacity, rule, feature_key_weight, sinks, retrieve)
             continue
         j = min(T, settle_at - start)
         t = torch.arange(start + i, start + j, device=q.device)
         outs.append(_segment(state, q[:, :, i:j], mq[:, :, i:j], fq[:, :, i:j], scale[:, :, i:j], count_weight, t, sinks,
-                             scaling=scaling, softcap=softcap, sink_distance=sink_distance, inv_freq=inv))
+                             scaling=scaling, softcap=softcap, sink_distance=sink_distance, inv_freq=inv,
+                             retrieve=retrieve, block=block))
         i = j
     out = torch.cat(outs, dim=2) * valid[:, None, :, None]
     return out.to(v.dtype), replace(state, length=start + T)
 
 
 def tiered_attention_reference(q, k, v, mq, mk, fq, scale, *, feature_key_weight, count_weight, window, block, capacity,
-                               rule="recall", scaling=None, softcap=None, key_padding_mask=None, num_sinks=0,
-                               sink_distance=0, inv_freq=None) -> torch.Tensor:
+                               rule="recall", retrieve=0, scaling=None, softcap=None, key_padding_mask=None,
+                               num_sinks=0, sink_distance=0, inv_freq=None) -> torch.Tensor:
     """:func:`tiered_attention` of a whole sequence, query by query from the definition, in fp64.
 
     The tiers are built from explicit per-head sets of stream indices: for query ``t`` the exact
     keys are the sinks before ``F(t)`` (the first ``num_sinks`` real tokens), every real token in
-    ``[F(t), t]`` and the tier; the memory is the set of settled tokens not in the tier.
+    ``[F(t), t]``, the tier and (``retrieve``) the real non-sink tokens of the ``retrieve`` settled blocks
+    whose key bound is highest for query head ``h``; the memory is the set of settled tokens not in the tier.
     """
     f64 = torch.float64
     q, k, v, mq, mk, fq, scale = (x.to(f64) for x in (q, k, v, mq, mk, fq, scale))
@@ -366,6 +431,18 @@ def tiered_attention_reference(q, k, v, mq, mk, fq, scale, *, feature_key_weight
                 if not valid[b, t]:
                     continue
                 for h in range(g * group, (g + 1) * group):
+                    chosen: set[int] = set()
+                    if retrieve and frontier:
+                        bounds = []
+                        for c0 in range(0, frontier, block):
+                            members = [s for s in range(c0, c0 + block) if valid[b, s] and s not in sink_set]
+                            if not members:
+                                continue
+                            keys_c = torch.stack([mk[b, g, s] for s in members])
+                            bound = float(torch.maximum(mq[b, h, t] * keys_c.amin(0), mq[b, h, t] * keys_c.amax(0)).sum())
+                            bounds.append((-bound, c0, members))
+                        for _, _, members in sorted(bounds, key=lambda x: (x[0], x[1]))[:retrieve]:
+                            chosen.update(members)
                     logits, vals = [], []
                     for s in range(t + 1):
                         if not valid[b, s]:
@@ -381,6 +458,12 @@ def tiered_attention_reference(q, k, v, mq, mk, fq, scale, *, feature_key_weight
                         elif s in tier:
                             x = mq[b, h, t] @ mk[b, g, s]
                         else:
+                            x = None
+                        if s in chosen:  # retrieved: read exactly besides the memory
+                            y = mq[b, h, t] @ mk[b, g, s] * scaling
+                            logits.append(torch.tanh(y / softcap) * softcap if softcap else y)
+                            vals.append(v[b, g, s])
+                        if x is None:
                             continue
                         x = x * scaling
                         logits.append(torch.tanh(x / softcap) * softcap if softcap else x)

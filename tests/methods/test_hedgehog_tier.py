@@ -96,3 +96,59 @@ def test_the_zero_shot_variant_sets_the_tier_on_a_copy():
         parse_variant("tier:0")
     with pytest.raises(RetrofitError, match="Hedgehog"):
         apply_variant(tiny_model("llama"), parse_variant("tier:4"))
+
+
+# block retrieval: every settled block kept, each query reading its best blocks exactly
+
+
+def _retrieving(retrieve=2, block=4, **options):
+    model = convert(tiny_model("llama"), method="hedgehog", window=W, options={"features": 8, "sinks": 2, **options})
+    perturb_new_weights(model)
+    assert set_tier(model, 0, block=block, retrieve=retrieve) == model.config.num_hidden_layers
+    return model
+
+
+@pytest.mark.parametrize("distance", [None, 5])
+def test_retrieval_prefill_equals_stepwise_decoding(distance):
+    model = _retrieving(memory_distance=distance)
+    ids, mask, _ = batch(T=40, left_pad=(0, 5))
+    with torch.no_grad():
+        full = model(ids, attention_mask=mask).logits
+    steps, cache = stepwise_logits(model, ids, mask, prefill=9, slots=True, chunk_after=20)
+    real = mask.bool()
+    torch.testing.assert_close(steps[real], full[real], rtol=1e-4, atol=1e-4)
+    assert all(isinstance(layer, TierLayerCache) and layer.tier.store_keys.shape[2] == layer.tier.frontier > 0
+               for layer in cache.layers)
+
+
+def test_retrieving_every_block_changes_the_read_and_the_cache_grows():
+    plain = _retrieving(retrieve=0)
+    every = _retrieving(retrieve=64)
+    ids, mask, _ = batch(T=40)
+    with torch.no_grad():
+        assert not torch.allclose(every(ids, attention_mask=mask).logits, plain(ids, attention_mask=mask).logits)
+    sizes = []
+    for T in (60, 120):
+        ids, mask, _ = batch(B=1, T=T, left_pad=(0,))
+        _, cache = stepwise_logits(every, ids, mask, prefill=T, slots=True)
+        sizes.append(sum(layer.memory_bytes() for layer in cache.layers))
+    assert sizes[1] > sizes[0] * 1.5  # the store holds every settled token: unbounded, as documented
+
+
+def test_retrieval_survives_save_and_load_and_refuses_a_tier(tmp_path):
+    import retrofit
+    from retrofit.errors import RetrofitError
+    from retrofit.eval.variants import apply_variant, parse_variant
+    from retrofit.surgery import save
+
+    model = convert(tiny_model("llama"), method="hedgehog", window=W, options={"features": 8, "retrieve": 3})
+    save(model, tmp_path / "m")
+    assert {m.retrieve for m in tier_layers(retrofit.load(tmp_path / "m"))} == {3}
+    with pytest.raises(Exception, match="retrieve"):
+        convert(tiny_model("llama"), method="hedgehog", window=W, options={"features": 8, "retrieve": 3, "tier": 4})
+    plain = _retrieving(retrieve=0)
+    apply_variant(plain, parse_variant("retrieve:8"))
+    assert {(m.tier, m.retrieve) for m in tier_layers(plain)} == {(0, 8)}
+    assert parse_variant("retrieve:8").label("m") == "m + retrieval of 8 blocks"
+    with pytest.raises(RetrofitError, match="retrieve"):
+        parse_variant("retrieve:0")

@@ -150,3 +150,61 @@ def test_bad_arguments():
         tiered_attention(**x, feature_key_weight=wk, count_weight=cw, window=4, block=2, capacity=2, rule="h2o")
     with pytest.raises(ValueError, match="window"):
         tiered_attention(**x, feature_key_weight=wk, count_weight=cw, window=0, block=2, capacity=2)
+    with pytest.raises(ValueError, match="capacity must be 0"):
+        tiered_attention(**x, feature_key_weight=wk, count_weight=cw, window=4, block=2, capacity=2, retrieve=1)
+
+
+# block retrieval: every settled block stored, each query reading its best blocks exactly
+
+
+@pytest.mark.parametrize("retrieve", [1, 3, 50])
+def test_retrieval_prefill_equals_the_definition(retrieve):
+    x, wk, cw = _inputs(43, seed=9)
+    valid = torch.ones(B, 43, dtype=torch.bool)
+    valid[1, :5] = False
+    kw = dict(window=6, block=4, capacity=0, retrieve=retrieve, sink_distance=12, inv_freq=INV_FREQ, softcap=20.0)
+    out, state = _run(x, wk, cw, sinks_n=2, valid=valid, **kw)
+    ref = tiered_attention_reference(**x, feature_key_weight=wk, count_weight=cw, num_sinks=2, key_padding_mask=valid,
+                                     **kw)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+    assert state.store_keys.shape[2] == state.frontier == settle_frontier(42, 6, 4)
+    assert state.store_lo.shape[2] == state.frontier // 4 and int(state.count.max()) > 0
+    assert not bool(state.store_valid[1, :5].any())  # padding is stored as nothing
+
+
+@pytest.mark.parametrize("steps", [[1] * 43, [20, 1, 1, 21]])
+def test_retrieval_decoding_equals_the_prefill(steps):
+    x, wk, cw = _inputs(43, seed=10)
+    kw = dict(window=6, block=4, capacity=0, retrieve=2)
+    full, s_full = _run(x, wk, cw, sinks_n=1, **kw)
+    split, s_split = _run(x, wk, cw, steps=steps, sinks_n=1, **kw)
+    torch.testing.assert_close(split, full, rtol=1e-10, atol=1e-10)
+    assert torch.equal(s_split.store_keys, s_full.store_keys) and torch.equal(s_split.store_lo, s_full.store_lo)
+
+
+def test_retrieval_finds_the_block_that_answers_the_query():
+    """A key planted far beyond the window, aligned with the last query, is read exactly and wins."""
+    T, C = 64, 4
+    x, wk, cw = _inputs(T, seed=11)
+    x["mq"][:, :, -1] = 0
+    x["mq"][:, :, -1, 0] = 4.0
+    x["mk"][:, :, 9] = 0
+    x["mk"][:, :, 9, 0] = 8.0  # block 2 of the store, 50 tokens before the query
+    x["v"][:, :, 9] = 5.0
+    kw = dict(window=8, block=C, capacity=0)
+    plain, _ = _run(x, wk, cw, retrieve=0, **kw)
+    found, _ = _run(x, wk, cw, retrieve=1, **kw)
+    assert (found[:, :, -1] - 5.0).abs().max() < 0.1
+    assert (plain[:, :, -1] - 5.0).abs().max() > 1.0  # the read alone does not recover it
+    ref = tiered_attention_reference(**x, feature_key_weight=wk, count_weight=cw, retrieve=1, **kw)
+    torch.testing.assert_close(found, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_retrieval_in_fp32_follows_fp64():
+    x64, wk, cw = _inputs(50, seed=12, big=10.0)
+    x32 = {n: t.float() for n, t in x64.items()}
+    kw = dict(window=6, block=4, capacity=0, retrieve=2)
+    o64, _ = _run(x64, wk, cw, **kw)
+    o32, _ = _run(x32, wk.float(), cw.float(), **kw)
+    assert torch.isfinite(o32).all()
+    torch.testing.assert_close(o32.double(), o64, rtol=1e-4, atol=1e-4)
