@@ -42,11 +42,6 @@ def variant_name(task: str) -> str:
     return task + SUFFIX
 
 
-def source_name(name: str) -> str | None:
-    """``arc_easy:gen`` -> ``arc_easy``; None for a name that is not a variant."""
-    return name[: -len(SUFFIX)] if name.endswith(SUFFIX) else None
-
-
 def lettered_prompt(text: str, choices: list[str]) -> str:
     """The question (its trailing ``Answer:`` dropped) with the choices listed as ``A. ...``,
     then ``Answer:``; a prompt whose choices are already the letters ``A``, ``B``, ... is kept."""

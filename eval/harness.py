@@ -31,6 +31,7 @@ from typing import Any
 
 from retrofit.errors import RetrofitError
 from retrofit.eval import choice_generation, loading, report, variants
+from retrofit.fs.atomic import save_figure_atomic
 
 PAPER_TASKS = ("mmlu", "hellaswag", "lambada_openai", "arc_challenge", "arc_easy", "winogrande", "piqa", "boolq")
 PAPER_FEWSHOT: dict[str, int] = {
@@ -387,6 +388,6 @@ def plot_scores(res: dict, path: str | Path) -> Path | None:
     ax.set_title("Few-shot benchmarks")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=8)
-    out = report.save_figure(fig, path)
+    out = save_figure_atomic(fig, path)
     plt.close(fig)
     return out

@@ -32,6 +32,7 @@ from retrofit.eval import essays, loading, prompting, report, variants
 from retrofit.eval.generation import check_prefill_chunk, copied_note, mean_or_none, recall, run_prompts
 from retrofit.eval.passkey import haystack_tokens
 from retrofit.eval.windows import encode
+from retrofit.fs.atomic import save_figure_atomic
 
 SYSTEM = "You are a helpful AI bot that answers questions for a user. Keep your response short and direct"
 NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
@@ -246,6 +247,6 @@ def plot_heatmap(res: dict, path: str | Path) -> Path:
             ax.text(j, i, "OOM", ha="center", va="center", fontsize=7)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="Score")
     fig.suptitle('Fact Retrieval Across Context Lengths ("Needle In A HayStack")')
-    path = report.save_figure(fig, path)
+    path = save_figure_atomic(fig, path)
     plt.close(fig)
     return path

@@ -86,14 +86,6 @@ def sliced_token_nll(model: Any, hidden: torch.Tensor, targets: torch.Tensor, *,
 
 
 @torch.no_grad()
-def sliced_nll(
-    model: Any, hidden: torch.Tensor, targets: torch.Tensor, *, slice_tokens: int
-) -> tuple[float, int]:
-    """Summed NLL of ``targets`` [B, T] given ``hidden`` [B, T, D]; logits live one slice at a time."""
-    return float(sliced_token_nll(model, hidden, targets, slice_tokens=slice_tokens).sum()), int(targets.numel())
-
-
-@torch.no_grad()
 def window_token_nll(
     model: Any,
     input_ids: torch.Tensor,

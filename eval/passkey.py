@@ -32,6 +32,7 @@ from retrofit.eval import corpora, loading, prompting, report, variants
 from retrofit.eval.generation import check_prefill_chunk, copied_note, run_prompts
 from retrofit.eval.generation import generate_answer, prefill  # noqa: F401  (their former home)
 from retrofit.eval.windows import encode, encode_prefix
+from retrofit.fs.atomic import save_figure_atomic
 
 INTRO = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -303,6 +304,6 @@ def plot_heatmap(res: dict, path: str | Path) -> Path:
                 ax.text(j, i, "OOM" if np.isnan(v) else f"{100 * v:.0f}", ha="center", va="center", fontsize=8)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
     fig.suptitle("Passkey retrieval")
-    path = report.save_figure(fig, path)
+    path = save_figure_atomic(fig, path)
     plt.close(fig)
     return path

@@ -16,6 +16,7 @@ from retrofit.errors import DataError
 from retrofit.eval import corpora, loading, nll, report
 from retrofit.eval import variants as variants_mod
 from retrofit.eval.windows import Window, build_windows
+from retrofit.fs.atomic import save_figure_atomic
 
 DEFAULT_LENGTHS = (4096, 8192, 16384)
 
@@ -426,6 +427,6 @@ def plot_perplexity(res: dict, path: str | Path) -> Path:
         ax.legend(fontsize=8, loc="best")
     else:
         ax.text(0.5, 0.5, "no windows scored", ha="center", va="center", transform=ax.transAxes)
-    path = report.save_figure(fig, path)
+    path = save_figure_atomic(fig, path)
     plt.close(fig)
     return path

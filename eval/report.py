@@ -14,9 +14,9 @@ from typing import Any, Callable
 
 from retrofit.eval.evaluators import evaluators
 from retrofit.fs.atomic import write_json_atomic, write_text_atomic
-from retrofit.results import markdown_table, pyplot, save_figure as _save_figure, write_results
+from retrofit.results import markdown_table, pyplot, write_results
 
-__all__ = ["role_order", "fmt_length", "fmt_num", "markdown_table", "pyplot", "save_figure", "save_results", "write_json",
+__all__ = ["role_order", "fmt_length", "fmt_num", "markdown_table", "pyplot", "save_results", "write_json",
            "write_report", "write_results"]
 
 
@@ -29,11 +29,6 @@ def role_order(models: dict) -> list[str]:
 def write_json(path: str | Path, obj: Any) -> Path:
     """``obj`` as JSON, inf/nan written as strings, atomically."""
     return write_json_atomic(path, obj, finite=True)
-
-
-def save_figure(fig, path: str | Path) -> Path:
-    """Save a matplotlib figure atomically as PNG."""
-    return _save_figure(fig, path, dpi=130)
 
 
 def save_results(out: str | Path, res: dict) -> tuple[Path, Path]:

@@ -17,6 +17,7 @@ from retrofit.errors import DataError
 from retrofit.eval import essays, loading, prompting, report, variants
 from retrofit.eval.generation import check_prefill_chunk, copied_note, mean_or_none, recall, run_prompts
 from retrofit.eval.ruler_tasks import TASKS, EssayUnits, get_task, make_sample
+from retrofit.fs.atomic import save_figure_atomic
 
 DEFAULT_TASKS = tuple(TASKS)
 DEFAULT_LENGTHS = (4096, 8192, 16384)
@@ -179,6 +180,6 @@ def plot_heatmap(res: dict, path: str | Path) -> Path:
                 ax.text(j, i, "OOM" if np.isnan(v) else f"{100 * v:.0f}", ha="center", va="center", fontsize=8)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="score")
     fig.suptitle(f"RULER-style tasks (chat template {'on' if res['settings']['chat_template'] else 'off'})")
-    path = report.save_figure(fig, path)
+    path = save_figure_atomic(fig, path)
     plt.close(fig)
     return path

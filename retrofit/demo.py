@@ -173,7 +173,7 @@ def _loss_curve(history: list[dict], evals: list[dict], path: Path) -> Path | No
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    save_figure_atomic(fig, path, dpi=120)
+    save_figure_atomic(fig, path)
     plt.close(fig)
     return path
 

@@ -9,9 +9,9 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
-from retrofit.fs.atomic import _json_default, save_figure_atomic, write_json_atomic, write_text_atomic
+from retrofit.fs.atomic import _json_default, write_json_atomic, write_text_atomic
 
-__all__ = ["markdown_table", "pyplot", "save_figure", "write_results"]
+__all__ = ["markdown_table", "pyplot", "write_results"]
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[Any]], align: Sequence[str] | None = None, *,
@@ -52,17 +52,12 @@ def write_results(
     """Write ``results`` as ``out_dir/results.json`` and ``markdown`` as ``out_dir/table.md`` (atomic).
 
     ``finite`` writes inf/nan as strings (JSON has none). Returns ``(json_path, markdown_path)``;
-    images are written by their plot functions with :func:`save_figure` beside them.
+    images are written by their plot functions with :func:`retrofit.fs.atomic.save_figure_atomic` beside them.
     """
     out = Path(out_dir)
     md = write_text_atomic(out / markdown_name, markdown if markdown.endswith("\n") else markdown + "\n")
     js = write_json_atomic(out / json_name, results, finite=finite, default=json_default)
     return js, md
-
-
-def save_figure(fig: Any, path: str | os.PathLike, *, dpi: int = 120) -> Path:
-    """Save a matplotlib figure atomically (PNG unless ``path`` says otherwise)."""
-    return save_figure_atomic(fig, path, dpi=dpi)
 
 
 def pyplot() -> Any:

@@ -33,7 +33,6 @@ __all__ = [
     "add_peft_target_modules",
     "adopt",
     "base_model_type",
-    "causal_lm_class",
     "config_class",
     "register_auto_classes",
     "retrofit_model_type",
@@ -207,11 +206,6 @@ def _families_cache() -> set[str]:
 def config_class(model_type: str) -> type | None:
     register_auto_classes()
     return _CONFIGS.get(base_model_type(model_type))
-
-
-def causal_lm_class(model_type: str) -> type | None:
-    register_auto_classes()
-    return _MODELS.get(base_model_type(model_type))
 
 
 def adopt(model: nn.Module) -> nn.Module:

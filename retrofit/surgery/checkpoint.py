@@ -30,7 +30,7 @@ from retrofit.fs.atomic import atomic_directory  # re-exported: the old import p
 from retrofit.surgery.convert import convert
 from retrofit.surgery.converted import converted_layers, is_converted, new_parameter_names, retrofit_record
 from retrofit.surgery.fingerprint import (
-    SECTION_DIGEST_KEY, compare_fingerprints, section_digest, weights_fingerprint,
+    SECTION_DIGEST_KEY, compare_fingerprints, section_digest, unreadable_format, weights_fingerprint,
 )
 from retrofit.surgery.records import check_section_digest, spec_from_record
 from retrofit.surgery.sources import (
@@ -207,8 +207,10 @@ def load(
     from retrofit.surgery import auto_classes
 
     auto_classes.register_auto_classes()
-    # folders written before model_type "retrofit_<family>" carry their base's model_type: transformers
-    # builds the base, which is converted here (and warned about: plain transformers loads it as the base)
+    # a folder with its base's model_type: transformers builds the base, which is converted here (and warned
+    # about: plain transformers loads it as the base). Pre-release folders are such, and so is what this version
+    # saves for a model whose config is a subclass of its family's config class (adopt cannot give it the
+    # retrofit class), so this path stays until save writes retrofit_<family> for those too.
     legacy = not str(raw.get("model_type", "")).startswith(auto_classes.PREFIX)
     with quiet_transformers():
         try:
@@ -330,6 +332,11 @@ def load_delta(
         raise CheckpointError(f"{path}: the delta manifest has no retrofit section")
     spec = spec_from_record(record, str(path))
     check_section_digest(record, str(path))
+    recorded_fp = manifest.get("base_fingerprint")
+    unreadable = unreadable_format(recorded_fp)
+    if unreadable:
+        raise CheckpointError(f"{path}: {unreadable}; make the delta again with this version (convert the base, "
+                              "train, save it as a delta)")
     base = base if base is not None else record.get("base_model")
     if not base:
         raise CheckpointError(f"{path}: the delta names no base model; pass base=")
@@ -358,7 +365,6 @@ def load_delta(
     foreign = set(where) - set(params)
     _refuse_mismatch(f"{path}: the delta does not fit its base {base} converted with {spec.describe()}",
                      ("new weights missing from the delta", absent), ("delta tensors the model does not have", foreign))
-    recorded_fp = manifest.get("base_fingerprint")
     if recorded_fp:
         held = set(where)
         why = compare_fingerprints(recorded_fp, weights_fingerprint(model, [n for n in params if n not in held]))

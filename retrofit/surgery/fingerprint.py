@@ -28,11 +28,10 @@ from torch import nn
 
 __all__ = [
     "FORMAT", "SAMPLES", "weights_fingerprint", "compare_fingerprints", "section_digest", "SECTION_DIGEST_KEY",
-    "tokenizer_digest",
+    "tokenizer_digest", "unreadable_format",
 ]
 
 FORMAT = "retrofit-fingerprint/2"
-_FORMATS = ("retrofit-fingerprint/1", FORMAT)  # /1: samples only (checkpoints of older versions)
 SAMPLES = 8
 _ROW_SEED = 20240917
 _EXACT_DTYPES = ("float32", "bfloat16")  # their bf16 roundings of one base agree
@@ -94,8 +93,6 @@ def weights_fingerprint(model: nn.Module, names: Iterable[str] | None = None) ->
 
 def _compare_rows(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> str | None:
     """What the row digests say differs (None where they agree or cannot be compared exactly)."""
-    if recorded.get("format") != FORMAT or current.get("format") != FORMAT:
-        return None
     if recorded.get("dtype") != current.get("dtype") and not {recorded.get("dtype"), current.get("dtype")} <= set(_EXACT_DTYPES):
         return None
     theirs, mine = recorded.get("rows") or {}, current.get("rows") or {}
@@ -105,11 +102,20 @@ def _compare_rows(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> st
     return None
 
 
+def unreadable_format(recorded: Mapping[str, Any] | None) -> str | None:
+    """Why a recorded fingerprint cannot be compared at all (None if it can): this version reads :data:`FORMAT` only."""
+    if not recorded or recorded.get("format") == FORMAT:
+        return None
+    return (f"its base fingerprint has format {recorded.get('format')!r}, which this version does not read "
+            f"(only {FORMAT!r}; an earlier format comes from a pre-release retrofit)")
+
+
 def compare_fingerprints(recorded: Mapping[str, Any] | None, current: Mapping[str, Any]) -> str | None:
-    """None if ``current`` matches ``recorded`` (or nothing was recorded); else what differs."""
+    """None if ``current`` matches ``recorded`` (or nothing was recorded); else what differs. Callers
+    refuse a recorded fingerprint of another format first (:func:`unreadable_format`)."""
     if not recorded:
         return None
-    if recorded.get("format") not in _FORMATS:
+    if recorded.get("format") != FORMAT:
         return f"unknown fingerprint format {recorded.get('format')!r}"
     if recorded.get("tensors") != current.get("tensors") or recorded.get("shapes") != current.get("shapes"):
         return (f"the tensors' names or shapes differ ({recorded.get('tensors')} recorded, "

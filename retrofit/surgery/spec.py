@@ -20,9 +20,10 @@ holding it (so training recipes can embed the conversion)::
     rope_cap: 32767       # RoPE distance cap of the layers left as full attention (ReRoPE-style;
                           # default the base's max_position_embeddings - 1; 0 = none)
 
-Method keys may also sit under ``options:`` (the form earlier versions wrote for LAVO / LLP);
-checkpoint records written by earlier versions (flat Macchiato keys for every method plus
-``options``) load through :meth:`ConversionSpec.from_dict` with ``allow_record_keys=True``.
+Method keys may also sit under ``options:`` in a recipe. A checkpoint's record (the spec's flat
+keys plus ``toolkit_version``, ``base_model``, ``converted_layers``) loads through
+:meth:`ConversionSpec.from_dict` with ``allow_record_keys=True``; a record carrying ``options``
+was written by a pre-release retrofit and is refused with a ``SpecError`` (convert again).
 """
 from __future__ import annotations
 
@@ -43,9 +44,6 @@ MAX_SIZE = 2**31 - 1  # the largest window / latent count / token distance a spe
 _DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16", "float": "float32"}
 # keys a checkpoint's record carries besides the spec fields
 RECORD_KEYS = ("toolkit_version", "base_model", "converted_layers")
-# Flat keys every record of earlier versions carried whatever the method (the spec was
-# Macchiato-shaped); a record drops those its method does not have.
-LEGACY_RECORD_KEYS = ("window", "latents", "init_swa_share", "conv_size", "sinks", "chunk_size")
 # no model has this many layers: indices are checked against it before a range is expanded
 # (the model's own count is checked by validate_for)
 MAX_LAYER_INDEX = 4095
@@ -297,20 +295,17 @@ class ConversionSpec:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, allow_record_keys: bool = False) -> "ConversionSpec":
         """A spec from a flat mapping (recipe, record). ``allow_record_keys``: a checkpoint's
-        record, also as written by earlier versions (record keys and unused flat keys dropped)."""
+        record (its record keys dropped); one with ``options``, a pre-release retrofit's, is refused."""
         if not isinstance(data, Mapping):
             raise SpecError(f"a conversion spec must be a mapping, got {type(data).__name__}")
         data = dict(data)
-        info = _method(data.get("method", cls.DEFAULT_METHOD))
         if allow_record_keys:
             for k in RECORD_KEYS:
                 data.pop(k, None)
-            own = set(info.config.field_names())
-            for k in LEGACY_RECORD_KEYS:
-                if k not in own:
-                    data.pop(k, None)
-            if data.get("options") is None:
-                data.pop("options", None)
+            if "options" in data:  # this version writes every method key flat, never an options mapping
+                raise SpecError("the record has an 'options' mapping: it was written by a pre-release retrofit, "
+                                "whose records this version does not read; convert the base model again (and "
+                                "train the new layers again) with this version")
         common = {k: data.pop(k) for k in COMMON_KEYS if k in data}
         options = data.pop("options", None)
         return cls(**common, options=options, **data)

@@ -17,8 +17,7 @@ A checkpoint is published with :func:`retrofit.fs.atomic_directory`: all ranks w
 temporary folder, then rank 0 writes ``trainer_state.json`` and the folder is renamed to
 ``checkpoint-N`` (a re-save of a step swaps the older folder out): a save that is killed at any
 point leaves no ``checkpoint-N`` and no half one. Several nodes need a shared file system for
-``OUTPUT_DIR`` (as DeepSpeed checkpoints do). Earlier versions named a save in progress
-``.tmp-checkpoint-N`` and a folder being deleted ``.trash-*``; :func:`clean_stale` removes those too.
+``OUTPUT_DIR`` (as DeepSpeed checkpoints do).
 """
 from __future__ import annotations
 
@@ -26,7 +25,6 @@ import contextlib
 import json
 import logging
 import re
-import shutil
 from pathlib import Path
 from typing import Iterator
 
@@ -46,7 +44,6 @@ log = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.json"
 _CKPT = re.compile(r"^checkpoint-(\d+)$")
 _SWAP = re.compile(rf"^\.(checkpoint-\d+)\.{SWAP_KIND}-")  # a replacement of checkpoint-N in progress (or killed)
-_LEGACY_TEMPS = (".tmp-checkpoint-", ".trash-")  # what earlier versions left of killed saves and deletes
 
 
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
@@ -116,18 +113,14 @@ def rotate(output_dir: Path, keep_last: int) -> list[Path]:
 
 def clean_stale(output_dir: Path) -> None:
     """Settle and remove what killed saves and deletes left: a re-save killed between its swap's renames
-    gets its checkpoint back (:func:`retrofit.fs.recover_interrupted_swaps`), temporary folders of dead
-    writers go, and so do earlier versions' ``.tmp-checkpoint-*`` / ``.trash-*``. Call it only while no
-    other process writes ``output_dir`` (the run holds its lock)."""
+    gets its checkpoint back (:func:`retrofit.fs.recover_interrupted_swaps`) and temporary folders of dead
+    writers go. Call it only while no other process writes ``output_dir`` (the run holds its lock)."""
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return
     for name in sorted({m.group(1) for p in output_dir.iterdir() if (m := _SWAP.match(p.name))}):
         recover_interrupted_swaps(output_dir / name)
     clean_stale_temps(output_dir)
-    for p in output_dir.iterdir():
-        if p.is_dir() and not p.is_symlink() and p.name.startswith(_LEGACY_TEMPS):
-            shutil.rmtree(p, ignore_errors=True)
 
 
 def read_state(ckpt: Path) -> dict:

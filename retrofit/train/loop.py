@@ -106,18 +106,22 @@ def quiet() -> bool:
 
 
 def _fingerprint(recipe: Recipe) -> dict:
-    """What a resumed run must share with the run that wrote the checkpoint."""
+    """What a resumed run must share with the run that wrote the checkpoint.
+
+    Settings at their defaults (recall off, recall's ``answer_weight`` 1.0 and ``style`` "facts", the
+    ``lm`` objective) stay out of the hashed mapping: that is the hash every checkpoint of this version
+    carries, so leaving them in would refuse to resume those checkpoints."""
     d = recipe.to_dict()
     data_keys = {k: d["data"][k] for k in ("dataset", "dataset_config", "split", "text_field", "files", "holdout_last",
                                            "strip_gutenberg", "bos_every_sequence", "seq_len", "shuffle_buffer", "seed")}
     same = {"model": d["model"]["name"], "conversion": d["conversion"], "trainable": d["trainable"], "data": data_keys,
             "batch_size": d["train"]["batch_size"], "micro_batch_size": d["train"]["micro_batch_size"]}
-    if d["data"]["recall"]["share"]:  # recall off: older checkpoints keep their hash
+    if d["data"]["recall"]["share"]:
         data_keys["recall"] = dict(d["data"]["recall"])
-        for key, before in (("answer_weight", 1.0), ("style", "facts")):  # as before these keys existed
-            if data_keys["recall"].get(key) == before:
+        for key, default in (("answer_weight", 1.0), ("style", "facts")):
+            if data_keys["recall"].get(key) == default:
                 del data_keys["recall"][key]
-    if d["train"]["objective"] != "lm":  # older checkpoints (lm only) keep their hash
+    if d["train"]["objective"] != "lm":
         same["objective"] = {"objective": d["train"]["objective"], "weights": d["train"]["objective_weights"]}
         if d["train"].get("head_positions"):
             same["objective"]["head_positions"] = d["train"]["head_positions"]
@@ -422,8 +426,12 @@ class _Run:
                                   f"(digest {recorded_tok} recorded, {self.tokenizer_digest} now): the same text would "
                                   "become other token ids; restore the original tokenizer files, or start fresh in "
                                   "another checkpoint.output_dir")
-        from retrofit.surgery.fingerprint import compare_fingerprints
+        from retrofit.surgery.fingerprint import compare_fingerprints, unreadable_format
 
+        unreadable = unreadable_format(state["base_fingerprint"])
+        if unreadable:
+            raise CheckpointError(f"{folder / ckpt.STATE_FILE}: {unreadable}; this run cannot resume from it: start "
+                                  "fresh in another checkpoint.output_dir")
         why = compare_fingerprints(state.get("base_fingerprint"), self.base_fingerprint)
         if why:
             raise CheckpointError(f"{folder} was trained on other base weights than {self.recipe.model.name} holds now "

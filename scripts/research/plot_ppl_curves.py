@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     fig.tight_layout()
     from retrofit.fs.atomic import save_figure_atomic
 
-    save_figure_atomic(fig, args.out, dpi=120)
+    save_figure_atomic(fig, args.out)
     print(f"wrote {args.out}")
     return 0
 

@@ -74,7 +74,7 @@ def plot(results: dict, base: float | None, path: Path, title: str) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    save_figure_atomic(fig, path, dpi=120)
+    save_figure_atomic(fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:

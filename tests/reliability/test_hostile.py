@@ -201,6 +201,15 @@ def test_resume_refuses_a_state_without_its_digests(resumable, tmp_path, capsys,
     _refused_resume(recipe, out, capsys, f"has no", f"({key})", "start fresh")
 
 
+def test_resume_refuses_a_pre_release_base_fingerprint(resumable, tmp_path, capsys):
+    recipe, out, _ = resumable
+    state_file = out / "checkpoint-1" / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state["base_fingerprint"]["format"] = "retrofit-fingerprint/1"  # what pre-release versions wrote
+    state_file.write_text(json.dumps(state))
+    _refused_resume(recipe, out, capsys, "format 'retrofit-fingerprint/1'", "does not read", "start fresh")
+
+
 def test_resume_reports_a_tampered_random_state_file(resumable, tmp_path, capsys):
     import torch
 

@@ -83,6 +83,16 @@ def test_delta_needs_a_base(tmp_path):
     assert not (tmp_path / "d").exists()
 
 
+def test_a_delta_with_a_pre_release_fingerprint_is_refused_with_what_to_do(base_dir, tmp_path):
+    model, _ = load_any(base_dir)
+    out = save_delta(convert(model, ConversionSpec(window=8, latents=8)), tmp_path / "delta")
+    manifest = json.loads((out / "retrofit_delta.json").read_text())
+    manifest["base_fingerprint"]["format"] = "retrofit-fingerprint/1"  # what pre-release versions wrote
+    (out / "retrofit_delta.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="format 'retrofit-fingerprint/1'.*make the delta again"):
+        load_delta(out)
+
+
 def _saved(tmp_path, spec=ConversionSpec(window=8, latents=8)):
     model = _trained(convert(tiny_model("llama"), spec, base_model="tiny"))
     return model, save(model, tmp_path / "ckpt")
@@ -101,8 +111,11 @@ def test_section_and_weights_must_agree(tmp_path):
     with pytest.raises(CheckpointError, match="files lack: .*conv.weight"):
         load(out)
     cfg["retrofit"]["conv_size"] = 0
-    cfg["retrofit"]["method"] = "exp-linear"  # the files hold latent weights nobody explains
-    cfg["retrofit"].pop("sink_distance")  # a Macchiato key no record of exp-linear ever carried
+    from retrofit.layers import ExpLinearConfig, MacchiatoConfig
+
+    own = set(ExpLinearConfig.field_names())  # an exp-linear record: the files hold latent weights nobody explains
+    cfg["retrofit"] = {k: v for k, v in cfg["retrofit"].items() if k in own or k not in MacchiatoConfig.field_names()}
+    cfg["retrofit"]["method"] = "exp-linear"
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="does not explain: .*latent_"):
         load(out)

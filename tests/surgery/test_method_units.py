@@ -1,7 +1,7 @@
 """A method is one unit (since f39ba40): config dataclass + layer + builder + registration in one module.
 
 Flags and recipe keys derived from the method configs, inapplicable keys as errors, every
-default written once, records of earlier versions still loading, and a method defined in this
+default written once, records of pre-release versions refused, and a method defined in this
 test module (docs/extending.md's worked example) converting, saving, loading, training one step
 and generating with no edit anywhere else.
 """
@@ -150,51 +150,21 @@ def test_flags_from_a_recipe_are_checked_against_its_method(tmp_path):
         _spec_from_argv("--config", str(recipe), "--method", "macchiato")  # the recipe's lavo keys
 
 
-# ---------------------------------------------------------------------- records of earlier versions
+# ---------------------------------------------------------------------- records of pre-release versions
 @pytest.mark.parametrize("name", sorted(RECORDS))
-def test_records_written_by_earlier_versions_load(name, tmp_path):
-    """The exact config.retrofit dicts the code before f39ba40 wrote (tests/surgery/fixtures)."""
-    family, record = RECORDS[name]["family"], RECORDS[name]["record"]
-    spec = spec_from_record(record)
-    assert spec.method == record["method"] and spec.layers == record["layers"] and spec.seed == record["seed"]
-    own = dict(record.get("options") or {})
-    own.update({k: v for k, v in record.items() if k in spec.config.field_names()})
-    assert spec.config == type(spec.config)(**own)  # every method key kept, the unused flat ones dropped
-    # a whole folder with that record (its digest included, as earlier versions wrote it) loads
-    kw = {}
-    if name == "macchiato-global":
-        kw = dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2)
-    model = convert(tiny_model(family, **kw), spec, base_model=record["base_model"])
-    assert converted_layers(model) == record["converted_layers"]
-    save(model, tmp_path / "new")
-    cfg_file = tmp_path / "new" / "config.json"
-    raw = json.loads(cfg_file.read_text())
-    from retrofit.surgery.fingerprint import SECTION_DIGEST_KEY, section_digest
-
-    old = dict(record)
-    old[SECTION_DIGEST_KEY] = section_digest(old)
-    raw["retrofit"] = old
-    cfg_file.write_text(json.dumps(raw))
-    loaded = retrofit.load(tmp_path / "new")
-    assert loaded.config.retrofit == old  # kept verbatim
-    ids = torch.randint(3, 200, (1, 11))
-    with torch.no_grad():
-        torch.testing.assert_close(loaded(ids).logits, model.eval()(ids).logits)
+def test_records_written_by_pre_release_versions_are_refused_with_what_to_do(name):
+    """The exact config.retrofit dicts pre-release code wrote (tests/surgery/fixtures): never read as specs."""
+    with pytest.raises(CheckpointError, match="pre-release retrofit.*convert the base model again"):
+        spec_from_record(RECORDS[name]["record"], "old")
 
 
-def test_an_edited_old_record_still_fails_its_digest(tmp_path):
-    record = dict(RECORDS["lavo"]["record"])
-    spec = spec_from_record(record)
-    model = convert(tiny_model("llama"), spec)
+def test_a_folder_with_a_pre_release_record_does_not_load(tmp_path):
+    model = convert(tiny_model("llama"), ConversionSpec(window=8, latents=8), base_model="tiny/llama")
     save(model, tmp_path / "m")
-    from retrofit.surgery.fingerprint import SECTION_DIGEST_KEY, section_digest
-
-    record[SECTION_DIGEST_KEY] = section_digest(record)
-    record["options"] = {**record["options"], "dissect": False}  # an edit the weights cannot reveal
     raw = json.loads((tmp_path / "m" / "config.json").read_text())
-    raw["retrofit"] = record
+    raw["retrofit"] = RECORDS["macchiato"]["record"]  # the same method and sizes, as a pre-release version wrote them
     (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(CheckpointError):
+    with pytest.raises(CheckpointError, match="its retrofit section is invalid: .*pre-release retrofit"):
         retrofit.load(tmp_path / "m")
 
 

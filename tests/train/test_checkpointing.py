@@ -67,9 +67,8 @@ def test_rotation_and_the_clean_up_of_killed_saves(tmp_path):
     from retrofit.fs.tempdirs import host_name
 
     killed = tmp_path / f".checkpoint-4.tmp-{dead}-{host_name()}-0123abcd"
-    legacy = [tmp_path / ".tmp-checkpoint-5", tmp_path / ".trash-checkpoint-1-0123abcd"]
     live = tmp_path / f".checkpoint-7.tmp-{os.getpid()}-{host_name()}-0123abcd"
-    for p in (killed, *legacy, live):
+    for p in (killed, live):
         (p / "pytorch_model").mkdir(parents=True)
     ckpt.clean_stale(tmp_path)
     assert _names(tmp_path) == [live.name, "checkpoint-2", "checkpoint-3"]
