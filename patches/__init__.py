@@ -17,7 +17,7 @@ from typing import Any
 
 from retrofit.errors import UnsupportedModelError
 from retrofit.patches.base import AttentionPatch, AttentionSite, Family
-from retrofit.plugins import Discovery
+from retrofit.plugins import Discovery, check_name
 
 __all__ = [
     "AttentionPatch", "AttentionSite", "Family", "find_family", "get_patch", "register_family",
@@ -37,11 +37,18 @@ def _register_table() -> None:
 _FOUND = Discovery("retrofit.families", _register_table)
 
 
-def register_family(patch: AttentionPatch | Family) -> AttentionPatch:
-    """Make ``patch`` (or the patch of a :class:`Family` row) the handler of each of its ``model_types``."""
+def register_family(patch: AttentionPatch | Family, *, replace: bool = False) -> AttentionPatch:
+    """Make ``patch`` (or the patch of a :class:`Family` row) the handler of each of its ``model_types``.
+
+    A model_type another family already handles (a built-in's included) is a ``RetrofitError`` unless
+    ``replace=True`` (the rule of every registry: :mod:`retrofit.plugins`); nothing is registered then."""
     _FOUND.builtins()
     if isinstance(patch, Family):
         patch = patch.patch()
+    for model_type in patch.model_types:
+        held = _REGISTRY.get(model_type)
+        check_name("model_type", model_type, held, patch, replace=replace,
+                   holder=f"family {held.family!r}" if held is not None else "")
     for model_type in patch.model_types:
         _REGISTRY[model_type] = patch
     return patch

@@ -19,22 +19,33 @@
 
 4. Anything else registers by the same call: import your module before use.
 
-A registration made after the built-ins replaces a built-in of the same name (methods ask
-for ``overwrite=True``). A plugin module that fails to import or register (whatever it raises,
+5. A name is registered once: registering a name that is already taken (a built-in's, a plugin's)
+   raises :class:`retrofit.errors.RetrofitError` unless the call passes ``replace=True``, which
+   replaces the entry. Registering the same definition again is no clash (its module run a second
+   time, unchanged: imported under another name, or reloaded): :func:`check_name` is that rule, for
+   all four.
+
+A plugin module that fails to import or register (whatever it raises,
 ``SystemExit`` included; only Ctrl-C goes through) is reported in one warning line and skipped:
 one broken plugin never breaks a verb. :func:`report_broken` is that line, for a registry that
 finds a plugin unusable later (an evaluator whose flags clash with the CLI's).
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
 import pkgutil
+import sys
 import threading
+import types
 import warnings
 from importlib import metadata
-from typing import Callable
+from typing import Any, Callable, Mapping
 
-__all__ = ["Discovery", "import_submodules", "report_broken"]
+from retrofit.errors import RetrofitError
+
+__all__ = ["Discovery", "check_name", "import_submodules", "report_broken", "same_definition"]
 
 
 def report_broken(what: str, why: BaseException | str) -> None:
@@ -94,3 +105,88 @@ class Discovery:
             except BaseException as exc:  # SystemExit too: a broken plugin never breaks retrofit
                 report_broken(f"{self.group} entry point {ep.name!r} ({ep.value}) failed to load or register and is",
                               exc)
+
+
+def check_name(kind: str, name: str, held: Any, new: Any, *, replace: bool, holder: str = "") -> None:
+    """The registries' one rule for a taken name: ``RetrofitError`` when ``name`` already holds ``held``,
+    unless ``replace`` or ``new`` is the same definition as ``held`` (:func:`same_definition`).
+
+    ``kind`` names the registry's entries in the message (``"method"``, ``"model_type"``, ...);
+    ``holder`` says what holds the name now, where the entry's own name does not (a family's model_type).
+    """
+    if held is None or replace or same_definition(held, new):
+        return
+    by = f" (by {holder})" if holder else ""
+    raise RetrofitError(f"{kind} {name!r} is already registered{by}; pass replace=True to replace it, or register "
+                        "under another name")
+
+
+def _code_site(obj: Any) -> tuple:
+    """Where a function or class is defined: the same for every object one definition makes (its module
+    run again, under another name or reloaded, makes new objects from the same source)."""
+    code = getattr(obj, "__code__", None)
+    if code is not None:
+        return code.co_filename, code.co_firstlineno, getattr(obj, "__qualname__", None)
+    module = sys.modules.get(getattr(obj, "__module__", None) or "")
+    return getattr(module, "__file__", None) or obj.__module__, obj.__qualname__
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # a cell not filled yet
+        return _EMPTY
+
+
+_EMPTY = object()
+
+
+def _same_class(a: type, b: type, depth: int) -> bool:
+    if a is b:
+        return True
+    if _code_site(a) != _code_site(b):
+        return False
+    if dataclasses.is_dataclass(a) != dataclasses.is_dataclass(b):
+        return False
+    if dataclasses.is_dataclass(a):  # classes made at run time (make_dataclass) share a site: compare fields
+        fa, fb = dataclasses.fields(a), dataclasses.fields(b)
+        return [f.name for f in fa] == [f.name for f in fb] and all(
+            same_definition(x.default, y.default, _depth=depth + 1) for x, y in zip(fa, fb))
+    return True
+
+
+def same_definition(a: Any, b: Any, *, _depth: int = 0) -> bool:
+    """Whether ``a`` and ``b`` are one registration made twice: equal values, where functions and classes
+    are compared by where they are defined (and a function's defaults and closure by value)."""
+    if a is b:
+        return True
+    if _depth > 6:
+        return False
+    if isinstance(a, type) and isinstance(b, type):
+        return _same_class(a, b, _depth)
+    if isinstance(a, types.FunctionType) and isinstance(b, types.FunctionType):
+        cells = [[_cell(c) for c in f.__closure__ or ()] for f in (a, b)]
+        return (_code_site(a) == _code_site(b) and same_definition(a.__defaults__, b.__defaults__, _depth=_depth + 1)
+                and same_definition(cells[0], cells[1], _depth=_depth + 1))
+    if not _same_class(type(a), type(b), _depth):
+        return False
+    if dataclasses.is_dataclass(a):
+        return all(same_definition(getattr(a, f.name), getattr(b, f.name), _depth=_depth + 1)
+                   for f in dataclasses.fields(a))
+    if isinstance(a, Mapping):
+        return a.keys() == b.keys() and all(same_definition(a[k], b[k], _depth=_depth + 1) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_definition(x, y, _depth=_depth + 1) for x, y in zip(a, b))
+    if isinstance(a, (str, bytes, int, float, complex, bool, frozenset, set, type(None))):
+        return a == b
+    if isinstance(a, types.MethodType):
+        return a.__self__ is b.__self__ and same_definition(a.__func__, b.__func__, _depth=_depth + 1)
+    if isinstance(a, functools.partial):
+        return same_definition((a.func, a.args, a.keywords), (b.func, b.args, b.keywords), _depth=_depth + 1)
+    if type(a).__eq__ is object.__eq__ and isinstance(getattr(a, "__dict__", None), dict) \
+            and not isinstance(a, types.ModuleType):  # a plain object (a family's patch): its attributes
+        return same_definition(vars(a), vars(b), _depth=_depth + 1)
+    try:
+        return bool(a == b)
+    except Exception:  # an == that is no truth value (tensors): not provably the same
+        return False

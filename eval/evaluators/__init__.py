@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from retrofit.errors import RetrofitError
-from retrofit.plugins import Discovery, import_submodules
+from retrofit.plugins import Discovery, check_name, import_submodules
 
 __all__ = ["MAX_COUNT", "Evaluator", "count_arg", "evaluators", "get_evaluator", "length_arg", "depth_arg",
            "positive_float_arg", "register_evaluator", "unregister_evaluator"]
@@ -66,8 +66,10 @@ _REGISTRY: dict[str, Evaluator] = {}
 _FOUND = Discovery("retrofit.evaluators", lambda: import_submodules(__name__))  # built-ins: this package's modules
 
 
-def register_evaluator(ev: Evaluator) -> Evaluator:
-    """Add an evaluator kind (a name or command already taken by another kind, or ``all``, is an error)."""
+def register_evaluator(ev: Evaluator, *, replace: bool = False) -> Evaluator:
+    """Add an evaluator kind. A name already registered (a built-in's included) is a ``RetrofitError``
+    unless ``replace=True`` (the rule of every registry: :mod:`retrofit.plugins`); a command another kind
+    holds, or ``all``, is one whatever ``replace`` says (``replace`` replaces the kind of that name only)."""
     _FOUND.builtins()
     if "all" in (ev.command, ev.name):
         raise RetrofitError(f"evaluator {ev.name!r}: 'all' is retrofit eval's command that runs every kind; "
@@ -75,6 +77,7 @@ def register_evaluator(ev: Evaluator) -> Evaluator:
     for other in _REGISTRY.values():
         if other.name != ev.name and ev.command in (other.command, other.name):
             raise RetrofitError(f"evaluator {ev.name!r}: command {ev.command!r} is taken by {other.name!r}")
+    check_name("evaluator", ev.name, _REGISTRY.get(ev.name), ev, replace=replace)
     _REGISTRY[ev.name] = ev
     return ev
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Mapping
 
 from retrofit.errors import SpecError
-from retrofit.plugins import Discovery
+from retrofit.plugins import Discovery, check_name
 
 __all__ = [
     "DEFAULT_WINDOW", "MethodConfig", "MethodInfo", "available_methods", "get_method", "method_fields",
@@ -162,16 +162,16 @@ def register_method(
     config: type[MethodConfig] | None = None,
     options: Mapping[str, Any] | None = None,
     description: str = "",
-    overwrite: bool = False,
+    replace: bool = False,
 ) -> MethodInfo:
     """Register a conversion method under ``name`` (``--method name``, ``method: name``).
 
     ``config``: the method's :class:`MethodConfig` subclass. ``options`` (``{key: default}``) is
     the short form for a method without its own class: a config class with those fields is made.
+    A name already registered (a built-in's included) is a ``RetrofitError`` unless ``replace=True``
+    (the rule of every registry: :mod:`retrofit.plugins`).
     """
     _FOUND.builtins()
-    if name in _METHODS and not overwrite:
-        raise ValueError(f"method {name!r} is already registered (pass overwrite=True to replace it)")
     if config is None:
         config = _config_from_options(name, dict(options or {}))
     elif options:
@@ -182,6 +182,7 @@ def register_method(
     if clash:
         raise ValueError(f"method {name!r}: config field(s) {sorted(clash)} clash with the common spec keys")
     info = MethodInfo(name, builder, config, description)
+    check_name("method", name, _METHODS.get(name), info, replace=replace)
     _METHODS[name] = info
     return info
 

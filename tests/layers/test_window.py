@@ -112,7 +112,7 @@ def _build(original, patch, spec, layer_idx, generator):
     return _WindowOnly(original, patch, window=c.window, sinks=c.sinks, sink_distance=c.sink_distance)
 
 
-register_method("window-only-test", _build, config=_WindowOnlyConfig, overwrite=True)
+register_method("window-only-test", _build, config=_WindowOnlyConfig, replace=True)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

@@ -8,4 +8,4 @@ def build(original, patch, spec, layer_idx, generator):
     raise NotImplementedError("a registry test entry")
 
 
-register_method(NAME, build, options={"gain": 1.0}, description="registry test entry", overwrite=True)
+register_method(NAME, build, options={"gain": 1.0}, description="registry test entry")

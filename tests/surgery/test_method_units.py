@@ -217,7 +217,7 @@ def build_gain(original, patch, spec, layer_idx, generator):
     return GainAttention(original, patch, gain=spec.config.gain)
 
 
-register_method("gain-test", build_gain, config=GainConfig, description="test: o_proj(gain * mean of v)", overwrite=True)
+register_method("gain-test", build_gain, config=GainConfig, description="test: o_proj(gain * mean of v)", replace=True)
 
 
 def test_a_method_registered_from_a_test_module_converts_saves_and_loads(tmp_path, capsys):

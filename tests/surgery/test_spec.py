@@ -115,7 +115,7 @@ class _ScaledIdentity(RetrofitAttention):
 
 def test_register_a_method_without_editing_surgery():
     register_method("toy-test", lambda orig, patch, spec, idx, gen: _ScaledIdentity(orig, patch, spec.config.gain),
-                    options={"gain": 1.0}, overwrite=True)
+                    options={"gain": 1.0}, replace=True)
     assert "toy-test" in available_methods()
     model = tiny_model("llama")
     convert(model, ConversionSpec(method="toy-test", options={"gain": 2.0}))

@@ -157,8 +157,8 @@ def _builder(cls):
     return build
 
 
-register_method("macchiato-alias-test", _builder(_AliasAttention), config=_AliasConfig, overwrite=True)
-register_method("macchiato-nodrop-test", _builder(_NoDropAttention), config=_NoDropConfig, overwrite=True)
+register_method("macchiato-alias-test", _builder(_AliasAttention), config=_AliasConfig, replace=True)
+register_method("macchiato-nodrop-test", _builder(_NoDropAttention), config=_NoDropConfig, replace=True)
 
 
 def test_the_declared_capability_decides_which_layers_drop_their_window(tmp_path):

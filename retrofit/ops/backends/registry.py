@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 
 from retrofit.errors import SpecError
-from retrofit.plugins import Discovery, import_submodules
+from retrofit.plugins import Discovery, check_name, import_submodules
 
 __all__ = [
     "AUTO",
@@ -158,11 +158,14 @@ _backends: dict[str, Backend] = {}
 _FOUND = Discovery("retrofit.backends", lambda: import_submodules(__name__.rpartition(".")[0]))
 
 
-def register_backend(backend: Backend) -> Backend:
-    """Add (or replace) a backend; its module calls this at import. Returns the backend."""
+def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
+    """Add a backend; its module calls this at import. Returns the backend. A name already registered
+    (a built-in's included) is a ``RetrofitError`` unless ``replace=True`` (the rule of every registry:
+    :mod:`retrofit.plugins`)."""
     _FOUND.builtins()
     if not backend.name or backend.name == AUTO or "," in backend.name or backend.name != backend.name.lower():
         raise ValueError(f"bad backend name {backend.name!r}: lower case, not 'auto', no commas")
+    check_name("backend", backend.name, _backends.get(backend.name), backend, replace=replace)
     _backends[backend.name] = backend
     is_installed.cache_clear()
     _resolved.clear()
