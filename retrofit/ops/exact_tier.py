@@ -28,9 +28,8 @@ keys), and each query reads exactly, beside its window and sinks, the ``k`` stor
 highest bound ``sum_j max(mq_j lo_j, mq_j hi_j)`` (an upper bound on the block's best read score;
 ties: the older block). The memory still holds every settled token, so a retrieved token is counted
 twice (exactly, and in the read): the read's share then falls as the retrieved scores raise
-``lse_t``. The cache grows with the context (the store), the selection per token by ``T / C``
-bounds; a GPU kernel would gather the ``k C`` tokens, this reference form scores every stored key
-and masks.
+``lse_t``. The cache grows with the context (the store); a query's work grows by ``T / C`` bounds
+and reads ``k C`` stored tokens (a prefill segment gathers the union of its queries' blocks once).
 
 Scores (``rule``), per KV head over its query heads' memories:
 
@@ -235,18 +234,36 @@ def _settle(state: TierState, block: int, capacity: int, rule: str, feature_key_
                    tier_values=tier_values, tier_index=tier_index, S=S, z=z, count=count, frontier=F0 + block)
 
 
-def _retrieved(state: TierState, mq: torch.Tensor, retrieve: int, block: int) -> torch.Tensor:
-    """``(B, Hq, R, N)`` True where a query reads a stored token exactly: the real tokens of its ``retrieve``
-    blocks with the highest key bound (ties: the older block)."""
-    Hkv, NB = state.store_lo.shape[1], state.store_lo.shape[2]
-    group = mq.shape[1] // Hkv
+def _retrieved(state: TierState, mq: torch.Tensor, retrieve: int, block: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The stored tokens that R queries ``mq (B, Hq, R, d)`` read exactly: each query's ``retrieve`` blocks with
+    the highest key bound (ties: the older block), gathered as the union ``U`` of the R queries' blocks.
+
+    Returns keys ``(B, Hq, U C, d)``, values ``(B, Hq, U C, D)`` and ``(B, Hq, R, U C)`` True where a query
+    reads that token (one of its own blocks, a real token)."""
+    B, Hkv, NB = state.store_lo.shape[:3]
+    Hq, R = mq.shape[1], mq.shape[2]
+    group = Hq // Hkv
     lo, hi = (_rep(x, group).to(mq.dtype) for x in (state.store_lo, state.store_hi))
     bound = mq.clamp_min(0) @ hi.transpose(-1, -2) + mq.clamp_max(0) @ lo.transpose(-1, -2)  # (B, Hq, R, NB)
-    has_real = state.store_valid.view(-1, NB, block).any(-1)  # (B, NB)
-    bound = bound.masked_fill(~has_real[:, None, None, :], float("-inf"))
+    token_ok = state.store_valid.view(B, NB, block)
+    bound = bound.masked_fill(~token_ok.any(-1)[:, None, None, :], float("-inf"))
     top = bound.argsort(dim=-1, descending=True, stable=True)[..., : min(retrieve, NB)]
     chosen = torch.zeros_like(bound, dtype=torch.bool).scatter_(-1, top, True)
-    return chosen.repeat_interleave(block, dim=-1) & state.store_valid[:, None, None, :]
+    union = chosen.any(2)  # (B, Hq, NB)
+    U = int(union.sum(-1).max())
+    blocks = union.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :U]  # (B, Hq, U), union first
+    read = chosen.gather(-1, blocks[:, :, None, :].expand(B, Hq, R, U)) & union.gather(-1, blocks)[:, :, None, :]
+    ok = token_ok[:, None].expand(B, Hq, NB, block).gather(2, blocks[..., None].expand(B, Hq, U, block))
+    read = (read[..., None] & ok[:, :, None]).flatten(-2)
+    idx = blocks.view(B, Hkv, group, U)
+
+    def gather(x: torch.Tensor) -> torch.Tensor:  # (B, Hkv, N, e) -> (B, Hq, U C, e), no copy of the store per head
+        e = x.shape[-1]
+        per_block = x.view(B, Hkv, 1, NB, block, e).expand(B, Hkv, group, NB, block, e)
+        return per_block.gather(3, idx[..., None, None].expand(B, Hkv, group, U, block, e)).reshape(B, Hq, U * block, e)
+
+    return gather(state.store_keys), gather(state.store_values), read
 
 
 def _segment(state: TierState, q, mq, fq, scale, count_weight, t, sinks, *, scaling, softcap, sink_distance,
@@ -273,9 +290,9 @@ def _segment(state: TierState, q, mq, fq, scale, count_weight, t, sinks, *, scal
                                           .transpose(-1, -2), float("-inf")))
         parts_v.append(_rep(state.tier_values, group))
     if retrieve and state.store_keys.shape[2]:
-        s_store = mqa @ _rep(state.store_keys, group).to(acc).transpose(-1, -2)  # (B, Hq, R, N)
-        parts_s.append(s_store.masked_fill(~_retrieved(state, mqa, retrieve, block), float("-inf")))
-        parts_v.append(_rep(state.store_values, group))
+        keys_r, values_r, read = _retrieved(state, mqa, retrieve, block)
+        parts_s.append((mqa @ keys_r.to(acc).transpose(-1, -2)).masked_fill(~read, float("-inf")))
+        parts_v.append(values_r)
     s = torch.cat(parts_s, dim=-1)
     s = _softcapped(s, scaling, softcap).masked_fill(s == float("-inf"), float("-inf"))  # tanh(-inf) is finite
     lse = torch.logsumexp(s, dim=-1)  # (B, Hq, R); -inf only for a padded query
