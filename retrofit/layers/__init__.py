@@ -15,7 +15,9 @@ from retrofit.layers.llp import LLPAttention, LLPConfig, LLPLayerCache
 from retrofit.layers.macchiato import (
     DEFAULT_INIT_SWA_SHARE, MacchiatoAttention, MacchiatoConfig, MacchiatoLayerCache, swa_bias,
 )
-from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, MethodInfo, available_methods, get_method, register_method
+from retrofit.layers.method import (
+    DEFAULT_WINDOW, MethodConfig, MethodInfo, MethodTestSpec, available_methods, get_method, register_method,
+)
 from retrofit.layers.window import WindowAttention, WindowConfig, WindowLayerCache
 
 __all__ = [
@@ -39,6 +41,7 @@ __all__ = [
     "MacchiatoLayerCache",
     "MethodConfig",
     "MethodInfo",
+    "MethodTestSpec",
     "RetrofitAttention",
     "RetrofitCache",
     "RetrofitLayerCache",

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from retrofit.errors import SpecError
-from retrofit.layers.method import DEFAULT_WINDOW, opt, register_method
+from retrofit.layers.method import DEFAULT_WINDOW, MethodTestSpec, opt, register_method
 from retrofit.layers.window import (
     SATURATED_LOGIT, WINDOW_SHARE_HELP, WindowAttention, WindowConfig, check_window_share, window_config,
 )
@@ -64,6 +64,10 @@ class DeltaConfig(WindowConfig):
 
     method = "delta"
     capabilities = frozenset({"window_dropout"})
+    # a 6-token window with 2 sinks; the memory at a 40% share (the default 98% hides it) with a
+    # decay that matters over tens of tokens, in 4-token scan chunks
+    test_spec = MethodTestSpec(options={"window": 6, "sinks": 2, "init_swa_share": 0.6, "memory_half_life": 30,
+                                        "chunk_size": 4}, anchor="closed-window")
     init_swa_share: float = opt(DEFAULT_DELTA_SWA_SHARE, WINDOW_SHARE_HELP)
     memory_half_life: int = opt(DEFAULT_MEMORY_HALF_LIFE, "tokens over which a stored value halves at conversion "
                                                           "(the decay gate's initial bias; 0 = no decay)")

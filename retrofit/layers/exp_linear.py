@@ -30,7 +30,7 @@ from retrofit.errors import SpecError
 
 from retrofit.layers.cache import RetrofitLayerCache
 from retrofit.layers.base import RetrofitAttention
-from retrofit.layers.method import MethodConfig, opt, register_method
+from retrofit.layers.method import MethodConfig, MethodTestSpec, opt, register_method
 from retrofit.ops import exp_linear_attention, exp_linear_attention_step, repeat_kv_heads
 
 __all__ = ["ExpLinearAttention", "ExpLinearConfig", "build_exp_linear"]
@@ -41,6 +41,10 @@ class ExpLinearConfig(MethodConfig):
     """Hyper-parameters of an exp-linear conversion (``retrofit convert --method exp-linear``)."""
 
     method = "exp-linear"
+    # 4-token scan chunks; no window or new weights, so no model-level anchor
+    test_spec = MethodTestSpec(options={"chunk_size": 4}, lacks={
+        "anchor": "no window and no new weights to close: its exact reference is its op's dense one, on the "
+                  "layer (tests/methods/test_exp_linear.py)"})
     chunk_size: int = opt(64, "chunk length of the chunkwise-parallel scan over the new state")
 
     def check(self) -> None:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from retrofit.errors import SpecError
-from retrofit.layers.method import DEFAULT_WINDOW, opt, register_method
+from retrofit.layers.method import DEFAULT_WINDOW, MethodTestSpec, opt, register_method
 from retrofit.layers.tier import DEFAULT_TIER_BLOCK, TIER_RULES, TierLayerCache, tiered_attend
 from retrofit.layers.window import WindowAttention, WindowConfig, window_config
 from retrofit.ops import repeat_kv_heads
@@ -69,6 +69,9 @@ class HedgehogConfig(WindowConfig):
 
     method = "hedgehog"
     capabilities = frozenset({"attention_weights"})
+    # a 6-token window with 2 sinks beside a read of 2 x 8 features, in 4-token chunks
+    test_spec = MethodTestSpec(options={"window": 6, "sinks": 2, "features": 8, "chunk_size": 4},
+                               anchor="closed-window")
     features: int = opt(DEFAULT_HEDGEHOG_FEATURES, "f: each Hedgehog feature map has 2 f features "
                                                    "(softmax(Wx) and softmax(-Wx))")
     init_log_scale: float = opt(DEFAULT_INIT_LOG_SCALE, "initial log-factor between the read's mass and the softmax's "

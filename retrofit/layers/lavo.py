@@ -56,7 +56,7 @@ from retrofit.errors import SpecError
 
 from retrofit.layers.cache import RetrofitLayerCache
 from retrofit.layers.base import RetrofitAttention
-from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, register_method, resolve_window
+from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, MethodTestSpec, opt, register_method, resolve_window
 from retrofit.ops import lavo_attention
 
 __all__ = ["LavoAttention", "LavoConfig", "LavoLayerCache", "LavoParameters", "build_lavo"]
@@ -69,6 +69,8 @@ class LavoConfig(MethodConfig):
     """Hyper-parameters of a LAVO conversion (``retrofit convert --method lavo``)."""
 
     method = "lavo"
+    # a 6-token window (its memory holds the complete windows before it) with 8 bases per head
+    test_spec = MethodTestSpec(options={"window": 6, "bases": 8, "global_weight": 0.3}, anchor="closed-window")
     window: int | None = opt(None, f"local window w in tokens (default {DEFAULT_WINDOW}, or the family's "
                                    "native window with --layers global)")
     bases: int | None = opt(None, f"orthonormal bases r per head (default min({DEFAULT_BASES}, head_dim))")

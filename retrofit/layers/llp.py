@@ -32,7 +32,7 @@ from retrofit.errors import SpecError
 
 from retrofit.layers.cache import RetrofitLayerCache
 from retrofit.layers.base import RetrofitAttention
-from retrofit.layers.method import MethodConfig, opt, register_method
+from retrofit.layers.method import MethodConfig, MethodTestSpec, opt, register_method
 from retrofit.ops import llp_attention, llp_attention_cached
 
 __all__ = ["LLPAttention", "LLPConfig", "LLPLayerCache", "build_llp"]
@@ -43,6 +43,8 @@ class LLPConfig(MethodConfig):
     """Hyper-parameters of an LLP conversion (``retrofit convert --method llp``)."""
 
     method = "llp"
+    # 3-token half-segments: tens of tokens cross many segment boundaries
+    test_spec = MethodTestSpec(options={"segment": 6}, anchor="segment-mask")
     segment: int = opt(512, "segment s in tokens: queries see their own half-segment of s/2 and the previous one")
 
     def check(self) -> None:

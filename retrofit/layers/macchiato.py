@@ -36,7 +36,7 @@ from torch import nn
 
 from retrofit.errors import SpecError
 from retrofit.layers.conv import CausalDepthwiseConv
-from retrofit.layers.method import DEFAULT_WINDOW, opt, register_method
+from retrofit.layers.method import DEFAULT_WINDOW, MethodTestSpec, opt, register_method
 from retrofit.layers.window import (
     SATURATED_LOGIT, WINDOW_SHARE_HELP, WindowAttention, WindowConfig, WindowLayerCache, check_window_share,
     window_config,
@@ -61,6 +61,9 @@ class MacchiatoConfig(WindowConfig):
 
     method = "macchiato"
     capabilities = frozenset({"window_dropout"})
+    # a 6-token window with 2 sinks beside 8 latents (2 per head) and a conv, in 4-token scan chunks
+    test_spec = MethodTestSpec(options={"window": 6, "sinks": 2, "latents": 8, "conv_size": 2, "chunk_size": 4},
+                               anchor="closed-window")
     latents: int = opt(128, "latent states L in total over the query heads (L / heads per head)")
     init_swa_share: float = opt(DEFAULT_INIT_SWA_SHARE, WINDOW_SHARE_HELP)
     conv_size: int = opt(0, "causal depthwise conv size before the latent projections (0 or 1 = none)")

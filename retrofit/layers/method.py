@@ -8,7 +8,10 @@ Each method module (``retrofit/layers/<method>.py``) defines
   training behaviours the method takes part in (``capabilities``, e.g. ``"window_dropout"``),
 * its layer (a ``RetrofitAttention`` writing ``attend``), its decoding-cache entry, and a builder
   ``builder(original, patch, spec, layer_idx, generator) -> layer`` that reads ``spec.config``,
-* one ``register_method(name, builder, config=TheConfig, description=...)`` call.
+* one ``register_method(name, builder, config=TheConfig, description=...)`` call,
+* its config's ``test_spec``, a :class:`MethodTestSpec`: the options that make the method meaningful
+  on a tiny test model, its exactness anchor and the generic checks it cannot take, with why
+  (data read by ``tests/methods/test_every_method.py``, which runs every registered method).
 
 ``retrofit/layers/__init__.py`` imports the built-in method modules, which registers them, on
 first use of the registry; a method defined anywhere else registers itself the same way when its
@@ -28,8 +31,8 @@ from retrofit.errors import SpecError
 from retrofit.plugins import Discovery, check_name
 
 __all__ = [
-    "DEFAULT_WINDOW", "MethodConfig", "MethodInfo", "available_methods", "get_method", "method_fields",
-    "register_method", "registered_method", "resolve_window",
+    "DEFAULT_WINDOW", "MethodConfig", "MethodInfo", "MethodTestSpec", "TEST_ANCHORS", "TEST_CHECKS",
+    "available_methods", "get_method", "method_fields", "register_method", "registered_method", "resolve_window",
 ]
 
 # The sliding window of a converted layer unless the spec names one (the paper's w = 128); with
@@ -45,6 +48,47 @@ def opt(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
 
+# ---------------------------------------------------------------------- test spec
+# The exactness anchors a method may declare (MethodTestSpec.anchor):
+# "closed-window": with the new path closed (``retrofit.surgery.probe.closed_latent_path``, the eval's
+#     ``closed`` variant) the converted model is the pretrained one attending to the last ``window``
+#     tokens plus the first ``sinks`` (its test options' values; 0 sinks without the option),
+#     whatever its new weights hold;
+# "segment-mask": the converted model is the pretrained one under LLP's mask: a query sees its own
+#     half-segment of ``segment / 2`` tokens and the previous one.
+TEST_ANCHORS = ("closed-window", "segment-mask")
+# The generic checks every method takes (MethodTestSpec.lacks names those it cannot take).
+TEST_CHECKS = ("convert", "anchor", "checkpoint", "delta_checkpoint", "hf_load", "decode", "perplexity", "generate")
+
+
+@dataclass(frozen=True)
+class MethodTestSpec:
+    """How the generic method tests run a method on a tiny model (two layers, hidden 64, four query
+    heads, sequences of tens of tokens): data only, declared as the config's ``test_spec``.
+
+    ``options``: conversion keys (the config's fields) that make the method meaningful at that size,
+    e.g. ``{"window": 6, "sinks": 2}`` (the default window of 128 would be full attention there).
+    ``anchor``: the exactness property the method has, one of :data:`TEST_ANCHORS` (None: none).
+    ``lacks``: ``{check: why}`` for the checks of :data:`TEST_CHECKS` the method genuinely cannot
+    take (e.g. ``{"decode": "no cache step"}``, or ``{"anchor": ...}`` beside ``anchor=None``); the
+    tests skip those with the reason. A config class that declares no ``test_spec`` of its own (one
+    inherited from a parent config does not count) is tested with its defaults and no anchor.
+    """
+
+    options: Mapping[str, Any] = field(default_factory=dict)
+    anchor: str | None = None
+    lacks: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.anchor is not None and self.anchor not in TEST_ANCHORS:
+            raise ValueError(f"test_spec anchor {self.anchor!r}: use one of {', '.join(TEST_ANCHORS)} or None")
+        unknown = sorted(set(self.lacks) - set(TEST_CHECKS))
+        if unknown:
+            raise ValueError(f"test_spec lacks unknown check(s) {unknown}; the checks: {', '.join(TEST_CHECKS)}")
+        if self.anchor is not None and "anchor" in self.lacks:
+            raise ValueError("test_spec declares an anchor and lacks one")
+
+
 @dataclass
 class MethodConfig:
     """Base of every method's config. Fields are checked against their annotations on creation
@@ -56,6 +100,8 @@ class MethodConfig:
     # "window_dropout": its layers have a sliding-window branch that ``train.window_dropout`` drops
     # for whole sequences (the layer sets p(window) = 0 while ``window_dropout`` > 0 in training).
     capabilities: ClassVar[frozenset[str]] = frozenset()
+    # How the generic method tests run this method on a tiny model (MethodTestSpec above).
+    test_spec: ClassVar[MethodTestSpec | None] = None
 
     def __post_init__(self) -> None:
         hints = typing.get_type_hints(type(self))
@@ -143,6 +189,13 @@ class MethodInfo:
     def uses(self) -> tuple[str, ...]:
         """The method's own spec keys (its config's fields)."""
         return self.config.field_names()
+
+    @property
+    def test_spec(self) -> MethodTestSpec:
+        """The :class:`MethodTestSpec` the config class itself declares, or the defaults' (no options,
+        no anchor). Not inherited: a config subclassing another method's has its own builder, which
+        may not read the options that method's spec sets."""
+        return vars(self.config).get("test_spec") or MethodTestSpec()
 
 
 _METHODS: dict[str, MethodInfo] = {}

@@ -14,7 +14,7 @@ from retrofit.layers import (
     DeltaAttention, DeltaConfig, HedgehogAttention, HedgehogConfig, MacchiatoAttention, MacchiatoConfig,
     MacchiatoLayerCache, WindowAttention, WindowConfig, WindowLayerCache,
 )
-from retrofit.layers.method import opt, register_method
+from retrofit.layers.method import MethodTestSpec, opt, register_method
 from retrofit.layers.window import window_config
 from retrofit.surgery import convert
 from tests.methods._common import batch, pattern_reference, stepwise_logits, tiny_model
@@ -101,6 +101,7 @@ def test_delta_and_hedgehog_have_the_window_cache_and_no_latent_weights(method, 
 @window_config("window", "sinks", "sink_distance")
 class _WindowOnlyConfig(WindowConfig):
     method = "window-only-test"
+    test_spec = MethodTestSpec(options={"window": W, "sinks": 2}, anchor="closed-window")  # the generic method tests'
 
 
 class _WindowOnly(WindowAttention):

@@ -28,7 +28,7 @@ from retrofit.layers import (
     MacchiatoAttention, MacchiatoConfig, RetrofitAttention,
 )
 from retrofit.layers.cache import RetrofitCache, RetrofitLayerCache, cache_keyword
-from retrofit.layers.method import MethodConfig, get_method, opt, register_method
+from retrofit.layers.method import MethodConfig, MethodTestSpec, get_method, opt, register_method
 from retrofit.layers import available_methods
 from retrofit.surgery import ConversionSpec, convert, converted_layers, new_parameter_names, save
 from retrofit.surgery.records import spec_from_record
@@ -182,6 +182,8 @@ class GainConfig(MethodConfig):
     """A toy method's config: output = o_proj(gain * running mean of v)."""
 
     method = "gain-test"
+    test_spec = MethodTestSpec(options={"gain": 2.0}, lacks={
+        "anchor": "a running mean of the values: no attention pattern of the base's to equal"})
     gain: float = opt(1.0, "initial output gain")
     learn_gain: bool = opt(True, "train the gain")
 
