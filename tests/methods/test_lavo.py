@@ -12,7 +12,8 @@ from retrofit.surgery import ConversionSpec, convert, new_parameter_names
 from retrofit.train import train
 from retrofit.train.recipe import recipe_from_dict
 from tests.methods._common import (
-    FAMILIES, assert_generate_batched_equals_single, batch, decode_logits, pattern_reference, saved_weights, tiny_model,
+    FAMILIES, assert_generate_batched_equals_single, batch, decode_logits, pattern_reference, perturb_new_weights,
+    saved_weights, tiny_model,
 )
 from tests.train import tiny
 
@@ -113,6 +114,29 @@ def test_undissected_memory_and_options_reach_the_layer():
         full = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
     dec, _ = decode_logits(model, ids, mask, pos, prefill=1)
     torch.testing.assert_close(dec[mask.bool()], full[mask.bool()], atol=2e-4, rtol=2e-4)
+
+
+def test_a_fixed_gate_without_a_bias_survives_save_and_load(tmp_path):
+    """The options the generic tests (test_every_method.py) leave at their defaults: a gate that is a
+    buffer, not a weight, and no relative bias come back from full and delta checkpoints."""
+    from retrofit.surgery import load, load_delta, save, save_delta
+
+    tiny_model("gemma2").save_pretrained(tmp_path / "base")
+    model = convert(tiny_model("gemma2"), method="lavo", window=6, base_model=str(tmp_path / "base"),
+                    options={"global_weight": 0.3, "learn_global_weight": False, "relative_bias": False})
+    perturb_new_weights(model)
+    layer = model.model.layers[0].self_attn
+    assert layer.lavo.rel_bias is None and "lavo.gate" not in layer.new_parameter_names()
+    ids, mask, pos = batch(T=20)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    save(model, tmp_path / "full")
+    save_delta(model, tmp_path / "delta", base_model=str(tmp_path / "base"))
+    for loaded in (load(tmp_path / "full"), load_delta(tmp_path / "delta")[0]):
+        assert loaded.config.retrofit["learn_global_weight"] is False
+        with torch.no_grad():
+            got = loaded(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -17,20 +17,14 @@ from retrofit.surgery import ConversionSpec, convert, new_parameter_names, save
 
 from .tiny import FAMILIES, tiny_model, tiny_tokenizer
 
-# one method per family so every method's checkpoint is covered; other families take Macchiato
-SPECS = {
-    "llama": ConversionSpec(window=8, latents=8),
-    "mistral": ConversionSpec(method="exp-linear"),
-    "qwen2": ConversionSpec(window=8, latents=8, conv_size=3),
-    "gemma": ConversionSpec(method="lavo", window=8),
-    "gemma2": ConversionSpec(window=8, latents=8, layers=[1]),
-    "gemma3": ConversionSpec(method="llp", options={"segment": 8}),
-}
-DEFAULT_SPEC = ConversionSpec(window=8, latents=8, conv_size=2)
+# every family with one method: each method's folder through AutoModelForCausalLM is
+# tests/methods/test_every_method.py's (hf_load)
+SPEC = ConversionSpec(window=8, latents=8, conv_size=2)
 
 
 def _saved(tmp_path, family):
-    model = convert(tiny_model(family), SPECS.get(family, DEFAULT_SPEC), base_model="tiny")
+    layers = [1] if family == "gemma2" else "all"  # a partly converted folder loads the same way
+    model = convert(tiny_model(family), SPEC, base_model="tiny", layers=layers)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():  # "trained" new weights, so a dropped latent path would show
         for name in new_parameter_names(model):
@@ -142,7 +136,7 @@ def test_registration_works_when_transformers_is_imported_by_retrofit_layers(tmp
 def test_plain_save_pretrained_keeps_the_identity(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    model = convert(tiny_model("qwen2"), SPECS["qwen2"])
+    model = convert(tiny_model("qwen2"), SPEC)
     model.save_pretrained(tmp_path / "plain")  # not retrofit.save: the identity must still be written
     assert json.loads((tmp_path / "plain" / "config.json").read_text())["model_type"] == "retrofit_qwen2"
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "plain")
@@ -153,7 +147,7 @@ def test_plain_save_pretrained_keeps_the_identity(tmp_path):
 def test_from_config_builds_the_converted_architecture():
     from transformers import AutoModelForCausalLM
 
-    model = convert(tiny_model("gemma2"), SPECS["gemma2"])
+    model = convert(tiny_model("gemma2"), SPEC, layers=[1])  # one layer converted
     fresh = AutoModelForCausalLM.from_config(model.config)
     assert type(fresh) is type(model)
     assert set(fresh.state_dict()) == set(model.state_dict())
@@ -167,7 +161,7 @@ def test_converted_classes_build_through_the_builder_the_package_set(monkeypatch
     from retrofit.surgery import auto_classes
     from retrofit.surgery.convert import build_from_record
 
-    model = convert(tiny_model("llama"), DEFAULT_SPEC)
+    model = convert(tiny_model("llama"), SPEC)
     calls = []
     monkeypatch.setattr(auto_classes, "_BUILDER", lambda m, record: (calls.append(record), build_from_record(m, record)))
     fresh = AutoModelForCausalLM.from_config(model.config)
@@ -180,7 +174,7 @@ def test_converted_classes_build_through_the_builder_the_package_set(monkeypatch
 def test_assisted_generation_is_refused_before_it_starts():
     from retrofit.errors import RetrofitError
 
-    model = convert(tiny_model("llama"), SPECS["llama"])
+    model = convert(tiny_model("llama"), SPEC)
     ids = _ids()[:1, :10]
     with pytest.raises(RetrofitError, match="assistant_model"):
         model.generate(ids, assistant_model=tiny_model("llama"), max_new_tokens=4)
