@@ -184,8 +184,9 @@ def same_definition(a: Any, b: Any, *, _depth: int = 0) -> bool:
     if isinstance(a, functools.partial):
         return same_definition((a.func, a.args, a.keywords), (b.func, b.args, b.keywords), _depth=_depth + 1)
     if type(a).__eq__ is object.__eq__ and isinstance(getattr(a, "__dict__", None), dict) \
-            and not isinstance(a, types.ModuleType):  # a plain object (a family's patch): its attributes
-        return same_definition(vars(a), vars(b), _depth=_depth + 1)
+            and not isinstance(a, types.ModuleType):  # a plain object (a family's patch): its public attributes
+        public = [{k: x for k, x in vars(o).items() if not k.startswith("_")} for o in (a, b)]  # not its caches
+        return same_definition(public[0], public[1], _depth=_depth + 1)
     try:
         return bool(a == b)
     except Exception:  # an == that is no truth value (tensors): not provably the same

@@ -242,3 +242,16 @@ def test_a_module_run_again_registers_its_entries_again_without_a_clash(registri
     assert backend_registry.get_backend("torch") is copies["retrofit.ops.backends.pytorch"].BACKEND
     assert ev_registry.get_evaluator("passkey") is copies["retrofit.eval.evaluators.passkey"].EVALUATOR
     assert patches.get_patch(types.SimpleNamespace(model_type="llama")).row in copies["retrofit.patches.families"].FAMILIES
+
+
+def test_a_patch_that_cached_its_helpers_is_still_the_same_definition():
+    """A family's patch fills private caches as it is used (its RoPE function): a second registration of the
+    same row by a module imported again is not a clash after a model was converted."""
+    from retrofit.patches.families import FAMILIES
+
+    row = next(r for r in FAMILIES if "llama" in r.model_types)
+    used, fresh = row.patch(), row.patch()
+    used.__dict__["_rotary_fn"] = object()
+    assert plugins.same_definition(used, fresh)
+    other = next(r for r in FAMILIES if "llama" not in r.model_types)
+    assert not plugins.same_definition(used, other.patch())
