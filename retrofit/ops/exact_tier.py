@@ -234,13 +234,22 @@ def _settle(state: TierState, block: int, capacity: int, rule: str, feature_key_
                    tier_values=tier_values, tier_index=tier_index, S=S, z=z, count=count, frontier=F0 + block)
 
 
+def _top_blocks(bound: torch.Tensor, k: int) -> torch.Tensor:
+    """``bound``'s ``k`` largest entries along the last dim as a bool mask, ties to the lower index (older block)."""
+    tau = bound.topk(k, dim=-1).values[..., -1:]
+    above = bound > tau
+    tied = bound == tau
+    return above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
+
+
 def _retrieved(state: TierState, mq: torch.Tensor, retrieve: int, block: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The stored tokens that R queries ``mq (B, Hq, R, d)`` read exactly: each query's ``retrieve`` blocks with
-    the highest key bound (ties: the older block), gathered as the union ``U`` of the R queries' blocks.
+    the highest key bound (ties: the older block).
 
-    Returns keys ``(B, Hq, U C, d)``, values ``(B, Hq, U C, D)`` and ``(B, Hq, R, U C)`` True where a query
-    reads that token (one of its own blocks, a real token)."""
+    Returns keys ``(B, Hq, M, d)``, values ``(B, Hq, M, D)`` and ``(B, Hq, R, M)`` True where a query reads that
+    token (one of its own blocks, a real token): the union of the R queries' blocks gathered (``M = U C``),
+    or the whole store (``M = N``) when that union is most of it."""
     B, Hkv, NB = state.store_lo.shape[:3]
     Hq, R = mq.shape[1], mq.shape[2]
     group = Hq // Hkv
@@ -248,10 +257,12 @@ def _retrieved(state: TierState, mq: torch.Tensor, retrieve: int, block: int
     bound = mq.clamp_min(0) @ hi.transpose(-1, -2) + mq.clamp_max(0) @ lo.transpose(-1, -2)  # (B, Hq, R, NB)
     token_ok = state.store_valid.view(B, NB, block)
     bound = bound.masked_fill(~token_ok.any(-1)[:, None, None, :], float("-inf"))
-    top = bound.argsort(dim=-1, descending=True, stable=True)[..., : min(retrieve, NB)]
-    chosen = torch.zeros_like(bound, dtype=torch.bool).scatter_(-1, top, True)
+    chosen = _top_blocks(bound, min(retrieve, NB))
     union = chosen.any(2)  # (B, Hq, NB)
     U = int(union.sum(-1).max())
+    if 2 * U > NB:  # most blocks: score the store as it is
+        read = chosen.repeat_interleave(block, dim=-1) & state.store_valid[:, None, None, :]
+        return _rep(state.store_keys, group), _rep(state.store_values, group), read
     blocks = union.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :U]  # (B, Hq, U), union first
     read = chosen.gather(-1, blocks[:, :, None, :].expand(B, Hq, R, U)) & union.gather(-1, blocks)[:, :, None, :]
     ok = token_ok[:, None].expand(B, Hq, NB, block).gather(2, blocks[..., None].expand(B, Hq, U, block))

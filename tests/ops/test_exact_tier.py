@@ -208,3 +208,13 @@ def test_retrieval_in_fp32_follows_fp64():
     o32, _ = _run(x32, wk.float(), cw.float(), **kw)
     assert torch.isfinite(o32).all()
     torch.testing.assert_close(o32.double(), o64, rtol=1e-4, atol=1e-4)
+
+
+def test_retrieval_ties_go_to_the_older_block():
+    from retrofit.ops.exact_tier import _top_blocks
+
+    bound = torch.tensor([[1.0, 3.0, 2.0, 3.0, 2.0, 2.0, float("-inf")]])
+    assert _top_blocks(bound, 1).nonzero()[:, 1].tolist() == [1]
+    assert _top_blocks(bound, 3).nonzero()[:, 1].tolist() == [1, 2, 3]
+    assert _top_blocks(bound, 4).nonzero()[:, 1].tolist() == [1, 2, 3, 4]
+    assert _top_blocks(bound, 7).all()
