@@ -225,6 +225,10 @@ def run_perplexity(
         )
         all_windows[name] = wins
         ds_info[name] = {**spec.describe(), "windows": {str(L): [w.describe() for w in wins[L]] for L in lengths}}
+    if not any(ws for per in all_windows.values() for ws in per.values()):  # a table of "no windows" alone
+        raise DataError(f"nothing to score: {', '.join(names)} hold{'s' * (len(names) == 1)} no window of {lengths[0]} tokens (the shortest "
+                        f"--lengths; a window lies inside one document unless --protocol packed): give a longer "
+                        f"text or a shorter length")
 
     # 2. score them
     datasets = names

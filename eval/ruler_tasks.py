@@ -452,8 +452,12 @@ def make_sample(task: str, tokenizer: Any, length: int, index: int, *, frame: Fr
     essay tasks; built from the default haystack when None) can be shared between calls."""
     spec = get_task(task)
     max_new = spec.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
-    if max_new < 1 or max_new >= length:
-        raise DataError(f"max_new_tokens {max_new} must be in [1, {length})")
+    if max_new < 1:
+        raise DataError(f"max_new_tokens must be at least 1, got {max_new}")
+    if max_new >= length:  # a length counts the prompt and the answer budget together, as RULER does
+        budget = "--max-new-tokens" if max_new_tokens is not None else f"{task}'s RULER answer budget"
+        raise DataError(f"length {length} leaves no room for a prompt beside {max_new} answer tokens ({budget}): "
+                        f"give lengths above {max_new}" + (" or a smaller --max-new-tokens" if max_new_tokens else ""))
     if spec.kind == "niah":
         if spec.haystack == "essay" and essay_units is None:
             essay_units = EssayUnits(tokenizer, essays.resolve_haystack())

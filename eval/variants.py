@@ -18,12 +18,14 @@ a baseline: it is then the base).
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from retrofit.errors import RetrofitError
 from retrofit.eval import loading
+from retrofit.eval.evaluators import MAX_COUNT
 
 __all__ = ["KINDS", "Variant", "apply_variant", "copied_roles", "parse_variant", "parse_variants", "resolve_roles",
            "scoring_order", "takes_zero_shot", "variant_of"]
@@ -55,7 +57,11 @@ class Variant:
 
     @property
     def spec(self) -> str:
-        return self.kind if self.value is None else f"{self.kind}:{self.value:g}"
+        """``kind:value``, parsed back to this variant exactly (role names are parsed again)."""
+        if self.value is None:
+            return self.kind
+        short = f"{self.value:g}"  # 4.0 -> 4; a value :g would round (1000000 -> 1e+06) is written whole
+        return f"{self.kind}:{short if float(short) == self.value and 'e' not in short else repr(self.value)}"
 
     @property
     def applies_to(self) -> str:
@@ -111,9 +117,12 @@ def parse_variant(text: str) -> Variant:
     except ValueError:
         value = None
     tokens = kind in _INT_KINDS
+    example = {"cap": 8191}.get(kind, 512 if tokens else 4)
+    if value is not None and (value > MAX_COUNT if tokens else not math.isfinite(value)):
+        need = f"at most {MAX_COUNT} tokens (more than any model reads)" if tokens else "a finite factor"
+        raise RetrofitError(f"zero-shot variant {text!r}: {kind} needs {need}, e.g. {kind}:{example}")
     if value is None or (tokens and value < 1) or (not tokens and not value > 1.0):
         need = "an integer number of tokens >= 1" if tokens else "a factor > 1"
-        example = {"cap": 8191}.get(kind, 512 if tokens else 4)
         raise RetrofitError(f"zero-shot variant {text!r}: {kind} needs {need}, e.g. {kind}:{example}")
     return Variant(kind, value)
 

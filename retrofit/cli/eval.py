@@ -205,6 +205,9 @@ def _out(args: argparse.Namespace, name: str) -> Path:
 
 # what a model folder holds (transformers, PEFT, GGUF); eval results never go into one
 _MODEL_FILES = ("config.json", "adapter_config.json", "*.safetensors", "pytorch_model*.bin", "*.gguf")
+# the flags naming local text folders an eval reads (eval all's prefixed ones too)
+_DATA_FLAGS = (("--datasets", "datasets"), ("--haystack", "haystack"), ("--niah-haystack", "niah_haystack"),
+               ("--ruler-haystack", "ruler_haystack"))
 # what an eval command writes into --out (eval all: report.md and one sub-folder per section)
 _RESULT_FILES = ("results.json", "table.md", "report.md", "*/results.json")
 
@@ -226,6 +229,13 @@ def _check_results_folder(out: Path, args: argparse.Namespace) -> None:
             where = "is" if real == p.resolve() else "lies inside"
             raise RetrofitError(f"--out {out} {where} the model folder {item} ({role}); eval results never go "
                                 "into a model folder: choose an output folder elsewhere")
+    for flag, attr in _DATA_FLAGS:  # a later run would read these results as its text
+        items = getattr(args, attr, None)
+        for item in items if isinstance(items, (list, tuple)) else [items]:
+            p = Path(os.path.expanduser(str(item))) if item else None
+            if p is not None and p.is_dir() and (real == p.resolve() or p.resolve() in real.parents):
+                raise RetrofitError(f"--out {out} lies in the data folder {item} ({flag}): the next run over it would "
+                                    "read these results as text; choose an output folder elsewhere")
     if out.is_dir():
         model = [f.name for pat in _MODEL_FILES for f in out.glob(pat)]
         if model:

@@ -31,6 +31,7 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import math
     import sys
     import time
 
@@ -38,8 +39,10 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1:
         raise RetrofitError("--max-new-tokens must be >= 1")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
-        raise RetrofitError("--temperature must be >= 0 and --top-p in (0, 1]")
+    if not 0 <= args.temperature < math.inf or not 0 < args.top_p <= 1:  # NaN fails both: never a silent greedy run
+        raise RetrofitError("--temperature must be a finite number >= 0 and --top-p in (0, 1]")
+    if not -(2**63) <= args.seed < 2**64:  # what torch.manual_seed takes
+        raise RetrofitError(f"--seed {args.seed} is beyond what torch takes: give a whole number from 0 to 2**63 - 1")
     from retrofit.cli.devices import check_device
 
     check_device(args.device)

@@ -234,6 +234,8 @@ class ConversionSpec:
                                 "can hold, e.g. a window or latent count of a few thousand")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise SpecError(f"seed must be an integer, got {self.seed!r}")
+        if not -(2**63) <= self.seed < 2**64:  # what torch.manual_seed takes
+            raise SpecError(f"seed={self.seed} is beyond what torch takes: give a whole number from 0 to 2**63 - 1")
         if self.rope_cap is not None and (isinstance(self.rope_cap, bool) or not isinstance(self.rope_cap, int)
                                           or self.rope_cap < 0):
             raise SpecError(f"rope_cap must be a non-negative number of tokens (0 = no cap), got {self.rope_cap!r}")

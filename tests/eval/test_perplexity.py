@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from retrofit.errors import DataError
 from retrofit.eval import loading, nll
 from retrofit.eval.perplexity import run_perplexity
 
@@ -65,10 +66,17 @@ def test_same_model_as_baseline_gives_identical_numbers(base_dir, tokenizer):
 
 
 def test_documents_too_short_give_no_windows(base_dir, tmp_path):
-    (tmp_path / "short.txt").write_text("Only a few words here.")
-    res = run_perplexity(str(base_dir), datasets=[str(tmp_path)], lengths=[64], progress=False, out=tmp_path / "o")
-    assert res["results"][tmp_path.name]["64"]["model"] == {"ppl": None, "windows": 0, "error": "no windows"}
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "short.txt").write_text("Only a few words here. " * 8)
+    res = run_perplexity(str(base_dir), datasets=[str(data)], lengths=[16, 1024], progress=False, out=tmp_path / "o")
+    assert res["results"]["data"]["1024"]["model"] == {"ppl": None, "windows": 0, "error": "no windows"}
+    assert res["results"]["data"]["16"]["model"]["ppl"] is not None
     assert "no windows" in res["table"]
+    # no window at any length: an error, not a table of empty cells
+    with pytest.raises(DataError, match="nothing to score"):
+        run_perplexity(str(base_dir), datasets=[str(data)], lengths=[1024], progress=False, out=tmp_path / "p")
+    assert not (tmp_path / "p").exists()
 
 
 def test_bos_policy(base_dir, tokenizer):
