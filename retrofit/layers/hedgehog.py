@@ -45,8 +45,8 @@ from retrofit.errors import SpecError
 from retrofit.layers.method import DEFAULT_WINDOW, MethodTestSpec, opt, register_method
 from retrofit.layers.tier import DEFAULT_TIER_BLOCK, TIER_RULES, TierLayerCache, tiered_attend
 from retrofit.layers.window import WindowAttention, WindowConfig, window_config
-from retrofit.ops import repeat_kv_heads
-from retrofit.ops.hedgehog import HedgehogState, hedgehog_features, hedgehog_read_chunked, hedgehog_read_step
+from retrofit.ops import hedgehog_read_chunked, hedgehog_read_step, repeat_kv_heads
+from retrofit.ops.hedgehog import HedgehogState, hedgehog_features
 from retrofit.ops.rope import rope_at, rope_move, rope_rotate, rope_unrotate
 
 __all__ = ["DEFAULT_HEDGEHOG_FEATURES", "DEFAULT_INIT_LOG_SCALE", "FeatureMap", "HedgehogAttention",

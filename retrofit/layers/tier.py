@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from retrofit.layers.cache import RetrofitLayerCache
-from retrofit.ops.exact_tier import TIER_RULES, TierState, tiered_attention
+from retrofit.ops import tiered_attention
+from retrofit.ops.exact_tier import TIER_RULES, TierState
 from retrofit.ops.rope import rope_unrotate
 from retrofit.ops.sinks import first_valid
 

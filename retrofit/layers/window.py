@@ -43,9 +43,8 @@ from retrofit.layers.cache import RetrofitLayerCache
 from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, resolve_window
 from retrofit.ops import (
     capped_sink_keys, capped_sinks, first_valid, macchiato_attention, macchiato_slot_step, sink_window_attention,
-    slot_attention_step,
+    sliding_window_attention_with_lse, slot_attention_step,
 )
-from retrofit.ops.sliding_window import sliding_window_attention_with_lse
 
 __all__ = [
     "SATURATED_LOGIT", "WINDOW_SHARE_HELP", "WindowAttention", "WindowConfig", "WindowLayerCache",

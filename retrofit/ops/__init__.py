@@ -4,9 +4,10 @@ Every op here is dispatched: it runs on the backend the registry in :mod:`retrof
 picks for the call (``backend=`` argument, ``--backend``, ``RETROFIT_BACKEND``, or auto). The
 ``*_reference`` functions are the dense references the kernels are tested against; the torch
 kernels themselves live in the math modules (:mod:`.latte`, :mod:`.sliding_window`, ...) and
-are the ``torch`` backend's implementations. The compositions (:mod:`.macchiato`, :mod:`.sinks`)
-call dispatched ops; :func:`slot_attention_step` (one decoding query over preallocated key
-slots), :func:`gqa_sdpa` (SDPA over grouped key/value heads, kept on a fused CUDA kernel),
+are the ``torch`` backend's implementations (the Hedgehog read, :mod:`.hedgehog`, the exact tier,
+:mod:`.exact_tier`, and a decoding query over preallocated key slots, :mod:`.slots`, among them).
+The compositions (:mod:`.macchiato`, :mod:`.sinks`) call dispatched ops;
+:func:`gqa_sdpa` (SDPA over grouped key/value heads, kept on a fused CUDA kernel),
 :func:`capped_rope_attention` (full causal attention with RoPE distances capped, for layers kept
 as full attention past their context; SDPA blocks), :func:`linear_cross_entropy`
 (an LM head's per-token NLL without whole logits, for evaluation) and :func:`linear_head_losses`
@@ -39,7 +40,6 @@ from retrofit.ops.sinks import (
     sink_window_attention,
     sink_window_attention_reference,
 )
-from retrofit.ops.slots import slot_attention_step
 from retrofit.ops.sdpa import gqa_sdpa, repeat_kv_heads
 from retrofit.ops.macchiato import (
     macchiato_attention,
@@ -67,7 +67,6 @@ __all__ = [
     "macchiato_attention_reference",
     "macchiato_slot_step",
     "repeat_kv_heads",
-    "slot_attention_step",
     "gqa_sdpa",
     "FarSinks",
     "capped_sink_keys",

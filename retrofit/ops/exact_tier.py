@@ -371,6 +371,17 @@ def tiered_attention(
 
     Returns:
         ``(out (B, Hq, T, D) in v's dtype, state)``.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import tiered_attention
+        >>> from retrofit.ops.hedgehog import hedgehog_features
+        >>> q, k, v = torch.randn(1, 4, 24, 8), torch.randn(1, 2, 24, 8), torch.randn(1, 2, 24, 8)
+        >>> w = torch.randn(4, 3, 8)  # the feature maps: 2 x 3 features per query head
+        >>> out, state = tiered_attention(q, k, v, q, k, hedgehog_features(q, w), torch.zeros(1, 4, 24),
+        ...                               feature_key_weight=w, count_weight=torch.ones(4), window=8, block=4, capacity=4)
+        >>> out.shape, state.length
+        (torch.Size([1, 4, 24, 8]), 24)
     """
     if rule not in TIER_RULES:
         raise ValueError(f"rule must be one of {TIER_RULES}, got {rule!r}")

@@ -160,6 +160,20 @@ def hedgehog_read_chunked(
     chunk. The final state adds the one key that becomes unreachable after the call without a
     reader in it (``j = T - s``).
 
+    Args:
+        fq: ``(B, H, T, F)`` query features.
+        fk: ``(B, H, P + T, F)`` key features, ``P = num_past`` cached keys first.
+        v: ``(B, H, P + T, D)`` values.
+        write: ``(B, P + T)`` bool, the keys the memory stores.
+        window: ``w``: query t reads the keys ``s <= t - w``.
+        num_past: ``P <= w - 1``.
+        initial_state: the keys before the call (None: empty).
+        output_final_state: also return the state after the call.
+        chunk_size: ``C``, queries per chunk.
+
+    Returns:
+        ``(num (B, H, T, D), mass (B, H, T), HedgehogState or None)``, fp32 at least.
+
     Example:
         >>> import torch
         >>> from retrofit.ops.hedgehog import hedgehog_read_chunked, hedgehog_read_reference

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from retrofit.ops.dispatched import causal_latte_chunked, causal_latte_step, sliding_window_attention
+from retrofit.ops.dispatched import causal_latte_chunked, causal_latte_step, sliding_window_attention, slot_attention_step
 from retrofit.ops.latte import LatteState, causal_latte_reference
 from retrofit.ops.sinks import FarSinks, sink_window_attention
 from retrofit.ops.sdpa import repeat_kv_heads
-from retrofit.ops.slots import slot_attention_step
 from retrofit.ops.sliding_window import sliding_window_attention_reference
 
 __all__ = ["macchiato_attention", "macchiato_attention_reference", "macchiato_slot_step"]
@@ -190,7 +189,7 @@ def macchiato_slot_step(
         valid: ``(B, 1)`` bool; a padded token outputs zeros and leaves the latent state alone.
         scaling: score scale (default ``d ** -0.5``).
         softcap: ``softcap * tanh(score / softcap)`` when set.
-        backend: the latent step's backend.
+        backend: the window step's and the latent step's backend.
 
     Returns:
         ``(out, state)``: ``out`` ``(B, Hq, 1, D)`` in ``slot_v.dtype``; the new latent state, or
@@ -207,7 +206,7 @@ def macchiato_slot_step(
         (torch.Size([1, 4, 1, 8]), torch.Size([1, 4, 2, 8]))
     """
     p = _mix_weights(mix_logits)
-    swa = slot_attention_step(q, slot_k, slot_v, allowed, scaling=scaling, softcap=softcap)
+    swa = slot_attention_step(q, slot_k, slot_v, allowed, scaling=scaling, softcap=softcap, backend=backend)
     if latent_logits is None:
         out = (p[..., :1] * swa).to(slot_v.dtype)
     else:

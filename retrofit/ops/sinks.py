@@ -31,9 +31,8 @@ import torch.nn.functional as F
 
 from typing import NamedTuple
 
-from retrofit.ops.dispatched import sliding_window_attention, sliding_window_lse
+from retrofit.ops.dispatched import sliding_window_attention, sliding_window_attention_with_lse, sliding_window_lse
 from retrofit.ops.rope import rope_rotate
-from retrofit.ops.sliding_window import sliding_window_attention_with_lse
 from retrofit.ops.slots import masked_dense_attention
 
 __all__ = [
@@ -182,7 +181,7 @@ def sink_window_attention(
 
     The window attention and its log-sum-exp are the dispatched ops (``backend=`` is passed to
     both); on CPU, where the torch kernel is the only one, they come from one pass
-    (:func:`retrofit.ops.sliding_window.sliding_window_attention_with_lse`). Calls with few queries
+    (the dispatched :func:`~retrofit.ops.sliding_window_attention_with_lse`). Calls with few queries
     run one dense softmax over ``[sinks; window keys]``. Differentiable in q, k, v, sink_k, sink_v.
 
     Args:
@@ -226,7 +225,7 @@ def sink_window_attention(
                                   with_lse=with_lse)
     window_kw = dict(scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask, num_past=num_past)
     if q.device.type == "cpu":  # the torch kernel is the only CPU window kernel; it gives both in one pass
-        o_w, lse_w = sliding_window_attention_with_lse(q, k, v, window, **window_kw)
+        o_w, lse_w = sliding_window_attention_with_lse(q, k, v, window, backend=backend, **window_kw)
     else:
         o_w = sliding_window_attention(q, k, v, window, backend=backend, **window_kw)
         lse_w = sliding_window_lse(q, k, window, backend=backend, **window_kw)  # (B, Hq, Tq) fp32

@@ -705,6 +705,27 @@ def sliding_window_attention_with_lse(
     log-sum-exp is taken from the scores the softmax uses): the separate
     :func:`sliding_window_lse` scores 2w keys per query again, which cost 2.6x the window
     attention itself at w = 2048 (BENCHMARKS.md). Elsewhere the two functions run apart.
+
+    Args:
+        q: ``(B, Hq, Tq, d)`` queries.
+        k: ``(B, Hkv, num_past + Tq, d)`` keys (``Hq % Hkv == 0``).
+        v: ``(B, Hkv, num_past + Tq, Dv)`` values.
+        window: ``w``: query t sees keys ``t - w < s <= t``.
+        scaling: score scale (default ``d ** -0.5``).
+        softcap: ``softcap * tanh(score / softcap)`` when set.
+        key_padding_mask: ``(B, num_past + Tq)`` bool, True for real tokens.
+        num_past: cached keys in front of the queries' own.
+
+    Returns:
+        ``(out (B, Hq, Tq, Dv) in v's dtype, lse (B, Hq, Tq) in fp32 or wider)``.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import sliding_window_attention_with_lse
+        >>> out, lse = sliding_window_attention_with_lse(torch.randn(1, 4, 32, 8), torch.randn(1, 2, 32, 8),
+        ...                                              torch.randn(1, 2, 32, 8), 8)
+        >>> out.shape, lse.shape
+        (torch.Size([1, 4, 32, 8]), torch.Size([1, 4, 32]))
     """
     Tk = k.shape[2]
     if Tk != num_past + q.shape[2]:
