@@ -49,6 +49,12 @@ def check(args: argparse.Namespace) -> None:
         raise RetrofitError("--needle needs --answers (the strings a correct answer contains)")
     if args.niah_trials < 1 or args.niah_max_new_tokens < 1:
         raise RetrofitError("--trials and --max-new-tokens must be at least 1")
+    for flag, text in (("--needle", args.niah_needle), ("--question", args.niah_question),
+                       *(("--answers", a) for a in args.niah_answers or ())):
+        try:  # argv's bytes that are not UTF-8 arrive as lone surrogates, which no tokenizer encodes
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RetrofitError(f"{flag} {text!r} is not UTF-8 text; give it as UTF-8") from None
 
 
 EVALUATOR = register_evaluator(Evaluator(

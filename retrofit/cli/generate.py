@@ -46,7 +46,7 @@ def _run(args: argparse.Namespace) -> int:
     from retrofit.cli.devices import check_device
 
     check_device(args.device)
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    prompt = _read_prompt(args.prompt)
 
     import torch
     from transformers import TextStreamer
@@ -131,6 +131,28 @@ def _generate_compiled(model, tokenizer, input_ids, args: argparse.Namespace, st
         logits = decoder.step(nxt)
     streamer.end()
     return ids, decoder.memory_bytes()
+
+
+def _read_prompt(flag: str) -> str:
+    """``--prompt`` (``-``: stdin) as text; bytes that are not UTF-8 (a binary file piped in, an argument in
+    another encoding) are one error line, not the tokenizer's TypeError on the undecodable characters."""
+    import os
+    import sys
+
+    from retrofit.errors import RetrofitError
+
+    if flag == "-":
+        stream = getattr(sys.stdin, "buffer", None)
+        if stream is None:  # a text stream put in place of stdin (tests, embedding callers)
+            return sys.stdin.read()
+        raw, where = stream.read(), "stdin (--prompt -)"
+    else:
+        raw, where = os.fsencode(flag), "--prompt"  # argv's undecodable bytes, as the shell passed them
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RetrofitError(f"{where} is not UTF-8 text (byte {exc.start}: 0x{raw[exc.start:exc.start + 4].hex()}); "
+                            "give the prompt as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
 
 
 def _encode(tokenizer, prompt: str):

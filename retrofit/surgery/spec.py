@@ -321,12 +321,15 @@ class ConversionSpec:
         if not p.is_file():
             raise SpecError(f"conversion config {p} does not exist")
         try:
-            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+            data = yaml.safe_load(p.read_text(encoding="utf-8"))
         except yaml.YAMLError as exc:
             raise SpecError(f"{p} is not valid YAML: {exc}") from None
         except UnicodeDecodeError as exc:
             raise SpecError(f"{p} is not UTF-8 text (byte {exc.start}: {exc.object[exc.start:exc.start + 1]!r}); "
                             "save it as UTF-8") from None
+        if data is None:  # an empty (or truncated) file: not the method's defaults, silently
+            raise SpecError(f"conversion config {p} is empty: it holds no conversion keys (drop --config to "
+                            "convert with the method's defaults)")
         if isinstance(data, dict) and isinstance(data.get("convert"), dict):
             data = data["convert"]
         if not isinstance(data, dict):

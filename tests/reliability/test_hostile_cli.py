@@ -111,3 +111,35 @@ def test_eval_out_inside_a_data_folder_is_refused_before_any_model_loads(base, b
     fails(["eval", "all", str(base), "--niah-haystack", str(books), "--out", str(books / "all")], capsys,
           "(--niah-haystack)")
     assert sorted(p.name for p in books.iterdir()) == sorted(p.name for p in books.glob("*.txt"))
+
+
+# ---------------------------------------------------------------------- bytes that are not UTF-8, an empty config
+def test_a_prompt_that_is_not_utf8_is_one_error_line_before_the_model_loads(base, capsys, monkeypatch, no_model_loads):
+    import io
+    import sys
+
+    argv = ["generate", str(base), "--device", "cpu", "--prompt"]
+    # a byte the shell passed that is not UTF-8 arrives as a lone surrogate: the tokenizer's TypeError before
+    fails([*argv, "\udcffab"], capsys, "--prompt is not UTF-8 text", "byte 0")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"ok \xff\xfe binary")))
+    fails([*argv, "-"], capsys, "stdin (--prompt -) is not UTF-8 text", "byte 3")
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--question", "\udcffwhat"], "--question"),
+    (["--needle", "a needle", "--answers", "\udcffx"], "--answers"),
+])
+def test_niah_texts_that_are_not_utf8_are_one_error_line_before_any_model_loads(base, tmp_path, capsys, no_model_loads,
+                                                                                flags, needle):
+    fails(["eval", "niah", str(base), "--lengths", "512", "--out", str(tmp_path / "o"), *flags], capsys,
+          f"{needle} '\\udcff", "is not UTF-8 text")
+
+
+@pytest.mark.parametrize("text", ["", "# nothing but a comment\n"])
+def test_an_empty_conversion_config_is_refused_not_taken_for_the_defaults(base, tmp_path, capsys, text):
+    config = tmp_path / "convert.yaml"
+    config.write_text(text)
+    out = tmp_path / "out"
+    fails(["convert", str(base), "--out", str(out), "--config", str(config), "--probe-tokens", "0"], capsys,
+          f"conversion config {config} is empty", "drop --config")
+    assert not out.exists() and not leftovers(tmp_path)
