@@ -5,7 +5,8 @@ picks for the call (``backend=`` argument, ``--backend``, ``RETROFIT_BACKEND``, 
 ``*_reference`` functions are the dense references the kernels are tested against; the torch
 kernels themselves live in the math modules (:mod:`.latte`, :mod:`.sliding_window`, ...) and
 are the ``torch`` backend's implementations (the Hedgehog read, :mod:`.hedgehog`, the exact tier,
-:mod:`.exact_tier`, and a decoding query over preallocated key slots, :mod:`.slots`, among them).
+:mod:`.exact_tier`, and dense attention of a few queries over a decoding cache's key slots or a given key
+set, :mod:`.slots`, among them).
 The compositions (:mod:`.macchiato`, :mod:`.sinks`) call dispatched ops;
 :func:`gqa_sdpa` (SDPA over grouped key/value heads, kept on a fused CUDA kernel),
 :func:`capped_rope_attention` (full causal attention with RoPE distances capped, for layers kept

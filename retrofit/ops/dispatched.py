@@ -73,6 +73,7 @@ sliding_window_attention = Op(sliding_window.sliding_window_attention, _window_c
 sliding_window_lse = Op(sliding_window.sliding_window_lse, _on_queries)
 sliding_window_attention_with_lse = Op(sliding_window.sliding_window_attention_with_lse, _window_call)
 slot_attention_step = Op(slots.slot_attention_step, _on_queries)
+masked_dense_attention = Op(slots.masked_dense_attention, _on_queries)
 lavo_attention = Op(lavo.lavo_attention, _on_values)
 local_attention = Op(lavo.local_attention, _on_values)
 orthogonal_memory_attention = Op(lavo.orthogonal_memory_attention, _on_queries)

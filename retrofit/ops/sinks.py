@@ -31,9 +31,10 @@ import torch.nn.functional as F
 
 from typing import NamedTuple
 
-from retrofit.ops.dispatched import sliding_window_attention, sliding_window_attention_with_lse, sliding_window_lse
+from retrofit.ops.dispatched import (
+    masked_dense_attention, sliding_window_attention, sliding_window_attention_with_lse, sliding_window_lse,
+)
 from retrofit.ops.rope import rope_rotate
-from retrofit.ops.slots import masked_dense_attention
 
 __all__ = [
     "FarSinks",
@@ -182,7 +183,8 @@ def sink_window_attention(
     The window attention and its log-sum-exp are the dispatched ops (``backend=`` is passed to
     both); on CPU, where the torch kernel is the only one, they come from one pass
     (the dispatched :func:`~retrofit.ops.sliding_window_attention_with_lse`). Calls with few queries
-    run one dense softmax over ``[sinks; window keys]``. Differentiable in q, k, v, sink_k, sink_v.
+    run one dense softmax over ``[sinks; window keys]`` (the dispatched :func:`~retrofit.ops.masked_dense_attention`).
+    Differentiable in q, k, v, sink_k, sink_v.
 
     Args:
         q: ``(B, Hq, Tq, d)`` queries at stream positions ``q_start + i``.
@@ -199,7 +201,7 @@ def sink_window_attention(
         key_padding_mask: ``(B, num_past + Tq)`` bool, True for real tokens; padded queries output 0.
         num_past: cached window keys in front of the queries' own.
         far: the capped scores of sink pairs more than ``far.distance`` apart (:func:`capped_sinks`).
-        backend: the window ops' backend.
+        backend: the backend of the window ops (and of the few-query dense softmax).
         with_lse: also return the log-sum-exp of each query's scores over its window and sinks
             (what another key set beside them is weighed against).
 
@@ -222,7 +224,7 @@ def sink_window_attention(
     if Tq <= FUSED_MAX_QUERIES and far is None:
         return _one_dense_softmax(q, k, v, window, sink_k, sink_v, sink_idx, sink_valid, q_start=q_start,
                                   scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask, num_past=num_past,
-                                  with_lse=with_lse)
+                                  with_lse=with_lse, backend=backend)
     window_kw = dict(scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask, num_past=num_past)
     if q.device.type == "cpu":  # the torch kernel is the only CPU window kernel; it gives both in one pass
         o_w, lse_w = sliding_window_attention_with_lse(q, k, v, window, backend=backend, **window_kw)
@@ -258,7 +260,7 @@ def sink_window_attention(
 
 
 def _one_dense_softmax(q, k, v, window, sink_k, sink_v, sink_idx, sink_valid, *, q_start, scaling, softcap,
-                       key_padding_mask, num_past, with_lse: bool = False):
+                       key_padding_mask, num_past, with_lse: bool = False, backend: str | None = "auto"):
     """A few queries (decoding, short chunks): one dense softmax over ``[sinks; the window's keys]``.
 
     The same function as the window kernel + log-sum-exp merge, in a tenth of the small ops:
@@ -284,7 +286,7 @@ def _one_dense_softmax(q, k, v, window, sink_k, sink_v, sink_idx, sink_valid, *,
         band = (band & kpm[:, None, :]) | ((k_pos == q_pos) & ~q_valid[:, :, None])
         seen = seen & q_valid[:, :, None]
     result = masked_dense_attention(q, kk, vv, torch.cat([seen, band], dim=-1), scaling=scaling, softcap=softcap,
-                                    with_lse=with_lse)
+                                    with_lse=with_lse, backend=backend)
     out, lse = result if with_lse else (result, None)
     if q_valid is not None:
         out = out * q_valid[:, None, :, None].to(out.dtype)

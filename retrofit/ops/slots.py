@@ -31,9 +31,31 @@ def masked_dense_attention(
     softcap: float | None = None,
     with_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``(B, Hq, Tq, D)``: one softmax per query over the keys ``allowed`` ``(B, Tq, S)`` marks
-    (fp32 scores at least). A query with no allowed key gets NaN; callers zero such rows.
-    ``with_lse``: also the log-sum-exp of each query's allowed scores ``(B, Hq, Tq)``."""
+    """One softmax per query over the keys ``allowed`` marks (fp32 scores at least): the few-query form
+    of a window with its sinks (:func:`retrofit.ops.sinks.sink_window_attention`) and of a decoding
+    step over key slots.
+
+    Args:
+        q: ``(B, Hq, Tq, d)`` queries.
+        k: ``(B, Hkv, S, d)`` keys (``Hq % Hkv == 0``), post-RoPE, in any order.
+        v: ``(B, Hkv, S, D)`` values.
+        allowed: ``(B, Tq, S)`` bool, the keys each query sees.
+        scaling: score scale.
+        softcap: ``softcap * tanh(score / softcap)`` when set.
+        with_lse: also return the log-sum-exp of each query's allowed scores ``(B, Hq, Tq)``.
+
+    Returns:
+        ``(B, Hq, Tq, D)`` in v's dtype, or with ``with_lse`` ``(out, lse)``. A query with no allowed
+        key gets NaN; callers zero such rows.
+
+    Example:
+        >>> import torch
+        >>> from retrofit.ops import masked_dense_attention
+        >>> q, k, v = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+        >>> allowed = torch.ones(1, 3, 5, dtype=torch.bool).tril(2)
+        >>> masked_dense_attention(q, k, v, allowed, scaling=8 ** -0.5).shape
+        torch.Size([1, 4, 3, 8])
+    """
     B, Hq, Tq, d = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     group = Hq // Hkv
