@@ -1,24 +1,31 @@
-"""The backend registry: priority order, fallbacks with reasons, forced backends, every op through it.
+"""The backend registry: priority order, fallbacks with reasons, forced backends, every op through it,
+and every registered method's attention through the dispatched ops.
 
 Fake backends are registered here (and removed after each test) with the torch kernels wrapped
 in call counters, so which backend ran is observed, not inferred from the log.
 """
 from __future__ import annotations
 
+import ast
+import contextlib
 import importlib
 import inspect
 import logging
 import pkgutil
+from pathlib import Path
 
 import pytest
 import torch
 
-import retrofit.layers.lavo
-import retrofit.layers.llp
 import retrofit.ops as ops
 from retrofit.errors import SpecError
-from retrofit.ops import backends
+from retrofit.layers import RetrofitCache, available_methods, get_method
+from retrofit.layers.tier import set_tier
+from retrofit.ops import backends, dispatched
 from retrofit.ops.backends import Backend, Kernel, registry
+from retrofit.surgery import ConversionSpec, convert
+from retrofit.surgery.distill import converted_modules
+from tests.methods._common import batch, tiny_model
 from tests.ops._inputs import latte_inputs, padding_mask
 
 LOGGER = "retrofit.ops.backends"
@@ -217,38 +224,158 @@ def test_bad_backend_names_are_refused():
 # every op goes through the registry
 
 
-def _lavo_args():
-    B, H, T, d, r = 2, 2, 10, 4, 3
-    q, k, v = (torch.randn(B, H, T, d) for _ in range(3))
-    bases = torch.linalg.qr(torch.randn(H, d, r)).Q.transpose(-1, -2)
-    return (q, k, v, bases), dict(window=4, key_padding_mask=padding_mask(B, T, [0, 3]))
+# --------------------------------------------------------------------------------------
+# every method's attention goes through dispatched ops
+
+FAMILY = "gemma2"  # soft-capping, a sliding layer and a global one, GQA
+METHODS = available_methods()  # at collection: the built-ins and any method registered by then
 
 
-def _llp_args():
-    q, k, v = (torch.randn(2, 2, 11, 4) for _ in range(3))
-    return (q, k, v, 4), dict(key_padding_mask=padding_mask(2, 11, [0, 2]))
+def _recorder(added: list[str]) -> list[str]:
+    """Register backend ``recorder``, above every other, running the torch kernel of every declared
+    op; returns the list of the ops it ran, in order."""
+    ran: list[str] = []
+
+    def recorded(op):
+        def run(*args, **kwargs):
+            ran.append(op.name)
+            return op.torch_kernel(*args, **kwargs)
+
+        return run
+
+    backends.register_backend(Backend(name="recorder", priority=10_000,
+                                      kernels={op.name: recorded(op) for op in dispatched.OPS}))
+    added.append("recorder")
+    return ran
 
 
-@pytest.mark.parametrize("op,args", [("lavo_attention", _lavo_args), ("llp_attention", _llp_args)])
-def test_lavo_and_llp_honour_retrofit_backend_torch(monkeypatch, caplog, _clean_dispatch_state, op, args):
-    fake = _fake(_clean_dispatch_state, "fast", 50, (op,))
-    a, kw = args()
-    getattr(ops, op)(*a, **kw)
-    assert fake[op] == 1  # auto: the higher-priority backend runs LAVO / LLP
+@contextlib.contextmanager
+def _ops_per_layer(model, ran: list[str]):
+    """``{layer index: [ops its attention ran]}``, filled by hooks on each converted attention while inside."""
+    per_layer: dict[int, list[str]] = {}
+    hooks = []
+    for m in converted_modules(model):
+        i = int(m.layer_idx)
+        hooks.append(m.register_forward_pre_hook(lambda mod, args, i=i: per_layer.__setitem__(i, len(ran))))
+        hooks.append(m.register_forward_hook(lambda mod, args, out, i=i: per_layer.__setitem__(i, ran[per_layer[i]:])))
+    try:
+        yield per_layer
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _assert_every_layer_dispatched(model, per_layer: dict[int, list[str]], what: str) -> None:
+    layers = {int(m.layer_idx) for m in converted_modules(model)}
+    assert layers and set(per_layer) == layers, f"{what}: not every converted layer ran"
+    bare = sorted(i for i, ran in per_layer.items() if not ran)
+    assert not bare, f"{what}: layer(s) {bare} ran no dispatched op (their attention bypasses the backends)"
+
+
+def _convert(name: str, model):
+    return convert(model, ConversionSpec(method=name, **dict(get_method(name).test_spec.options)))
+
+
+def _forward(model, ids, mask, pos):
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits
+
+
+def _decode_step(model, ids, mask, ran: list[str]) -> dict[int, list[str]]:
+    """A prefill of all but the last token through a fresh cache, then the last token alone: the ops
+    each layer ran in that one-token step."""
+    cache = RetrofitCache(model)
+    with torch.no_grad():
+        model(ids[:, :-1], attention_mask=mask[:, :-1], past_key_values=cache, use_cache=True)
+        with _ops_per_layer(model, ran) as per_layer:
+            model(ids[:, -1:], attention_mask=mask, past_key_values=cache, use_cache=True)
+    return per_layer
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_every_methods_attention_runs_through_dispatched_ops(name, _clean_dispatch_state, monkeypatch, one_thread):
+    """With a backend above every other that records what it runs, each converted layer of every
+    registered method runs at least one dispatched op in a forward and in a one-token cached decoding
+    step (through the slots and the general path where the layers have slots); with
+    ``RETROFIT_BACKEND=torch`` the recorder is passed over and the same kernels give the same logits."""
+    spec = get_method(name).test_spec
+    if "convert" in spec.lacks:
+        pytest.skip(f"{name} lacks convert: {spec.lacks['convert']}")
+    ran = _recorder(_clean_dispatch_state)
+    model = _convert(name, tiny_model(FAMILY))
+    ids, mask, pos = batch(T=20)
+    with _ops_per_layer(model, ran) as per_layer:
+        logits = _forward(model, ids, mask, pos)
+    _assert_every_layer_dispatched(model, per_layer, f"{name} forward")
+    if "decode" not in spec.lacks:
+        slotted = [m for m in model.modules() if hasattr(m, "slot_decoding")]
+        for slots in ([True, False] if slotted else [None]):
+            for m in slotted:
+                m.slot_decoding = slots
+            _assert_every_layer_dispatched(model, _decode_step(model, ids, mask, ran), f"{name} decode (slots={slots})")
     monkeypatch.setenv(backends.ENV_VAR, "torch")
-    caplog.set_level(logging.INFO, logger=LOGGER)
-    out = getattr(ops, op)(*a, **kw)
-    assert fake[op] == 1  # RETROFIT_BACKEND=torch: the torch kernel ran
-    assert any(f"{op} runs on the torch backend" in r.getMessage() for r in caplog.records)
-    ref = backends.get_backend("torch").kernel(op).fn(*a, **kw)
-    got, exp = (x[0] if isinstance(x, tuple) else x for x in (out, ref))
-    assert torch.equal(got, exp)
+    ran.clear()
+    again = _forward(model, ids, mask, pos)
+    assert ran == [] and torch.equal(again, logits)
 
 
-def test_layers_call_the_dispatched_ops():
-    assert retrofit.layers.lavo.lavo_attention is ops.lavo_attention
-    assert retrofit.layers.llp.llp_attention is ops.llp_attention
-    assert retrofit.layers.llp.llp_attention_cached is ops.llp_attention_cached
+def test_hedgehog_with_an_exact_tier_runs_the_dispatched_tiered_attention(_clean_dispatch_state, one_thread):
+    """The tier's path (set_tier) is not the method's default one: its op is dispatched too."""
+    ran = _recorder(_clean_dispatch_state)
+    model = _convert("hedgehog", tiny_model(FAMILY))
+    assert set_tier(model, 4, block=4) == model.config.num_hidden_layers
+    ids, mask, pos = batch(T=20)
+    with _ops_per_layer(model, ran) as per_layer:
+        _forward(model, ids, mask, pos)
+    assert all("tiered_attention" in ops_ for ops_ in per_layer.values()) and per_layer
+    assert all("tiered_attention" in ops_ for ops_ in _decode_step(model, ids, mask, ran).values())
+
+
+# Names a layer may import from a math module (``retrofit.ops.<module>``) instead of from ``retrofit.ops``:
+# none is attention math a backend would replace (those are the dispatched ops, imported from retrofit.ops).
+LAYER_DIRECT_IMPORTS = {
+    "retrofit.ops.hedgehog": {
+        "HedgehogState",  # the read's state dataclass, what the dispatched read takes and returns
+        "hedgehog_features",  # the learned per-token feature map phi(x) (no token mixing) the read is given
+    },
+    "retrofit.ops.exact_tier": {
+        "TIER_RULES",  # the names of the tier's scoring rules (a constant set_tier checks against)
+        "TierState",  # the tier's state dataclass, what the dispatched tiered_attention takes and returns
+    },
+    "retrofit.ops.rope": {"rope_at", "rope_move", "rope_rotate", "rope_unrotate"},  # RoPE rotations of q / k
+    "retrofit.ops.sinks": {"first_valid"},  # picks the first n real tokens as sinks: indexing, no attention
+}
+
+
+def test_layers_import_attention_kernels_only_as_dispatched_ops():
+    """No module under retrofit/layers imports from a math module of retrofit.ops beyond the allow-list
+    above, the allow-list names no dispatched op (and nothing no layer imports), and every name of a
+    declared op a layer module holds is the dispatched op itself."""
+    import retrofit.layers
+
+    root = Path(retrofit.layers.__file__).parent
+    found: set[tuple[str, str]] = set()
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                direct = [a.name for a in node.names if a.name.startswith("retrofit.ops.")]
+                assert not direct, f"{path.name}:{node.lineno} imports {direct}: import the ops from retrofit.ops"
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("retrofit.ops."):
+                for alias in node.names:
+                    assert alias.name in LAYER_DIRECT_IMPORTS.get(node.module, ()), (
+                        f"{path.name}:{node.lineno} imports {alias.name} from {node.module}: an attention kernel is "
+                        "a dispatched op (declare it in retrofit/ops/dispatched.py, import it from retrofit.ops); "
+                        "a helper that is not attention math goes on LAYER_DIRECT_IMPORTS with why")
+                    found.add((node.module, alias.name))
+    allowed = {(m, n) for m, names in LAYER_DIRECT_IMPORTS.items() for n in names}
+    assert found == allowed, f"allow-listed but imported by no layer: {sorted(allowed - found)}"
+    declared = {op.name: op for op in dispatched.OPS}
+    assert not {n for _, n in allowed} & set(declared)
+    modules = [importlib.import_module(f"retrofit.layers.{m.name}") for m in pkgutil.iter_modules(retrofit.layers.__path__)]
+    held = [(mod.__name__, n) for mod in modules for n, v in vars(mod).items() if n in declared]
+    assert len(held) >= 10  # the layers hold the ops they call
+    for module, n in held:
+        assert getattr(importlib.import_module(module), n) is declared[n], f"{module}.{n} is not the dispatched op"
 
 
 @pytest.mark.parametrize("backend", [None, "torch"])
