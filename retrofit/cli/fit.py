@@ -1,14 +1,16 @@
-"""`retrofit fit RECIPE.yaml [section.key=value ...]`: fit a Hedgehog read to the base, layer by layer.
+"""`retrofit fit RECIPE.yaml [section.key=value ...]`: fit a converted model's read to the base, layer by layer.
 
     retrofit fit configs/smollm2-135m-hedgehog-fit-cpu.yaml
     retrofit fit configs/smollm2-135m-hedgehog-fit-cpu.yaml fit.maps.steps=0 model.name=runs/fit/final  # refit the scale
 
 The recipe's model, conversion and data sections as for `retrofit train`, and its `fit` section
-(retrofit.train.fit). The fitted model is a delta checkpoint in --out (default: the recipe's
-checkpoint.output_dir + /final) with the fit's report, fit.json; `retrofit eval`, `generate`,
-`bench` and `train` (model.name=...) read it. While it fits, a progress bar on stderr shows the
-layer (i/N), the steps, the loss and the time spent (none with -q or logging.progress=false), and
-a line per fitted layer follows on stdout.
+(retrofit.train.fit). The conversion's method must declare the `fit` capability on its config
+(Hedgehog's does); another is refused with one error line naming the methods that can be fitted.
+The fitted model is a delta checkpoint in --out (default: the recipe's checkpoint.output_dir +
+/final) with the fit's report, fit.json; `retrofit eval`, `generate`, `bench` and `train`
+(model.name=...) read it. While it fits, a progress bar on stderr shows the layer (i/N), the steps,
+the loss and the time spent (none with -q or logging.progress=false), and a line per fitted layer
+follows on stdout.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ def _run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from retrofit.fs import check_replaceable, output_lock
+    from retrofit.train.fit import check_fittable_recipe
     from retrofit.train.recipe import load_recipe
 
     recipe = load_recipe(args.recipe, args.overrides)
@@ -46,6 +49,7 @@ def _run(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(recipe.to_dict(), sort_keys=False), end="")
         return 0
+    check_fittable_recipe(recipe)  # a conversion of a method that cannot be fitted fails before anything loads
     out = Path(args.out) if args.out else Path(recipe.checkpoint.output_dir) / "final"
     check_replaceable(out, overwrite=args.overwrite, protect=[recipe.model.name])  # before any weight loads
     from retrofit.train.data import data_files

@@ -68,7 +68,9 @@ class HedgehogConfig(WindowConfig):
     the window's (:class:`~retrofit.layers.window.WindowConfig`) and the read's."""
 
     method = "hedgehog"
-    capabilities = frozenset({"attention_weights"})
+    # attention_weights: its weights over the keys are one distribution (train.objective weights);
+    # fit: `retrofit fit` fits its read to the base's attention layer by layer (retrofit.train.fit)
+    capabilities = frozenset({"attention_weights", "fit"})
     # a 6-token window with 2 sinks beside a read of 2 x 8 features, in 4-token chunks
     test_spec = MethodTestSpec(options={"window": 6, "sinks": 2, "features": 8, "chunk_size": 4},
                                anchor="closed-window")

@@ -99,6 +99,8 @@ class MethodConfig:
     # retrofit.train (never by testing the method's name). Known ones:
     # "window_dropout": its layers have a sliding-window branch that ``train.window_dropout`` drops
     # for whole sequences (the layer sets p(window) = 0 while ``window_dropout`` > 0 in training).
+    # "fit": ``retrofit fit`` (retrofit.train.fit) fits its layers' read to the base's attention, layer
+    # by layer (the layers provide read_kl, scale_regression and the fitted weights it names: Hedgehog's).
     capabilities: ClassVar[frozenset[str]] = frozenset()
     # How the generic method tests run this method on a tiny model (MethodTestSpec above).
     test_spec: ClassVar[MethodTestSpec | None] = None

@@ -35,8 +35,11 @@ from retrofit.errors import SpecError
 from retrofit.surgery.distill import converted_modules, distill_mode
 from retrofit.train.recipe import Recipe
 
-__all__ = ["FitReport", "LayerInputs", "capture_layer_inputs", "fit_maps", "fit_read", "fit_scale",
-           "fit_sequences", "fittable_layers", "report_json", "run_fit", "save_fitted", "scale_problem"]
+__all__ = ["FIT", "FitReport", "LayerInputs", "capture_layer_inputs", "check_fittable_recipe", "fit_maps", "fit_read",
+           "fit_scale", "fit_sequences", "fittable_layers", "fittable_methods", "report_json", "run_fit", "save_fitted",
+           "scale_problem"]
+
+FIT = "fit"  # the capability a method declares (MethodConfig.capabilities) for its layers to be fitted here
 
 LayerInputs = list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]  # per sequence: hidden, (cos, sin)
 
@@ -79,16 +82,52 @@ class FitReport:
         return "\n".join(lines)
 
 
+def fittable_methods() -> list[str]:
+    """The registered methods whose config declares the ``fit`` capability, sorted."""
+    from retrofit.layers.method import available_methods, get_method
+
+    return sorted(name for name in available_methods() if FIT in get_method(name).config.capabilities)
+
+
+def _declares_fit(method: str | None) -> bool:
+    from retrofit.layers.method import registered_method
+
+    info = registered_method(method) if method else None
+    return info is not None and FIT in info.config.capabilities
+
+
+def _not_fittable(methods: list[str], where: str) -> SpecError:
+    fittable = fittable_methods()
+    can = f"method{'s' if len(fittable) > 1 else ''} {', '.join(fittable)}" if fittable else "none is registered"
+    return SpecError(f"retrofit fit fits the methods whose config declares the {FIT!r} capability ({can}); {where} "
+                     f"method {', '.join(methods)}, which does not: train it with retrofit train instead")
+
+
+def check_fittable_recipe(recipe: Recipe) -> None:
+    """Refuse, before any weight loads, a recipe whose conversion section will convert its base
+    (``model.name`` names an unconverted model) with a method that does not declare ``fit``. A
+    converted ``model.name`` is checked when it is loaded (:func:`fittable_layers`)."""
+    from retrofit.surgery.loading import names_converted
+    from retrofit.surgery.spec import ConversionSpec
+
+    conversion = recipe.conversion if isinstance(recipe.conversion, dict) else {}
+    if not conversion or names_converted(recipe.model.name) is not False:
+        return
+    method = conversion.get("method") or ConversionSpec.DEFAULT_METHOD
+    if not _declares_fit(method):
+        raise _not_fittable([str(method)], "the recipe's conversion section converts with")
+
+
 def fittable_layers(model: nn.Module) -> list[nn.Module]:
-    """The converted layers, all of a method with a fitted read (``hedgehog``); a SpecError otherwise."""
+    """The converted layers, all of methods that declare the ``fit`` capability; a SpecError otherwise."""
     layers = converted_modules(model)
     if not layers:
-        raise SpecError("the model has no converted layers: set a conversion section (method: hedgehog) in the recipe "
-                        "or point model.name at a hedgehog conversion")
-    other = sorted({m.method for m in layers if not hasattr(m, "read_kl")})
+        names = " or ".join(fittable_methods()) or "one that declares fit"
+        raise SpecError(f"the model has no converted layers: set a conversion section (method: {names}) in the "
+                        "recipe or point model.name at such a conversion")
+    other = sorted({m.method for m in layers if not _declares_fit(m.method)})
     if other:
-        raise SpecError(f"retrofit fit fits a Hedgehog read (method hedgehog) to the base's attention; method "
-                        f"{', '.join(other)} has no such read: train it with retrofit train instead")
+        raise _not_fittable(other, "the model's layers are of")
     return layers
 
 
@@ -279,7 +318,7 @@ def _fit_layers(layers: list[nn.Module], captured: list[dict], per_layer: PerLay
 
 def fit_read(model: nn.Module, tokenizer: Any, recipe: Recipe, *, log: Callable[[str], None] = print,
              progress: bool = True) -> FitReport:
-    """``recipe.fit``'s two parts on ``model`` (converted, method hedgehog), in place: the maps, then
+    """``recipe.fit``'s two parts on ``model`` (converted, by a method that declares ``fit``), in place: the maps, then
     the scale (a part with ``sequences: 0`` is skipped). Seeds: ``train.seed`` plus the layer index,
     so a layer's fit does not depend on the others. ``progress``: a progress bar on stderr (also
     off with ``logging.progress: false``)."""
@@ -336,6 +375,7 @@ def run_fit(recipe: Recipe, out: str | Path, *, overwrite: bool = False,
     from retrofit.train.model import build_model, model_dtype
 
     cuda = torch.cuda.is_available()
+    check_fittable_recipe(recipe)
     model, tokenizer = build_model(recipe, dtype=model_dtype(recipe, cuda), log=log)
     fittable_layers(model)  # a model of another method fails before any sequence is captured
     model.eval().to("cuda" if cuda else "cpu")

@@ -148,6 +148,56 @@ def test_fit_cli_refusals(tmp_path, books, pretrained_base, converted_dir, capsy
     assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err
 
 
+def test_fitting_is_a_capability_the_method_declares_not_its_name(tmp_path, books, monkeypatch, capsys):
+    """``retrofit fit`` takes the methods whose config declares ``fit`` (Hedgehog's, or a method
+    registered under another name), and refuses another with one error line naming those it takes:
+    a recipe converting with it before anything loads, a converted model when it is loaded."""
+    from retrofit.errors import SpecError
+    from retrofit.layers import method as registry
+    from retrofit.layers.hedgehog import HedgehogConfig, build_hedgehog
+    from retrofit.train.fit import FIT, check_fittable_recipe, fittable_layers, fittable_methods
+    from retrofit.train.recipe import load_recipe
+
+    assert FIT in HedgehogConfig.capabilities and fittable_methods() == ["hedgehog"]
+    base = tiny.save_base(tmp_path / "base")
+    capsys.readouterr()
+    other = tiny.recipe_dict(base, books, tmp_path / "run", conversion={"method": "macchiato", "window": 8})
+    other["fit"] = {"maps": {"seq_len": 64, "sequences": 1, "steps": 1}, "scale": {"seq_len": 64, "sequences": 1}}
+    (tmp_path / "other.yaml").write_text(yaml.safe_dump(other))
+    out = tmp_path / "m"
+    assert main(["fit", str(tmp_path / "other.yaml"), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "\n" not in err.strip(), err
+    assert "declares the 'fit' capability (method hedgehog)" in err
+    assert "conversion section converts with method macchiato, which does not" in err
+    assert not out.exists()
+
+    # a method of another name whose config declares fit is fitted; Hedgehog without the declaration is not
+    class _ToyConfig(HedgehogConfig):  # Hedgehog's fields under another name, declaring fit itself
+        method = "fit-capability-toy"
+        capabilities = frozenset({FIT})
+
+    def build(original, patch, spec, layer_idx, generator):
+        layer = build_hedgehog(original, patch, spec, layer_idx, generator)
+        layer.method = "fit-capability-toy"
+        return layer
+
+    registry.register_method("fit-capability-toy", build, config=_ToyConfig, replace=True)
+    try:
+        assert fittable_methods() == ["fit-capability-toy", "hedgehog"]
+        toy = convert(tiny.base_model(), surgery.ConversionSpec(**{**HEDGEHOG, "method": "fit-capability-toy"}))
+        assert len(fittable_layers(toy)) == 2
+        monkeypatch.setattr(HedgehogConfig, "capabilities", frozenset({"attention_weights"}))
+        assert fittable_methods() == ["fit-capability-toy"]
+        with pytest.raises(SpecError, match="the model's layers are of method hedgehog, which does not"):
+            fittable_layers(convert(tiny.base_model(), surgery.ConversionSpec(**HEDGEHOG)))
+        with pytest.raises(SpecError, match=r"\(method fit-capability-toy\); the recipe's conversion section converts with "
+                                            r"method hedgehog, which does not"):
+            check_fittable_recipe(load_recipe(str(_recipe(tmp_path, books, base))))
+    finally:
+        registry._METHODS.pop("fit-capability-toy", None)
+
+
 def test_demo_fits_a_fit_recipe_instead_of_training_it(tmp_path, books, pretrained_base):
     from retrofit.demo import DemoSettings, run_demo
     from retrofit.errors import RetrofitError
