@@ -122,6 +122,14 @@ def _apply_backend(args: argparse.Namespace) -> None:
     from retrofit.cli.devices import check_device
 
     check_device(getattr(args, "device", None))
+    converted = getattr(args, "converted", None)
+    if converted is not None:  # a plain model here would be timed, and labelled, as the converted one
+        from retrofit.errors import RetrofitError
+        from retrofit.surgery.loading import names_converted
+
+        if names_converted(converted) is False:
+            raise RetrofitError(f"--converted {converted} is a plain model, not a converted checkpoint: pass a "
+                                "folder retrofit convert wrote, or drop --converted to convert --model in memory")
     if getattr(args, "backend", None):
         from retrofit.ops.backends import set_default_backend
 

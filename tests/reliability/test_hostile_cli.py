@@ -143,3 +143,13 @@ def test_an_empty_conversion_config_is_refused_not_taken_for_the_defaults(base, 
     fails(["convert", str(base), "--out", str(out), "--config", str(config), "--probe-tokens", "0"], capsys,
           f"conversion config {config} is empty", "drop --config")
     assert not out.exists() and not leftovers(tmp_path)
+
+
+# ---------------------------------------------------------------------- bench --converted
+@pytest.mark.parametrize("suite", ["decode", "model"])
+def test_bench_refuses_a_plain_model_as_the_converted_one(base, tmp_path, capsys, suite):
+    # it was timed and tabled as "converted" beside itself, with a speedup from noise alone
+    out = tmp_path / "out"
+    fails(["bench", suite, "--model", str(base), "--converted", str(base), "--lengths", "64", "--out", str(out)],
+          capsys, f"--converted {base} is a plain model, not a converted checkpoint")
+    assert not out.exists()
