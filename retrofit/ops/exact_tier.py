@@ -64,6 +64,10 @@ __all__ = ["TIER_RULES", "TierState", "settle_frontier", "tiered_attention", "ti
 
 TIER_RULES = ("recall", "norm", "recency")
 
+# Block retrieval runs a prefill this many queries at a time: the union of blocks they choose (what is
+# gathered and scored) stays small where a whole segment's union would cover most of the store.
+RETRIEVAL_QUERIES = 16
+
 
 def _rep(x: torch.Tensor, group: int) -> torch.Tensor:
     """``x`` with each KV head (dim 1) repeated over its ``group`` query heads."""
@@ -209,7 +213,10 @@ def _settle(state: TierState, block: int, capacity: int, rule: str, feature_key_
     cand_v = torch.cat([state.tier_values, state.values[:, :, :block]], dim=2)
     cand_i = torch.cat([state.tier_index, idx.expand(B, Hkv, block)], dim=2)
     cand_ok = torch.cat([state.tier_index >= 0, write[:, None].expand(B, Hkv, block)], dim=2)
-    score = _scores(rule, cand_k, cand_v, cand_i, state.S, state.z, feature_key_weight, group)
+    if capacity:
+        score = _scores(rule, cand_k, cand_v, cand_i, state.S, state.z, feature_key_weight, group)
+    else:  # nothing stays: no score needed, the order only decides which slots (none) are kept
+        score = cand_i.to(state.S.dtype)
     score = score.masked_fill(~cand_ok, float("-inf"))
     # the best `capacity` by score, ties to the newer token: sort by index, then stably by score
     by_index = cand_i.argsort(dim=-1, descending=True)
@@ -405,7 +412,7 @@ def tiered_attention(
         if start + i >= settle_at:
             state = _settle(state, block, capacity, rule, feature_key_weight, sinks, retrieve)
             continue
-        j = min(T, settle_at - start)
+        j = min(T, settle_at - start, i + RETRIEVAL_QUERIES if retrieve else T)
         t = torch.arange(start + i, start + j, device=q.device)
         outs.append(_segment(state, q[:, :, i:j], mq[:, :, i:j], fq[:, :, i:j], scale[:, :, i:j], count_weight, t, sinks,
                              scaling=scaling, softcap=softcap, sink_distance=sink_distance, inv_freq=inv,

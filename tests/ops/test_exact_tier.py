@@ -218,3 +218,12 @@ def test_retrieval_ties_go_to_the_older_block():
     assert _top_blocks(bound, 3).nonzero()[:, 1].tolist() == [1, 2, 3]
     assert _top_blocks(bound, 4).nonzero()[:, 1].tolist() == [1, 2, 3, 4]
     assert _top_blocks(bound, 7).all()
+
+
+def test_retrieval_in_segments_longer_than_its_query_groups_equals_decoding():
+    """Segments of 32 queries run in groups of RETRIEVAL_QUERIES: the same outputs as one token at a time."""
+    x, wk, cw = _inputs(110, seed=13)
+    kw = dict(window=8, block=32, capacity=0, retrieve=1)
+    full, _ = _run(x, wk, cw, sinks_n=1, **kw)
+    split, _ = _run(x, wk, cw, steps=[1] * 110, sinks_n=1, **kw)
+    torch.testing.assert_close(split, full, rtol=1e-10, atol=1e-10)
