@@ -95,14 +95,20 @@ def check_enough_tokens(recipe: Recipe, tokenize: Any, files: Any, rank: int, wo
     need = recipe.train.batch_size // max(world, 1) * d.seq_len
     docs = shard_documents(load_documents(files=files.train, text_field=d.text_field, errors=d.text_errors), rank, world)
     have = 0
+    names = ", ".join(f.name for f in files.train[:4]) + (", ..." if len(files.train) > 4 else "")
     for doc in docs:
         text = doc.get(d.text_field) if isinstance(doc, dict) else None
-        if isinstance(text, str) and text.strip():
+        if not isinstance(text, str):  # not "0 tokens": the field is missing or holds no text
+            fields = ", ".join(k for k, v in doc.items() if v is not None) if isinstance(doc, dict) else "none"
+            what = f"no {d.text_field!r} field" if text is None else \
+                f"{str(text)[:40]!r} ({type(text).__name__}), not text, in its {d.text_field!r} field"
+            raise DataError(f"the training data ({names}): a document has {what} (its fields: {fields}); set "
+                            "data.text_field to the field that holds the text")
+        if text.strip():
             have += len(tokenize(text)) + 1
             if have >= need:
                 return have
     who = f"rank {rank}'s share of " if world > 1 else ""
-    names = ", ".join(f.name for f in files.train[:4]) + (", ..." if len(files.train) > 4 else "")
     raise DataError(f"{who}the training data ({names}) holds {have} tokens but one step needs {need} "
                     f"(train.batch_size x data.seq_len{' / ranks' if world > 1 else ''}): add text, or lower "
                     "data.seq_len or train.batch_size")

@@ -153,3 +153,19 @@ def test_bench_refuses_a_plain_model_as_the_converted_one(base, tmp_path, capsys
     fails(["bench", suite, "--model", str(base), "--converted", str(base), "--lengths", "64", "--out", str(out)],
           capsys, f"--converted {base} is a plain model, not a converted checkpoint")
     assert not out.exists()
+
+
+# ---------------------------------------------------------------------- training records without their text
+@pytest.mark.parametrize("record, needles", [
+    ({"body": "a document under another field"}, ["a document has no 'text' field", "its fields: body"]),
+    ({"text": 5}, ["'5' (int), not text, in its 'text' field"]),
+])
+def test_jsonl_records_without_a_text_field_are_named_not_counted_as_zero_tokens(base, tmp_path, capsys, record,
+                                                                                  needles):
+    from tests.reliability.test_faults import recipe_file
+
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps(record) + "\n")
+    recipe = recipe_file(tmp_path, base, data)
+    fails(["train", str(recipe)], capsys, "the training data (data.jsonl)", *needles, "set data.text_field")
+    assert not (tmp_path / "out").exists()
