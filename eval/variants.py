@@ -44,8 +44,9 @@ KINDS: dict[str, tuple[str, str, bool]] = {
     "tier-recency": ("model", "{label} + exact tier {value:d} (recency)", True),
     # block retrieval (unbounded): every settled block kept, each query reading its best N blocks exactly
     "retrieve": ("model", "{label} + retrieval of {value:d} blocks", True),
+    "retrieve-bound": ("model", "{label} + retrieval of {value:d} blocks (Quest bound)", True),
 }
-_INT_KINDS = ("cap", "tier", "tier-norm", "tier-recency", "retrieve")  # a number of tokens, not a factor
+_INT_KINDS = ("cap", "tier", "tier-norm", "tier-recency", "retrieve", "retrieve-bound")  # a number of tokens, not a factor
 
 
 @dataclass(frozen=True)
@@ -155,11 +156,12 @@ def apply_variant(model: Any, variant: Variant) -> Any:
                                 "is what is closed); MODEL has no Macchiato layer")
         for m in layers:
             m.latent_path_closed = True
-    elif variant.kind.startswith("tier") or variant.kind == "retrieve":
+    elif variant.kind.startswith("tier") or variant.kind.startswith("retrieve"):
         from retrofit.layers.tier import set_tier
 
-        if variant.kind == "retrieve":
-            changed = set_tier(model, 0, retrieve=int(variant.value))
+        if variant.kind.startswith("retrieve"):
+            score = "bound" if variant.kind == "retrieve-bound" else "max"
+            changed = set_tier(model, 0, retrieve=int(variant.value), retrieve_score=score)
         else:
             rule = {"tier": "recall", "tier-norm": "norm", "tier-recency": "recency"}[variant.kind]
             changed = set_tier(model, int(variant.value), rule)

@@ -85,6 +85,11 @@ TABLE: dict[str, dict] = {'window': {'flag': '--window',
               'help': 'block retrieval: every settled block of tier_block tokens is kept, and each query '
                       'reads this many of them exactly, those whose keys bound its score highest (0 = off; '
                       'the cache then grows with the context; replaces the tier) [hedgehog: 0]'},
+ 'retrieve_score': {'flag': '--retrieve-score',
+                    'kind': 'str',
+                    'nullable': False,
+                    'help': 'how a query ranks the stored blocks: max (its best score in the block) or bound '
+                            "(Quest's bound from the block's key extremes: cheaper, looser) [hedgehog: max]"},
  'bases': {'flag': '--bases',
            'kind': 'int',
            'nullable': True,

@@ -43,7 +43,7 @@ from torch import nn
 
 from retrofit.errors import SpecError
 from retrofit.layers.method import DEFAULT_WINDOW, MethodTestSpec, opt, register_method
-from retrofit.layers.tier import DEFAULT_TIER_BLOCK, TIER_RULES, TierLayerCache, tiered_attend
+from retrofit.layers.tier import DEFAULT_TIER_BLOCK, RETRIEVE_SCORES, TIER_RULES, TierLayerCache, tiered_attend
 from retrofit.layers.window import WindowAttention, WindowConfig, window_config
 from retrofit.ops import hedgehog_read_chunked, hedgehog_read_step, repeat_kv_heads
 from retrofit.ops.hedgehog import HedgehogState, hedgehog_features
@@ -62,7 +62,7 @@ DEFAULT_INIT_LOG_SCALE = 2.0
 
 
 @window_config("window", "features", "init_log_scale", "memory_distance", "sinks", "sink_distance", "chunk_size",
-               "tier", "tier_rule", "tier_block", "retrieve")
+               "tier", "tier_rule", "tier_block", "retrieve", "retrieve_score")
 class HedgehogConfig(WindowConfig):
     """Hyper-parameters of a window + Hedgehog linear read conversion (``retrofit convert --method hedgehog``):
     the window's (:class:`~retrofit.layers.window.WindowConfig`) and the read's."""
@@ -91,6 +91,8 @@ class HedgehogConfig(WindowConfig):
     retrieve: int = opt(0, "block retrieval: every settled block of tier_block tokens is kept, and each query reads "
                            "this many of them exactly, those whose keys bound its score highest (0 = off; the "
                            "cache then grows with the context; replaces the tier)")
+    retrieve_score: str = opt("max", "how a query ranks the stored blocks: max (its best score in the block) or "
+                                     "bound (Quest's bound from the block's key extremes: cheaper, looser)")
 
     def check(self) -> None:
         super().check()
@@ -98,6 +100,8 @@ class HedgehogConfig(WindowConfig):
             raise SpecError(f"tier must be >= 0 and tier_block >= 1, got {self.tier} and {self.tier_block}")
         if self.tier_rule not in TIER_RULES:
             raise SpecError(f"tier_rule must be one of {', '.join(TIER_RULES)}, got {self.tier_rule!r}")
+        if self.retrieve_score not in RETRIEVE_SCORES:
+            raise SpecError(f"retrieve_score must be one of {', '.join(RETRIEVE_SCORES)}, got {self.retrieve_score!r}")
         if self.retrieve < 0 or (self.retrieve and self.tier):
             raise SpecError(f"retrieve must be >= 0 and is used without a tier (tier=0), got retrieve={self.retrieve} "
                             f"and tier={self.tier}")
@@ -208,12 +212,13 @@ class HedgehogAttention(WindowAttention):
         tier_rule: str = HedgehogConfig.tier_rule,
         tier_block: int = HedgehogConfig.tier_block,
         retrieve: int = HedgehogConfig.retrieve,
+        retrieve_score: str = HedgehogConfig.retrieve_score,
         generator: torch.Generator | None = None,
     ):
         super().__init__(original, patch, window=window, sinks=sinks, sink_distance=sink_distance)
         self.chunk_size = int(chunk_size)
         self.tier, self.tier_rule, self.tier_block = int(tier), str(tier_rule), int(tier_block)  # retrofit.layers.tier
-        self.retrieve = int(retrieve)
+        self.retrieve, self.retrieve_score = int(retrieve), str(retrieve_score)
         self.features = int(features)
         self.init_log_scale = float(init_log_scale)
         self.memory_distance = None if memory_distance is None else int(memory_distance)
@@ -538,7 +543,8 @@ class HedgehogAttention(WindowAttention):
         return (f", features={self.features}, init_log_scale={self.init_log_scale}"
                 + (f", memory_distance={self.memory_distance}" if self.memory_distance is not None else "")
                 + (f", tier={self.tier} ({self.tier_rule}, block {self.tier_block})" if self.tier else "")
-                + (f", retrieve={self.retrieve} blocks of {self.tier_block}" if self.retrieve else ""))
+                + (f", retrieve={self.retrieve} blocks of {self.tier_block} ({self.retrieve_score})"
+                   if self.retrieve else ""))
 
 
 def build_hedgehog(original: nn.Module, patch: Any, spec: Any, layer_idx: int,
@@ -549,6 +555,7 @@ def build_hedgehog(original: nn.Module, patch: Any, spec: Any, layer_idx: int,
         original, patch, window=c.window if c.window is not None else DEFAULT_WINDOW, features=c.features,
         init_log_scale=c.init_log_scale, memory_distance=c.memory_distance, chunk_size=c.chunk_size, sinks=c.sinks,
         sink_distance=c.sink_distance, tier=c.tier, tier_rule=c.tier_rule, tier_block=c.tier_block, retrieve=c.retrieve,
+        retrieve_score=c.retrieve_score,
         generator=generator,
     )
 

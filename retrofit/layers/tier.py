@@ -20,11 +20,11 @@ from torch import nn
 
 from retrofit.layers.cache import RetrofitLayerCache
 from retrofit.ops import tiered_attention
-from retrofit.ops.exact_tier import TIER_RULES, TierState
+from retrofit.ops.exact_tier import RETRIEVE_SCORES, TIER_RULES, TierState
 from retrofit.ops.rope import rope_unrotate
 from retrofit.ops.sinks import first_valid
 
-__all__ = ["DEFAULT_TIER_BLOCK", "TIER_RULES", "TierLayerCache", "set_tier", "tier_layers", "tiered_attend"]
+__all__ = ["DEFAULT_TIER_BLOCK", "RETRIEVE_SCORES", "TIER_RULES", "TierLayerCache", "set_tier", "tier_layers", "tiered_attend"]
 
 # Tokens settled at a time: the window holds w to w + 63 tokens; the selection runs once per 64 tokens.
 DEFAULT_TIER_BLOCK = 64
@@ -68,21 +68,24 @@ def tier_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def set_tier(model: nn.Module, capacity: int, rule: str = "recall", block: int = DEFAULT_TIER_BLOCK,
-             retrieve: int = 0) -> int:
+             retrieve: int = 0, retrieve_score: str = "max") -> int:
     """Give every Hedgehog layer of ``model`` an exact tier of ``capacity`` tokens per KV head (0: none),
     chosen by ``rule`` every ``block`` tokens, or (``retrieve`` > 0, ``capacity`` 0) block retrieval of
-    ``retrieve`` stored blocks per query; returns the number of layers changed. A cache filled before
+    ``retrieve`` stored blocks per query, ranked by ``retrieve_score``; returns the number of layers changed. A cache filled before
     the change must not be reused."""
     if rule not in TIER_RULES:
         raise ValueError(f"tier rule must be one of {', '.join(TIER_RULES)}, got {rule!r}")
     if capacity < 0 or block < 1 or retrieve < 0:
         raise ValueError(f"tier capacity and retrieve must be >= 0 and its block >= 1, got {capacity}, {retrieve} "
                          f"and {block}")
+    if retrieve_score not in RETRIEVE_SCORES:
+        raise ValueError(f"retrieve_score must be one of {', '.join(RETRIEVE_SCORES)}, got {retrieve_score!r}")
     if capacity and retrieve:
         raise ValueError(f"block retrieval replaces the tier: give a capacity of 0 with retrieve={retrieve}")
     layers = tier_layers(model)
     for layer in layers:
         layer.tier, layer.tier_rule, layer.tier_block, layer.retrieve = int(capacity), rule, int(block), int(retrieve)
+        layer.retrieve_score = retrieve_score
     return len(layers)
 
 
@@ -123,7 +126,7 @@ def tiered_attend(layer: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.T
     out, state = tiered_attention(
         q, k, v, mq, mk, fq, scale, feature_key_weight=layer.feature_key.weight, count_weight=layer.memory_scale.count_weight,
         window=layer.window, block=layer.tier_block, capacity=layer.tier, rule=layer.tier_rule,
-        retrieve=layer.retrieve, scaling=layer.scaling,
+        retrieve=layer.retrieve, retrieve_score=layer.retrieve_score, scaling=layer.scaling,
         softcap=layer.softcap, key_padding_mask=valid, sinks=sinks, sink_distance=layer.sink_distance,
         inv_freq=layer.sink_inv_freq, state=cache.tier if cache is not None else None,
     )

@@ -21,15 +21,20 @@ newer token), the rest go into the memory for good. Because settling happens onl
 points, a prefill and a token-by-token decode do exactly the same settling, and the tier, the
 memory and the window stay bounded: the decoding cost per token does not grow with the context.
 
-**Block retrieval** (``retrieve = k > 0``, with ``capacity = 0``; the unbounded mode InfLLM and
-LongHeads use, with Quest's page bound as the block score): every settled block is also *stored*
-(its read keys and values, and per KV head the element-wise minimum ``lo`` and maximum ``hi`` of its
-keys), and each query reads exactly, beside its window and sinks, the ``k`` stored blocks with the
-highest bound ``sum_j max(mq_j lo_j, mq_j hi_j)`` (an upper bound on the block's best read score;
-ties: the older block). The memory still holds every settled token, so a retrieved token is counted
-twice (exactly, and in the read): the read's share then falls as the retrieved scores raise
-``lse_t``. The cache grows with the context (the store); a query's work grows by ``T / C`` bounds
-and reads ``k C`` stored tokens (a prefill segment gathers the union of its queries' blocks once).
+**Block retrieval** (``retrieve = k > 0``, with ``capacity = 0``; the unbounded mode of InfLLM and
+LongHeads): every settled block is also *stored* (its read keys and values), and each query reads
+exactly, beside its window and sinks, the ``k`` stored blocks it ranks highest (ties: the older
+block), by ``retrieve_score``:
+
+* ``"max"``: the block's best read score ``max_s mq . mk_s`` (every stored key scored, as full
+  attention scores them; only ``k C`` are read);
+* ``"bound"``: Quest's bound ``sum_j max(mq_j lo_j, mq_j hi_j)`` from the element-wise minimum
+  ``lo`` and maximum ``hi`` of the block's keys (``T / C`` scores per query, but a loose ranking: on
+  SmolLM2 it misses the needle's block in most heads of the upper layers, docs/findings.md).
+
+The memory still holds every settled token, so a retrieved token is counted twice (exactly, and in
+the read): the read's share then falls as the retrieved scores raise ``lse_t``. The cache grows with
+the context (the store).
 
 Scores (``rule``), per KV head over its query heads' memories:
 
@@ -60,9 +65,10 @@ from retrofit.ops.hedgehog import hedgehog_features
 from retrofit.ops.rope import rope_rotate
 from retrofit.ops.sdpa import repeat_kv_heads
 
-__all__ = ["TIER_RULES", "TierState", "settle_frontier", "tiered_attention", "tiered_attention_reference"]
+__all__ = ["RETRIEVE_SCORES", "TIER_RULES", "TierState", "settle_frontier", "tiered_attention", "tiered_attention_reference"]
 
 TIER_RULES = ("recall", "norm", "recency")
+RETRIEVE_SCORES = ("max", "bound")
 
 # Block retrieval runs a prefill this many queries at a time: the union of blocks they choose (what is
 # gathered and scored) stays small where a whole segment's union would cover most of the store.
@@ -249,7 +255,7 @@ def _top_blocks(bound: torch.Tensor, k: int) -> torch.Tensor:
     return above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
 
 
-def _retrieved(state: TierState, mq: torch.Tensor, retrieve: int, block: int
+def _retrieved(state: TierState, mq: torch.Tensor, retrieve: int, block: int, by: str = "max"
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The stored tokens that R queries ``mq (B, Hq, R, d)`` read exactly: each query's ``retrieve`` blocks with
     the highest key bound (ties: the older block).
@@ -260,9 +266,14 @@ def _retrieved(state: TierState, mq: torch.Tensor, retrieve: int, block: int
     B, Hkv, NB = state.store_lo.shape[:3]
     Hq, R = mq.shape[1], mq.shape[2]
     group = Hq // Hkv
+    token_ok = state.store_valid.view(B, NB, block)
+    if by == "max":  # each block's best score: every stored key scored, the k best blocks read
+        keys, values = _rep(state.store_keys, group), _rep(state.store_values, group)
+        s = (mq @ keys.to(mq.dtype).transpose(-1, -2)).masked_fill(~state.store_valid[:, None, None, :], float("-inf"))
+        chosen = _top_blocks(s.view(B, Hq, R, NB, block).amax(-1), min(retrieve, NB))
+        return keys, values, chosen.repeat_interleave(block, dim=-1) & state.store_valid[:, None, None, :]
     lo, hi = (_rep(x, group).to(mq.dtype) for x in (state.store_lo, state.store_hi))
     bound = mq.clamp_min(0) @ hi.transpose(-1, -2) + mq.clamp_max(0) @ lo.transpose(-1, -2)  # (B, Hq, R, NB)
-    token_ok = state.store_valid.view(B, NB, block)
     bound = bound.masked_fill(~token_ok.any(-1)[:, None, None, :], float("-inf"))
     chosen = _top_blocks(bound, min(retrieve, NB))
     union = chosen.any(2)  # (B, Hq, NB)
@@ -285,7 +296,7 @@ def _retrieved(state: TierState, mq: torch.Tensor, retrieve: int, block: int
 
 
 def _segment(state: TierState, q, mq, fq, scale, count_weight, t, sinks, *, scaling, softcap, sink_distance,
-             inv_freq, retrieve: int = 0, block: int = 1) -> torch.Tensor:
+             inv_freq, retrieve: int = 0, block: int = 1, retrieve_score: str = "max") -> torch.Tensor:
     """Outputs ``(B, Hq, R, D)`` of R queries at stream positions ``t`` that share one frontier."""
     B, Hq, R, _ = q.shape
     Hkv = state.keys.shape[1]
@@ -308,7 +319,7 @@ def _segment(state: TierState, q, mq, fq, scale, count_weight, t, sinks, *, scal
                                           .transpose(-1, -2), float("-inf")))
         parts_v.append(_rep(state.tier_values, group))
     if retrieve and state.store_keys.shape[2]:
-        keys_r, values_r, read = _retrieved(state, mqa, retrieve, block)
+        keys_r, values_r, read = _retrieved(state, mqa, retrieve, block, retrieve_score)
         parts_s.append((mqa @ keys_r.to(acc).transpose(-1, -2)).masked_fill(~read, float("-inf")))
         parts_v.append(values_r)
     s = torch.cat(parts_s, dim=-1)
@@ -345,6 +356,7 @@ def tiered_attention(
     capacity: int,
     rule: str = "recall",
     retrieve: int = 0,
+    retrieve_score: str = "max",
     scaling: float | None = None,
     softcap: float | None = None,
     key_padding_mask: torch.Tensor | None = None,
@@ -368,6 +380,8 @@ def tiered_attention(
             at a time; ``capacity``: tier tokens per KV head; ``rule``: one of :data:`TIER_RULES`.
         retrieve: blocks of ``block`` settled tokens each query reads exactly, chosen per query among every
             settled block (0: none; needs ``capacity = 0``); the state then keeps every settled token.
+        retrieve_score: how a query ranks the stored blocks: ``"max"`` (its best score in the block) or
+            ``"bound"`` (Quest's bound from the block's key extremes).
         scaling, softcap: the pretrained scores' scale and soft-cap.
         key_padding_mask: ``(B, T)`` bool, True at real tokens (padded queries output 0, padded keys are
             never read or kept).
@@ -395,6 +409,8 @@ def tiered_attention(
     if window < 1 or block < 1 or capacity < 0 or retrieve < 0:
         raise ValueError(f"window ({window}) and block ({block}) must be >= 1, capacity ({capacity}) and retrieve "
                          f"({retrieve}) >= 0")
+    if retrieve_score not in RETRIEVE_SCORES:
+        raise ValueError(f"retrieve_score must be one of {RETRIEVE_SCORES}, got {retrieve_score!r}")
     if retrieve and capacity:
         raise ValueError(f"block retrieval (retrieve={retrieve}) replaces the bounded tier: capacity must be 0, "
                          f"got {capacity}")
@@ -416,14 +432,14 @@ def tiered_attention(
         t = torch.arange(start + i, start + j, device=q.device)
         outs.append(_segment(state, q[:, :, i:j], mq[:, :, i:j], fq[:, :, i:j], scale[:, :, i:j], count_weight, t, sinks,
                              scaling=scaling, softcap=softcap, sink_distance=sink_distance, inv_freq=inv,
-                             retrieve=retrieve, block=block))
+                             retrieve=retrieve, block=block, retrieve_score=retrieve_score))
         i = j
     out = torch.cat(outs, dim=2) * valid[:, None, :, None]
     return out.to(v.dtype), replace(state, length=start + T)
 
 
 def tiered_attention_reference(q, k, v, mq, mk, fq, scale, *, feature_key_weight, count_weight, window, block, capacity,
-                               rule="recall", retrieve=0, scaling=None, softcap=None, key_padding_mask=None,
+                               rule="recall", retrieve=0, retrieve_score="max", scaling=None, softcap=None, key_padding_mask=None,
                                num_sinks=0, sink_distance=0, inv_freq=None) -> torch.Tensor:
     """:func:`tiered_attention` of a whole sequence, query by query from the definition, in fp64.
 
@@ -485,7 +501,11 @@ def tiered_attention_reference(q, k, v, mq, mk, fq, scale, *, feature_key_weight
                             if not members:
                                 continue
                             keys_c = torch.stack([mk[b, g, s] for s in members])
-                            bound = float(torch.maximum(mq[b, h, t] * keys_c.amin(0), mq[b, h, t] * keys_c.amax(0)).sum())
+                            if retrieve_score == "max":
+                                bound = float((keys_c @ mq[b, h, t]).max())
+                            else:
+                                bound = float(torch.maximum(mq[b, h, t] * keys_c.amin(0),
+                                                            mq[b, h, t] * keys_c.amax(0)).sum())
                             bounds.append((-bound, c0, members))
                         for _, _, members in sorted(bounds, key=lambda x: (x[0], x[1]))[:retrieve]:
                             chosen.update(members)

@@ -150,6 +150,9 @@ def test_bad_arguments():
         tiered_attention(**x, feature_key_weight=wk, count_weight=cw, window=4, block=2, capacity=2, rule="h2o")
     with pytest.raises(ValueError, match="window"):
         tiered_attention(**x, feature_key_weight=wk, count_weight=cw, window=0, block=2, capacity=2)
+    with pytest.raises(ValueError, match="retrieve_score"):
+        tiered_attention(**x, feature_key_weight=wk, count_weight=cw, window=4, block=2, capacity=0, retrieve=1,
+                         retrieve_score="mean")
     with pytest.raises(ValueError, match="capacity must be 0"):
         tiered_attention(**x, feature_key_weight=wk, count_weight=cw, window=4, block=2, capacity=2, retrieve=1)
 
@@ -157,12 +160,14 @@ def test_bad_arguments():
 # block retrieval: every settled block stored, each query reading its best blocks exactly
 
 
+@pytest.mark.parametrize("score", ["max", "bound"])
 @pytest.mark.parametrize("retrieve", [1, 3, 50])
-def test_retrieval_prefill_equals_the_definition(retrieve):
+def test_retrieval_prefill_equals_the_definition(retrieve, score):
     x, wk, cw = _inputs(43, seed=9)
     valid = torch.ones(B, 43, dtype=torch.bool)
     valid[1, :5] = False
-    kw = dict(window=6, block=4, capacity=0, retrieve=retrieve, sink_distance=12, inv_freq=INV_FREQ, softcap=20.0)
+    kw = dict(window=6, block=4, capacity=0, retrieve=retrieve, retrieve_score=score, sink_distance=12,
+              inv_freq=INV_FREQ, softcap=20.0)
     out, state = _run(x, wk, cw, sinks_n=2, valid=valid, **kw)
     ref = tiered_attention_reference(**x, feature_key_weight=wk, count_weight=cw, num_sinks=2, key_padding_mask=valid,
                                      **kw)
@@ -172,10 +177,11 @@ def test_retrieval_prefill_equals_the_definition(retrieve):
     assert not bool(state.store_valid[1, :5].any())  # padding is stored as nothing
 
 
+@pytest.mark.parametrize("score", ["max", "bound"])
 @pytest.mark.parametrize("steps", [[1] * 43, [20, 1, 1, 21]])
-def test_retrieval_decoding_equals_the_prefill(steps):
+def test_retrieval_decoding_equals_the_prefill(steps, score):
     x, wk, cw = _inputs(43, seed=10)
-    kw = dict(window=6, block=4, capacity=0, retrieve=2)
+    kw = dict(window=6, block=4, capacity=0, retrieve=2, retrieve_score=score)
     full, s_full = _run(x, wk, cw, sinks_n=1, **kw)
     split, s_split = _run(x, wk, cw, steps=steps, sinks_n=1, **kw)
     torch.testing.assert_close(split, full, rtol=1e-10, atol=1e-10)
@@ -193,10 +199,11 @@ def test_retrieval_finds_the_block_that_answers_the_query():
     x["v"][:, :, 9] = 5.0
     kw = dict(window=8, block=C, capacity=0)
     plain, _ = _run(x, wk, cw, retrieve=0, **kw)
-    found, _ = _run(x, wk, cw, retrieve=1, **kw)
-    assert (found[:, :, -1] - 5.0).abs().max() < 0.1
+    for score in ("max", "bound"):
+        found, _ = _run(x, wk, cw, retrieve=1, retrieve_score=score, **kw)
+        assert (found[:, :, -1] - 5.0).abs().max() < 0.1
     assert (plain[:, :, -1] - 5.0).abs().max() > 1.0  # the read alone does not recover it
-    ref = tiered_attention_reference(**x, feature_key_weight=wk, count_weight=cw, retrieve=1, **kw)
+    ref = tiered_attention_reference(**x, feature_key_weight=wk, count_weight=cw, retrieve=1, retrieve_score="bound", **kw)
     torch.testing.assert_close(found, ref, rtol=1e-10, atol=1e-10)
 
 
@@ -223,7 +230,7 @@ def test_retrieval_ties_go_to_the_older_block():
 def test_retrieval_in_segments_longer_than_its_query_groups_equals_decoding():
     """Segments of 32 queries run in groups of RETRIEVAL_QUERIES: the same outputs as one token at a time."""
     x, wk, cw = _inputs(110, seed=13)
-    kw = dict(window=8, block=32, capacity=0, retrieve=1)
+    kw = dict(window=8, block=32, capacity=0, retrieve=1, retrieve_score="bound")
     full, _ = _run(x, wk, cw, sinks_n=1, **kw)
     split, _ = _run(x, wk, cw, steps=[1] * 110, sinks_n=1, **kw)
     torch.testing.assert_close(split, full, rtol=1e-10, atol=1e-10)

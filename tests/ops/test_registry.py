@@ -339,6 +339,7 @@ LAYER_DIRECT_IMPORTS = {
         "hedgehog_features",  # the learned per-token feature map phi(x) (no token mixing) the read is given
     },
     "retrofit.ops.exact_tier": {
+        "RETRIEVE_SCORES",  # the names of block retrieval's rankings (a constant set_tier checks against)
         "TIER_RULES",  # the names of the tier's scoring rules (a constant set_tier checks against)
         "TierState",  # the tier's state dataclass, what the dispatched tiered_attention takes and returns
     },
