@@ -354,7 +354,7 @@ def test_7_bad_numbers_bad_text_bad_device_bad_out(base, books, tmp_path, capsys
     conv = tmp_path / "conv"
     assert main(convert_argv(base, conv)) == 0
     bad = tmp_path / "bad.jsonl"
-    bad.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    bad.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9' + b' and more words' * 20 + b'"}\n')  # one window of 8 to score
     eval_argv = ["eval", "ppl", str(conv), "--lengths", "8", "--datasets", str(bad), "--max-windows", "1",
                  "--quiet", "--out", str(tmp_path / "ev")]
     fails(eval_argv, capsys, "bad.jsonl: not valid UTF-8 at byte 30", "--text-errors replace")
