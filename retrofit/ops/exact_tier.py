@@ -256,13 +256,13 @@ def _top_blocks(bound: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _retrieved(state: TierState, mq: torch.Tensor, retrieve: int, block: int, by: str = "max"
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The stored tokens that R queries ``mq (B, Hq, R, d)`` read exactly: each query's ``retrieve`` blocks with
-    the highest key bound (ties: the older block).
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored tokens that R queries ``mq (B, Hq, R, d)`` read exactly: each query's ``retrieve`` blocks ranked
+    highest by ``by`` (ties: the older block).
 
-    Returns keys ``(B, Hq, M, d)``, values ``(B, Hq, M, D)`` and ``(B, Hq, R, M)`` True where a query reads that
-    token (one of its own blocks, a real token): the union of the R queries' blocks gathered (``M = U C``),
-    or the whole store (``M = N``) when that union is most of it."""
+    Returns scores ``(B, Hq, R, M)`` (``mq . mk``, -inf where the query does not read the token: not one of its
+    own blocks, or not a real token) and values ``(B, Hq, M, D)``: the union of the R queries' blocks gathered
+    (``M = U C``), or the whole store (``M = N``) when that union is most of it or every key was scored."""
     B, Hkv, NB = state.store_lo.shape[:3]
     Hq, R = mq.shape[1], mq.shape[2]
     group = Hq // Hkv
@@ -271,7 +271,7 @@ def _retrieved(state: TierState, mq: torch.Tensor, retrieve: int, block: int, by
         keys, values = _rep(state.store_keys, group), _rep(state.store_values, group)
         s = (mq @ keys.to(mq.dtype).transpose(-1, -2)).masked_fill(~state.store_valid[:, None, None, :], float("-inf"))
         chosen = _top_blocks(s.view(B, Hq, R, NB, block).amax(-1), min(retrieve, NB))
-        return keys, values, chosen.repeat_interleave(block, dim=-1) & state.store_valid[:, None, None, :]
+        return s.masked_fill(~chosen.repeat_interleave(block, dim=-1), float("-inf")), values
     lo, hi = (_rep(x, group).to(mq.dtype) for x in (state.store_lo, state.store_hi))
     bound = mq.clamp_min(0) @ hi.transpose(-1, -2) + mq.clamp_max(0) @ lo.transpose(-1, -2)  # (B, Hq, R, NB)
     bound = bound.masked_fill(~token_ok.any(-1)[:, None, None, :], float("-inf"))
@@ -279,20 +279,23 @@ def _retrieved(state: TierState, mq: torch.Tensor, retrieve: int, block: int, by
     union = chosen.any(2)  # (B, Hq, NB)
     U = int(union.sum(-1).max())
     if 2 * U > NB:  # most blocks: score the store as it is
+        keys, values = _rep(state.store_keys, group), _rep(state.store_values, group)
         read = chosen.repeat_interleave(block, dim=-1) & state.store_valid[:, None, None, :]
-        return _rep(state.store_keys, group), _rep(state.store_values, group), read
-    blocks = union.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :U]  # (B, Hq, U), union first
-    read = chosen.gather(-1, blocks[:, :, None, :].expand(B, Hq, R, U)) & union.gather(-1, blocks)[:, :, None, :]
-    ok = token_ok[:, None].expand(B, Hq, NB, block).gather(2, blocks[..., None].expand(B, Hq, U, block))
-    read = (read[..., None] & ok[:, :, None]).flatten(-2)
-    idx = blocks.view(B, Hkv, group, U)
+    else:
+        blocks = union.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :U]  # (B, Hq, U), union first
+        read = chosen.gather(-1, blocks[:, :, None, :].expand(B, Hq, R, U)) & union.gather(-1, blocks)[:, :, None, :]
+        ok = token_ok[:, None].expand(B, Hq, NB, block).gather(2, blocks[..., None].expand(B, Hq, U, block))
+        read = (read[..., None] & ok[:, :, None]).flatten(-2)
+        idx = blocks.view(B, Hkv, group, U)
 
-    def gather(x: torch.Tensor) -> torch.Tensor:  # (B, Hkv, N, e) -> (B, Hq, U C, e), no copy of the store per head
-        e = x.shape[-1]
-        per_block = x.view(B, Hkv, 1, NB, block, e).expand(B, Hkv, group, NB, block, e)
-        return per_block.gather(3, idx[..., None, None].expand(B, Hkv, group, U, block, e)).reshape(B, Hq, U * block, e)
+        def gather(x: torch.Tensor) -> torch.Tensor:  # (B, Hkv, N, e) -> (B, Hq, U C, e), no copy of the store per head
+            e = x.shape[-1]
+            per_block = x.view(B, Hkv, 1, NB, block, e).expand(B, Hkv, group, NB, block, e)
+            picked = per_block.gather(3, idx[..., None, None].expand(B, Hkv, group, U, block, e))
+            return picked.reshape(B, Hq, U * block, e)
 
-    return gather(state.store_keys), gather(state.store_values), read
+        keys, values = gather(state.store_keys), gather(state.store_values)
+    return (mq @ keys.to(mq.dtype).transpose(-1, -2)).masked_fill(~read, float("-inf")), values
 
 
 def _segment(state: TierState, q, mq, fq, scale, count_weight, t, sinks, *, scaling, softcap, sink_distance,
@@ -319,8 +322,8 @@ def _segment(state: TierState, q, mq, fq, scale, count_weight, t, sinks, *, scal
                                           .transpose(-1, -2), float("-inf")))
         parts_v.append(_rep(state.tier_values, group))
     if retrieve and state.store_keys.shape[2]:
-        keys_r, values_r, read = _retrieved(state, mqa, retrieve, block, retrieve_score)
-        parts_s.append((mqa @ keys_r.to(acc).transpose(-1, -2)).masked_fill(~read, float("-inf")))
+        scores_r, values_r = _retrieved(state, mqa, retrieve, block, retrieve_score)
+        parts_s.append(scores_r)
         parts_v.append(values_r)
     s = torch.cat(parts_s, dim=-1)
     s = _softcapped(s, scaling, softcap).masked_fill(s == float("-inf"), float("-inf"))  # tanh(-inf) is finite

@@ -14,10 +14,10 @@ from tests.methods._common import batch, perturb_new_weights, stepwise_logits, t
 W = 6
 
 
-def _tiered(family="llama", capacity=3, rule="recall", block=4, **options):
+def _tiered(family="llama", capacity=3, rule="recall", block=4, retrieve=0, **options):
     model = convert(tiny_model(family), method="hedgehog", window=W, options={"features": 8, "sinks": 2, **options})
     perturb_new_weights(model)
-    assert set_tier(model, capacity, rule, block) == model.config.num_hidden_layers
+    assert set_tier(model, capacity, rule, block, retrieve=retrieve) == model.config.num_hidden_layers
     return model
 
 
@@ -101,11 +101,8 @@ def test_the_zero_shot_variant_sets_the_tier_on_a_copy():
 # block retrieval: every settled block kept, each query reading its best blocks exactly
 
 
-def _retrieving(retrieve=2, block=4, **options):
-    model = convert(tiny_model("llama"), method="hedgehog", window=W, options={"features": 8, "sinks": 2, **options})
-    perturb_new_weights(model)
-    assert set_tier(model, 0, block=block, retrieve=retrieve) == model.config.num_hidden_layers
-    return model
+def _retrieving(retrieve=2, **options):
+    return _tiered(capacity=0, retrieve=retrieve, **options)
 
 
 @pytest.mark.parametrize("distance", [None, 5])
