@@ -28,6 +28,8 @@ block), by ``retrieve_score``:
 
 * ``"max"``: the block's best read score ``max_s mq . mk_s`` (every stored key scored, as full
   attention scores them; only ``k C`` are read);
+  Blocks whose best keys are one token at one position-free key tie exactly; rounding, which differs
+  between a prefill's and a decoding step's matrix shapes, may then pick a different one of them;
 * ``"bound"``: Quest's bound ``sum_j max(mq_j lo_j, mq_j hi_j)`` from the element-wise minimum
   ``lo`` and maximum ``hi`` of the block's keys (``T / C`` scores per query, but a loose ranking: on
   SmolLM2 it misses the needle's block in most heads of the upper layers, docs/findings.md).
@@ -70,8 +72,9 @@ __all__ = ["RETRIEVE_SCORES", "TIER_RULES", "TierState", "settle_frontier", "tie
 TIER_RULES = ("recall", "norm", "recency")
 RETRIEVE_SCORES = ("max", "bound")
 
-# Block retrieval runs a prefill this many queries at a time: the union of blocks they choose (what is
-# gathered and scored) stays small where a whole segment's union would cover most of the store.
+# Block retrieval ranked by the key bound runs a prefill this many queries at a time: the union of blocks they
+# choose (what is gathered and scored) stays small where a whole segment's union would cover most of the store.
+# Ranked by the best score every stored key is scored anyway, so a segment runs whole.
 RETRIEVAL_QUERIES = 16
 
 
@@ -112,18 +115,39 @@ class TierState:
     store_hi: torch.Tensor
     frontier: int = 0
     length: int = 0
+    store_room: "_StoreRoom | None" = None
 
     def tensors(self) -> list[torch.Tensor]:
-        return [getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)]
+        """The tensors held: the store's allocation (room to grow included) in place of its views."""
+        held = [getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)
+                and not (self.store_room is not None and f.name.startswith("store_"))]
+        return held if self.store_room is None else held + self.store_room.tensors()
 
     def apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "TierState":
-        """A copy with ``fn`` applied to every tensor (device moves, beam reordering)."""
-        return replace(self, **{f.name: fn(getattr(self, f.name)) for f in fields(self)
-                                if isinstance(getattr(self, f.name), torch.Tensor)})
+        """A copy with ``fn`` applied to every tensor (device moves, beam reordering); its store has no room."""
+        return replace(self, store_room=None, **{f.name: fn(getattr(self, f.name)) for f in fields(self)
+                                                 if isinstance(getattr(self, f.name), torch.Tensor)})
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors())
+
+
+@dataclass
+class _StoreRoom:
+    """The store's tensors with room for later blocks (a state's ``store_*`` are views of their first ``N``
+    tokens), so a prefill appends each block in place instead of copying the store ``T / C`` times. ``filled``:
+    the tokens the newest state holds; only a state holding that many appends in place, any other copies."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    valid: torch.Tensor
+    lo: torch.Tensor
+    hi: torch.Tensor
+    filled: int
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.keys, self.values, self.valid, self.lo, self.hi]
 
 
 def settle_frontier(t: int, window: int, block: int) -> int:
@@ -168,8 +192,14 @@ def _sink_scores(q, sinks, t, frontier, sink_distance, inv_freq):
 
 
 def _softcapped(s: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
+    """Scores scaled and soft-capped; -inf (a key not read) stays -inf."""
     s = s * scaling
     return torch.tanh(s / softcap) * softcap if softcap else s
+
+
+def _capped_soft(s: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
+    """:func:`_softcapped` of scores holding -inf (``tanh(-inf)`` is finite)."""
+    return _softcapped(s, scaling, softcap).masked_fill(s == float("-inf"), float("-inf")) if softcap else s * scaling
 
 
 def _scores(rule: str, mk, v, index, S, z, feature_key_weight, group: int) -> torch.Tensor:
@@ -187,6 +217,13 @@ def _scores(rule: str, mk, v, index, S, z, feature_key_weight, group: int) -> to
     return err.view(B, Hq // group, group, N).mean(2)
 
 
+def _with_room(x: torch.Tensor, size: int, dim: int = 2) -> torch.Tensor:
+    """``x`` copied to the front of a zero tensor ``size`` long along ``dim``."""
+    buf = x.new_zeros(*x.shape[:dim], size, *x.shape[dim + 1:])
+    buf.narrow(dim, 0, x.shape[dim]).copy_(x)
+    return buf
+
+
 def _stored(state: TierState, block: int, write: torch.Tensor) -> dict[str, torch.Tensor]:
     """The store with the settling block appended (its read keys, values, real-token mask and key bounds)."""
     k = state.read_keys[:, :, :block]
@@ -196,10 +233,26 @@ def _stored(state: TierState, block: int, write: torch.Tensor) -> dict[str, torc
     hi = torch.where(ok, k, torch.full_like(k, -big)).amax(2, keepdim=True)
     empty = ~write.any(-1)[:, None, None, None]  # a block with no real token: bounds 0, never chosen
     lo, hi = lo.masked_fill(empty, 0), hi.masked_fill(empty, 0)
-    return dict(store_keys=torch.cat([state.store_keys, k], 2),
-                store_values=torch.cat([state.store_values, state.values[:, :, :block]], 2),
-                store_valid=torch.cat([state.store_valid, write], 1),
-                store_lo=torch.cat([state.store_lo, lo], 2), store_hi=torch.cat([state.store_hi, hi], 2))
+    v = state.values[:, :, :block]
+    if any(x.requires_grad for x in (k, v, state.store_keys, state.store_values)):  # autograd: no in-place writes
+        return dict(store_keys=torch.cat([state.store_keys, k], 2), store_values=torch.cat([state.store_values, v], 2),
+                    store_valid=torch.cat([state.store_valid, write], 1),
+                    store_lo=torch.cat([state.store_lo, lo], 2), store_hi=torch.cat([state.store_hi, hi], 2))
+    N, nb = state.store_keys.shape[2], state.store_lo.shape[2]
+    room = state.store_room
+    if room is None or room.filled != N or room.keys.shape[2] < N + block:  # a new allocation, half again as big
+        cap = block * (nb + 1 + nb // 2)
+        room = _StoreRoom(_with_room(state.store_keys, cap), _with_room(state.store_values, cap),
+                          _with_room(state.store_valid, cap, dim=1), _with_room(state.store_lo, cap // block),
+                          _with_room(state.store_hi, cap // block), filled=N)
+    room.keys[:, :, N : N + block] = k
+    room.values[:, :, N : N + block] = v
+    room.valid[:, N : N + block] = write
+    room.lo[:, :, nb : nb + 1], room.hi[:, :, nb : nb + 1] = lo, hi
+    room.filled = N + block
+    return dict(store_keys=room.keys[:, :, : N + block], store_values=room.values[:, :, : N + block],
+                store_valid=room.valid[:, : N + block], store_lo=room.lo[:, :, : nb + 1], store_hi=room.hi[:, :, : nb + 1],
+                store_room=room)
 
 
 def _settle(state: TierState, block: int, capacity: int, rule: str, feature_key_weight, sinks,
@@ -255,23 +308,76 @@ def _top_blocks(bound: torch.Tensor, k: int) -> torch.Tensor:
     return above | (tied & (tied.cumsum(-1) <= k - above.sum(-1, keepdim=True)))
 
 
-def _retrieved(state: TierState, mq: torch.Tensor, retrieve: int, block: int, by: str = "max"
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stored tokens that R queries ``mq (B, Hq, R, d)`` read exactly: each query's ``retrieve`` blocks ranked
-    highest by ``by`` (ties: the older block).
+def _grouped(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``(B, Hq, R, e) -> (B, Hkv, group R, e)``: each KV head's query heads as one run of rows (a view when
+    ``x`` is contiguous), so they are scored against that head's keys without repeating the keys."""
+    B, Hq, R, e = x.shape
+    return x.reshape(B, Hq // group, group * R, e)
 
-    Returns scores ``(B, Hq, R, M)`` (``mq . mk``, -inf where the query does not read the token: not one of its
-    own blocks, or not a real token) and values ``(B, Hq, M, D)``: the union of the R queries' blocks gathered
-    (``M = U C``), or the whole store (``M = N``) when that union is most of it or every key was scored."""
+
+# One part of the exact keys a segment reads: scores ``(B, Hkv, gR, M)`` (scaled, soft-capped, -inf where not read)
+# and a map from their weights ``p`` (same shape) to the part's outputs ``(B, Hkv, gR, D)``.
+_Part = tuple[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]
+
+
+def _shared(values: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Outputs of keys whose values ``(B, Hkv, M, D)`` a KV head's query heads share."""
+    return lambda p: p @ values.to(p.dtype)
+
+
+def _per_head(values: torch.Tensor, group: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Outputs of keys whose values ``(B, Hq, M, D)`` differ per query head."""
+    def apply(p: torch.Tensor) -> torch.Tensor:
+        B, Hkv, gR, M = p.shape
+        out = p.view(B, Hkv * group, gR // group, M) @ values.to(p.dtype)
+        return out.reshape(B, Hkv, gR, -1)
+    return apply
+
+
+def _retrieved_max(state: TierState, mqg: torch.Tensor, retrieve: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``mqg (B, Hkv, gR, d)`` scores every stored key and reads its ``retrieve`` blocks with the best
+    score (ties: the older block). Returns the raw scores of the read tokens ``(B, Hkv, gR, k C)`` (-inf at tokens
+    that are not real) and their stream indices ``(B, Hkv, gR, k C)``."""
+    B, Hkv, gR, _ = mqg.shape
+    N = state.store_keys.shape[2]
+    NB = N // block
+    k = min(retrieve, NB)
+    s = mqg @ state.store_keys.to(mqg.dtype).transpose(-1, -2)  # (B, Hkv, gR, N): as full attention scores them
+    if not bool(state.store_valid.all()):
+        s.masked_fill_(~state.store_valid[:, None, None, :], float("-inf"))
+    s = s.view(B, Hkv, gR, NB, block)
+    chosen = _top_blocks(s.amax(-1), k)  # (B, Hkv, gR, NB), exactly k per row
+    blocks = chosen.to(torch.int8).argsort(dim=-1, descending=True, stable=True)[..., :k]  # (B, Hkv, gR, k)
+    picked = s.gather(3, blocks[..., None].expand(B, Hkv, gR, k, block)).flatten(-2)
+    tokens = (blocks[..., None] * block + torch.arange(block, device=s.device)).flatten(-2)
+    return picked, tokens
+
+
+def _retrieved_part(state: TierState, mq: torch.Tensor, retrieve: int, block: int, by: str, scaling: float,
+                    softcap: float | None) -> _Part:
+    """The stored tokens that R queries ``mq (B, Hq, R, d)`` read exactly: each query's ``retrieve`` blocks ranked
+    highest by ``by`` (ties: the older block)."""
+    group = mq.shape[1] // state.store_keys.shape[1]
+    if by == "max":  # each block's best score: every stored key scored, only the k best blocks read
+        picked, tokens = _retrieved_max(state, _grouped(mq, group), retrieve, block)
+        values = state.store_values
+
+        def apply(p: torch.Tensor) -> torch.Tensor:  # the k C weights placed among the N stored values
+            dense = p.new_zeros(*p.shape[:-1], values.shape[2]).scatter_(-1, tokens, p)
+            return dense @ values.to(p.dtype)
+        return _capped_soft(picked, scaling, softcap), apply
+    scores, values = _retrieved_bound(state, mq, retrieve, block)
+    return _capped_soft(_grouped(scores, group), scaling, softcap), _per_head(values, group)
+
+
+def _retrieved_bound(state: TierState, mq: torch.Tensor, retrieve: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blocks ranked by Quest's bound. Returns scores ``(B, Hq, R, M)`` (``mq . mk``, -inf where the query does not
+    read the token) and values ``(B, Hq, M, D)``: the union of the R queries' blocks gathered (``M = U C``), or the
+    whole store (``M = N``) when that union is most of it."""
     B, Hkv, NB = state.store_lo.shape[:3]
     Hq, R = mq.shape[1], mq.shape[2]
     group = Hq // Hkv
     token_ok = state.store_valid.view(B, NB, block)
-    if by == "max":  # each block's best score: every stored key scored, the k best blocks read
-        keys, values = _rep(state.store_keys, group), _rep(state.store_values, group)
-        s = (mq @ keys.to(mq.dtype).transpose(-1, -2)).masked_fill(~state.store_valid[:, None, None, :], float("-inf"))
-        chosen = _top_blocks(s.view(B, Hq, R, NB, block).amax(-1), min(retrieve, NB))
-        return s.masked_fill(~chosen.repeat_interleave(block, dim=-1), float("-inf")), values
     lo, hi = (_rep(x, group).to(mq.dtype) for x in (state.store_lo, state.store_hi))
     bound = mq.clamp_min(0) @ hi.transpose(-1, -2) + mq.clamp_max(0) @ lo.transpose(-1, -2)  # (B, Hq, R, NB)
     bound = bound.masked_fill(~token_ok.any(-1)[:, None, None, :], float("-inf"))
@@ -300,7 +406,10 @@ def _retrieved(state: TierState, mq: torch.Tensor, retrieve: int, block: int, by
 
 def _segment(state: TierState, q, mq, fq, scale, count_weight, t, sinks, *, scaling, softcap, sink_distance,
              inv_freq, retrieve: int = 0, block: int = 1, retrieve_score: str = "max") -> torch.Tensor:
-    """Outputs ``(B, Hq, R, D)`` of R queries at stream positions ``t`` that share one frontier."""
+    """Outputs ``(B, Hq, R, D)`` of R queries at stream positions ``t`` that share one frontier.
+
+    The exact keys come in parts (window, sinks, tier, retrieved blocks), each scored by a KV head's query heads
+    together; they share one log-sum-exp without being concatenated."""
     B, Hq, R, _ = q.shape
     Hkv = state.keys.shape[1]
     group = Hq // Hkv
@@ -309,28 +418,25 @@ def _segment(state: TierState, q, mq, fq, scale, count_weight, t, sinks, *, scal
     kw, vw, okw = state.keys[:, :, :W], state.values[:, :, :W], state.valid[:, :W]
     pos = torch.arange(state.frontier, state.frontier + W, device=q.device)
     qa, mqa = q.to(acc), mq.to(acc)
-    s_win = qa @ _rep(kw, group).to(acc).transpose(-1, -2)  # (B, Hq, R, W)
     allowed = (pos[None, :] <= t[:, None])[None] & okw[:, None, :]  # (B, R, W)
-    parts_s = [s_win.masked_fill(~allowed[:, None], float("-inf"))]
-    parts_v = [_rep(vw, group)]
+    s_win = _grouped(qa, group) @ kw.to(acc).transpose(-1, -2)  # (B, Hkv, gR, W)
+    s_win = _softcapped(s_win, scaling, softcap).masked_fill(~allowed.repeat(1, group, 1)[:, None], float("-inf"))
+    parts: list[_Part] = [(s_win, _shared(vw))]
     if sinks is not None and sinks[2].shape[2]:
-        parts_s.append(_sink_scores(qa, sinks, t, state.frontier, sink_distance, inv_freq))
-        parts_v.append(_rep(sinks[3], group))
+        s_sink = _sink_scores(qa, sinks, t, state.frontier, sink_distance, inv_freq)
+        parts.append((_capped_soft(_grouped(s_sink, group), scaling, softcap), _shared(sinks[3])))
     if state.tier_keys.shape[2]:
-        s_tier = mqa @ _rep(state.tier_keys, group).to(acc).transpose(-1, -2)
-        parts_s.append(s_tier.masked_fill(~_rep((state.tier_index >= 0)[..., None], group)
-                                          .transpose(-1, -2), float("-inf")))
-        parts_v.append(_rep(state.tier_values, group))
+        s_tier = _grouped(mqa, group) @ state.tier_keys.to(acc).transpose(-1, -2)  # (B, Hkv, gR, cap)
+        s_tier = _softcapped(s_tier, scaling, softcap).masked_fill(~(state.tier_index >= 0)[:, :, None, :],
+                                                                     float("-inf"))
+        parts.append((s_tier, _shared(state.tier_values)))
     if retrieve and state.store_keys.shape[2]:
-        scores_r, values_r = _retrieved(state, mqa, retrieve, block, retrieve_score)
-        parts_s.append(scores_r)
-        parts_v.append(values_r)
-    s = torch.cat(parts_s, dim=-1)
-    s = _softcapped(s, scaling, softcap).masked_fill(s == float("-inf"), float("-inf"))  # tanh(-inf) is finite
-    lse = torch.logsumexp(s, dim=-1)  # (B, Hq, R); -inf only for a padded query
+        parts.append(_retrieved_part(state, mqa, retrieve, block, retrieve_score, scaling, softcap))
+    lse = torch.logsumexp(torch.stack([torch.logsumexp(s, dim=-1) for s, _ in parts]), dim=0)  # (B, Hkv, gR)
     finite = torch.isfinite(lse)
-    p = torch.exp(s - torch.where(finite, lse, torch.zeros_like(lse))[..., None])
-    exact = p @ torch.cat(parts_v, dim=2).to(acc)
+    shift = torch.where(finite, lse, torch.zeros_like(lse))[..., None]
+    exact = sum(apply(torch.exp(s - shift)) for s, apply in parts)  # (B, Hkv, gR, D)
+    exact, lse, finite = exact.reshape(B, Hq, R, -1), lse.reshape(B, Hq, R), finite.reshape(B, Hq, R)
     f = fq.to(acc)
     num = f @ state.S
     mass = (f * state.z[:, :, None]).sum(-1)
@@ -431,7 +537,7 @@ def tiered_attention(
         if start + i >= settle_at:
             state = _settle(state, block, capacity, rule, feature_key_weight, sinks, retrieve)
             continue
-        j = min(T, settle_at - start, i + RETRIEVAL_QUERIES if retrieve else T)
+        j = min(T, settle_at - start, i + RETRIEVAL_QUERIES if retrieve and retrieve_score == "bound" else T)
         t = torch.arange(start + i, start + j, device=q.device)
         outs.append(_segment(state, q[:, :, i:j], mq[:, :, i:j], fq[:, :, i:j], scale[:, :, i:j], count_weight, t, sinks,
                              scaling=scaling, softcap=softcap, sink_distance=sink_distance, inv_freq=inv,
@@ -463,6 +569,7 @@ def tiered_attention_reference(q, k, v, mq, mk, fq, scale, *, feature_key_weight
     inv = None if inv_freq is None else inv_freq.to(f64)
     out = torch.zeros(B, Hq, T, v.shape[-1], dtype=f64)
 
+    @torch.no_grad()  # a selection score: the choice it makes is not differentiated
     def score_of(b: int, g: int, s: int, memory: list[int]) -> float:
         if rule == "recency":
             return float(s)
@@ -503,12 +610,12 @@ def tiered_attention_reference(q, k, v, mq, mk, fq, scale, *, feature_key_weight
                             members = [s for s in range(c0, c0 + block) if valid[b, s] and s not in sink_set]
                             if not members:
                                 continue
-                            keys_c = torch.stack([mk[b, g, s] for s in members])
+                            keys_c = torch.stack([mk[b, g, s] for s in members]).detach()
                             if retrieve_score == "max":
-                                bound = float((keys_c @ mq[b, h, t]).max())
+                                bound = float((keys_c @ mq[b, h, t].detach()).max())
                             else:
-                                bound = float(torch.maximum(mq[b, h, t] * keys_c.amin(0),
-                                                            mq[b, h, t] * keys_c.amax(0)).sum())
+                                bound = float(torch.maximum(mq[b, h, t].detach() * keys_c.amin(0),
+                                                            mq[b, h, t].detach() * keys_c.amax(0)).sum())
                             bounds.append((-bound, c0, members))
                         for _, _, members in sorted(bounds, key=lambda x: (x[0], x[1]))[:retrieve]:
                             chosen.update(members)

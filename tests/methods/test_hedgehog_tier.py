@@ -109,6 +109,10 @@ def _retrieving(retrieve=2, **options):
 def test_retrieval_prefill_equals_stepwise_decoding(distance):
     model = _retrieving(memory_distance=distance)
     ids, mask, _ = batch(T=40, left_pad=(0, 5))
+    # no token twice in a row: position-free read keys of a repeated token tie exactly in the first layer, and
+    # which of two tied blocks a query reads is then decided by rounding, which differs between shapes
+    ids = torch.stack([torch.randperm(200, generator=torch.Generator().manual_seed(b))[:40] + 3 for b in range(2)])
+    ids = ids.masked_fill(mask == 0, 0)
     with torch.no_grad():
         full = model(ids, attention_mask=mask).logits
     steps, cache = stepwise_logits(model, ids, mask, prefill=9, slots=True, chunk_after=20)

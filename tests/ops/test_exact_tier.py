@@ -234,3 +234,34 @@ def test_retrieval_in_segments_longer_than_its_query_groups_equals_decoding():
     full, _ = _run(x, wk, cw, sinks_n=1, **kw)
     split, _ = _run(x, wk, cw, steps=[1] * 110, sinks_n=1, **kw)
     torch.testing.assert_close(split, full, rtol=1e-10, atol=1e-10)
+
+
+def test_a_store_continued_twice_from_one_state_keeps_both_continuations_apart():
+    """The store grows in place for the newest state only: continuing an older state copies it."""
+    x, wk, cw = _inputs(43, seed=14)
+    y, _, _ = _inputs(43, seed=15)
+    kw = dict(window=6, block=4, capacity=0, retrieve=2, feature_key_weight=wk, count_weight=cw)
+    first = {n: t[:, :, :20] for n, t in x.items()}
+    _, state = tiered_attention(**first, **kw)
+    rest = lambda src: {n: t[:, :, 20:] for n, t in src.items()}  # noqa: E731
+    out_x, s_x = tiered_attention(**rest(x), state=state, **kw)
+    out_y, s_y = tiered_attention(**rest(y), state=state, **kw)  # from the same, older state
+    full_x, f_x = tiered_attention(**x, **kw)
+    torch.testing.assert_close(out_x, full_x[:, :, 20:], rtol=1e-10, atol=1e-10)
+    assert torch.equal(s_x.store_keys, f_x.store_keys) and torch.equal(s_x.store_values, f_x.store_values)
+    assert not torch.equal(s_y.store_keys, s_x.store_keys)
+    assert s_x.nbytes >= sum(t.numel() * t.element_size() for t in (s_x.store_keys, s_x.store_values))
+
+
+@pytest.mark.parametrize("score", ["max", "bound"])
+def test_retrieval_backward_equals_the_definition(score):
+    x, wk, cw = _inputs(22, seed=16)
+    kw = dict(window=4, block=2, capacity=0, retrieve=2, retrieve_score=score, softcap=20.0)
+    grads = []
+    for fn in (lambda a: _run(a, wk, cw, sinks_n=1, **kw)[0],
+               lambda a: tiered_attention_reference(**a, feature_key_weight=wk, count_weight=cw, num_sinks=1, **kw)):
+        leaves = {n: t.clone().requires_grad_(n in ("q", "k", "v", "mq", "mk")) for n, t in x.items()}
+        (fn(leaves) * torch.linspace(-1, 1, 8, dtype=torch.float64)).sum().backward()
+        grads.append([leaves[n].grad for n in ("q", "k", "v", "mq", "mk")])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-8)
