@@ -1,39 +1,32 @@
-"""A compiled one-token decoding step for a model whose every attention layer is Macchiato (or the
-delta or hedgehog method: the same window branch, :mod:`retrofit.layers.window`, with a delta-rule
-memory or a Hedgehog read beyond it).
+"""A compiled one-token decoding step for a converted model whose every attention layer has one of
+its own (:class:`retrofit.layers.decoding.CompiledDecodingLayer`).
 
 Eager decoding runs each token through transformers' forward: per layer a dozen module calls,
 the cache entry's Python bookkeeping and some forty small kernels, about a quarter of a CPU step
 for SmolLM2-135M at any context (the rest is reading the weights). Here the whole step, embedding
 to logits, is one function over fixed-shape buffers that ``torch.compile`` turns into one graph
-(``fullgraph``: no Python between the layers), gpt-fast style:
+(``fullgraph``: no Python between the layers), gpt-fast style.
 
-* per layer ``[n sink slots | w ring slots]`` of keys and values: the token at stream index ``s``
-  lives in ring slot ``s % w``, so a step writes its key and value with ``index_copy_`` at an
-  index computed from the position tensor, and nothing in the graph changes from step to step
-  (no recompiles);
-* which slots a query sees is computed from the position too: ring slot ``j`` once a token has
-  reached it (``j <= t``), a sink once it lies before the window (``idx <= t - w``), with its
-  key re-positioned to the capped RoPE distance (:func:`retrofit.ops.capped_sink_keys`);
-* the layer's own mixing logits and :func:`retrofit.ops.macchiato_slot_step` (the eager slot
-  step's arithmetic), the latent state ``m (B, H, L, D)``, ``z (B, H, L)`` copied back in place;
-  for the delta method, :func:`retrofit.ops.delta_rule_step` on the memory ``S (B, H, d, D)``, also
-  copied back in place; for the hedgehog method the window's log-sum-exp, the layer's
-  :meth:`~retrofit.layers.hedgehog.HedgehogAttention.memory_step` on the read's state ``S (B, H, F, D)``,
-  ``z (B, H, F)`` (copied back in place), the key it takes read from ring slot ``(t + 1) % w``.
+This module is the generic driver: it takes over each layer's state after an eager prefill
+(``layer.init_decoding_buffers(entry)``, fixed shapes: ring slots for the window, the method's
+state), and per token runs the pretrained parts as the model's own modules (norms, q/k/v/o
+through the family patch, the MLP, the rotary embedding) around each layer's
+``layer.decoding_step(buffers, q, k, v, ...)``, which updates its buffers in place (an index
+computed from the position tensor, so nothing in the graph changes from step to step: no
+recompiles). What a step computes is the layer's business, written next to its eager step and
+compared with it in the tests token by token (the window methods share the window's slots and
+sinks: :class:`retrofit.layers.window.WindowDecodingBuffers`).
 
-The pretrained parts run as the model's own modules (norms, q/k/v/o through the family patch,
-the MLP, the rotary embedding), so the step is the eager step's arithmetic, compared in the
-tests token by token. Supported: decoder layers of LLaMA shape (``input_layernorm -> attention
--> post_attention_layernorm -> mlp``: LLaMA, Mistral, Qwen2/3, Phi-3), every layer Macchiato, delta or hedgehog,
-no soft-capping, a RoPE type with fixed frequencies, prompts without padding. Anything else is
-refused with the reason (decode it eagerly).
+Supported: decoder layers of LLaMA shape (``input_layernorm -> attention ->
+post_attention_layernorm -> mlp``: LLaMA, Mistral, Qwen2/3, Phi-3), every attention layer with a
+compiled step it accepts (``layer.compiled_decoding_support()``), no soft-capping, a RoPE type with
+fixed frequencies, prompts without padding. Anything else is refused with the reason (decode it
+eagerly).
 """
 from __future__ import annotations
 
 import itertools
 import types
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,14 +34,7 @@ from torch import nn
 
 from retrofit.errors import RetrofitError
 from retrofit.layers.cache import cache_keyword, output_cache
-from retrofit.layers.delta import DeltaAttention
-from retrofit.layers.hedgehog import HedgehogAttention
-from retrofit.layers.macchiato import MacchiatoAttention
-from retrofit.layers.window import WindowAttention, WindowLayerCache
-from retrofit.ops import DeltaState, LatteState, capped_sink_keys, macchiato_slot_step, slot_attention_step
-# the torch kernel itself, not the dispatched op: the backend registry's lookups stay out of the traced step
-from retrofit.ops.delta_rule import delta_rule_step
-from retrofit.ops.hedgehog import HedgehogState
+from retrofit.layers.decoding import DecodingBuffers, supports_compiled_decoding
 from retrofit.surgery.rope_scaling import dynamic_rope_modules
 
 __all__ = ["CompiledDecoder", "SUPPORTED_FAMILIES", "compiled_decoding_support", "compiler_missing",
@@ -57,8 +43,6 @@ __all__ = ["CompiledDecoder", "SUPPORTED_FAMILIES", "compiled_decoding_support",
 # families (patches/families.py) whose decoder layers are input_layernorm -> self_attn ->
 # post_attention_layernorm -> mlp (pre-norm, plain residuals, unscaled embeddings, no logit soft-cap)
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
-# the window methods whose step this module writes (another WindowAttention subclass is decoded eagerly)
-SUPPORTED_LAYERS = (MacchiatoAttention, DeltaAttention, HedgehogAttention)
 
 _DECODER_IDS = itertools.count()
 
@@ -73,17 +57,18 @@ def compiled_decoding_support(model: nn.Module) -> str | None:
         return "compiled decoding needs fixed RoPE frequencies; dynamic NTK rescales them with the length"
     for i, layer in enumerate(layers):
         attn = getattr(layer, "self_attn", None)
-        if not isinstance(attn, SUPPORTED_LAYERS):
+        if not supports_compiled_decoding(attn):
             kind = type(attn).__name__
-            return (f"compiled decoding needs every attention layer converted to Macchiato, delta or hedgehog; layer {i} "
-                    f"is {kind}")
+            return (f"compiled decoding needs every attention layer converted to a method with a compiled decoding "
+                    f"step (retrofit.layers.decoding.CompiledDecodingLayer); layer {i} is {kind}")
         if attn.patch.family not in SUPPORTED_FAMILIES:
             return (f"compiled decoding supports the families {', '.join(SUPPORTED_FAMILIES)} (LLaMA-shaped decoder "
                     f"layers); this model is {attn.patch.family}")
         if attn.softcap:
             return "compiled decoding does not soft-cap attention logits"
-        if getattr(attn, "tier", 0) or getattr(attn, "retrieve", 0):
-            return "compiled decoding has no step for an exact tier or block retrieval; decode eagerly"
+        reason = attn.compiled_decoding_support()
+        if reason is not None:
+            return reason
         if attn.training or attn.distill_mode is not None:
             return "compiled decoding needs the model in eval mode, outside distillation"
     return None
@@ -108,28 +93,11 @@ def compiler_missing(device: torch.device | str) -> str | None:
     return None
 
 
-@dataclass
-class _LayerBuffers:
-    """One layer's decoding state in fixed shapes (see the module docstring)."""
-
-    slot_k: torch.Tensor  # (B, Hkv, n + w, d)
-    slot_v: torch.Tensor  # (B, Hkv, n + w, D)
-    sink_k: torch.Tensor  # (B, Hkv, n, d): the sinks' keys at their own positions (capped per step)
-    sink_idx: torch.Tensor  # (B, n) stream positions of the sinks
-    sink_ok: torch.Tensor  # (B, n) bool: a real sink
-    m: torch.Tensor | None  # (B, H, L, D) latent value means, or None without latent states
-    z: torch.Tensor | None  # (B, H, L) log-normalisers
-    memory: torch.Tensor | None  # (B, H, d, D) the delta-rule memory (fp32 at least), or None: not a delta layer
-    read_S: torch.Tensor | None  # (B, H, F, D) the Hedgehog read's state (fp32 at least), or None: not a hedgehog layer
-    read_z: torch.Tensor | None  # (B, H, F) its normaliser
-    conv_tail: torch.Tensor | None  # (B, conv_size - 1, hidden)
-
-
 class CompiledDecoder:
     """Decode a converted model one token per call through one compiled step.
 
     Args:
-        model: a converted causal LM (every attention layer Macchiato, delta or hedgehog; see
+        model: a converted causal LM (every attention layer with a compiled step of its own; see
             :func:`compiled_decoding_support`), in eval mode.
         compile: compile the step with ``torch.compile(fullgraph=True)``; False runs the same
             step eagerly (the reference the tests compare the compiled one to).
@@ -165,7 +133,7 @@ class CompiledDecoder:
         self.model = model
         self.layers = list(model.model.layers)
         self.prefill_chunk = int(prefill_chunk)
-        self.buffers: list[_LayerBuffers] = []
+        self.buffers: list[DecodingBuffers] = []  # per layer, what its init_decoding_buffers returned
         self.position_tensor: torch.Tensor | None = None  # 0-dim long: the next token's stream index
         for layer in self.layers:
             _ = layer.self_attn.patch.rotary_fn  # resolved outside the traced step
@@ -204,19 +172,20 @@ class CompiledDecoder:
         return out.logits[:, -1].float()
 
     def adopt(self, cache: Any) -> None:
-        """Take over the state of a retrofit cache after a prefill (chronological window layout)."""
+        """Take over the state of a retrofit cache after a prefill: each layer copies its entry into
+        its fixed-shape buffers (``init_decoding_buffers``)."""
         entries = list(getattr(cache, "layers", []))
         if len(entries) != len(self.layers):
             raise RetrofitError(f"the cache has {len(entries)} layers, the model {len(self.layers)}")
         self.buffers = []
         position = None
         for layer, entry in zip(self.layers, entries):
-            if not isinstance(entry, WindowLayerCache) or not entry.has_past:
-                raise RetrofitError("compiled decoding continues a prefill: every layer needs its window cache entry")
+            if not getattr(entry, "has_past", False):
+                raise RetrofitError("compiled decoding continues a prefill: every layer needs its cache entry")
             if position is None:
                 position = entry.cumulative_length
-            self.buffers.append(_adopt_layer(layer.self_attn, entry))
-        device = self.buffers[0].slot_k.device
+            self.buffers.append(layer.self_attn.init_decoding_buffers(entry))
+        device = self.buffers[0].tensors()[0].device
         self.position_tensor = torch.tensor(position, dtype=torch.long, device=device)
 
     # ------------------------------------------------------------------ decoding
@@ -270,109 +239,14 @@ class CompiledDecoder:
         return self.model.lm_head(inner.norm(x))[:, -1].float()
 
     def memory_bytes(self) -> int:
-        """Bytes of decoding state held (keys, values, sinks, latent states, delta memories, conv tails)."""
-        return sum(t.numel() * t.element_size() for b in self.buffers
-                   for t in vars(b).values() if isinstance(t, torch.Tensor))
+        """Bytes of decoding state held by every layer's buffers (keys, values, sinks, the methods' states)."""
+        return sum(b.nbytes() for b in self.buffers)
 
 
-def _adopt_layer(attn: WindowAttention, entry: WindowLayerCache) -> _LayerBuffers:
-    keys, values, valid = entry.past_kv()  # chronological: the last min(seen, w - 1) tokens
-    if valid is not None and not bool(valid.all()):
-        raise RetrofitError("compiled decoding takes prompts without padding; decode padded batches eagerly")
-    seen, w = entry.cumulative_length, attn.window
-    B, Hkv, P, d = keys.shape
-    n = attn.sinks
-    if n:
-        if entry.sinks is None or not entry.sinks_full:
-            raise RetrofitError(f"the prompt is shorter than the layer's {n} attention sinks; decode it eagerly")
-        sink_idx, sink_ok, sink_k, sink_v = entry.sinks
-    else:
-        sink_idx = torch.zeros(B, 0, dtype=torch.long, device=keys.device)
-        sink_ok = torch.zeros(B, 0, dtype=torch.bool, device=keys.device)
-        sink_k, sink_v = keys[:, :, :0], values[:, :, :0]
-    slot_k = keys.new_zeros(B, Hkv, n + w, d)
-    slot_v = values.new_zeros(B, Hkv, n + w, values.shape[-1])
-    slot_k[:, :, :n], slot_v[:, :, :n] = sink_k, sink_v
-    ring = n + torch.arange(seen - P, seen, device=keys.device) % w  # token s sits in ring slot s % w
-    slot_k[:, :, ring], slot_v[:, :, ring] = keys, values
-    state = entry.state
-    m = z = None
-    if isinstance(attn, MacchiatoAttention) and attn.latent_k is not None:
-        if state is None:
-            state = LatteState.empty(B, attn.num_heads, attn.latents_per_head, values.shape[-1], device=keys.device)
-        m, z = state.m.clone(), state.z.clone()
-    memory = None
-    if isinstance(attn, DeltaAttention):  # closed during the prefill: nothing written yet
-        memory = state.memory.clone() if isinstance(state, DeltaState) else torch.zeros(
-            B, attn.num_heads, d, values.shape[-1], dtype=torch.promote_types(values.dtype, torch.float32),
-            device=keys.device)
-    read_S = read_z = None
-    if isinstance(attn, HedgehogAttention):
-        if state is None and not attn.latent_path_closed:
-            raise RetrofitError("the prompt was run with the Hedgehog read closed, so the cache holds no memory of its "
-                                "keys: prefill again with the read open")
-        F = 2 * attn.features
-        read_S = state.S.clone() if state is not None else torch.zeros(
-            B, attn.num_heads, F, values.shape[-1], dtype=torch.promote_types(values.dtype, torch.float32),
-            device=keys.device)
-        read_z = state.z.clone() if state is not None else read_S.new_zeros(B, attn.num_heads, F)
-    tail = None
-    if isinstance(attn, MacchiatoAttention) and attn.conv is not None:
-        tail = entry.conv_tail.clone() if entry.conv_tail is not None else keys.new_zeros(
-            B, attn.conv.kernel_size - 1, attn.hidden_size)
-    return _LayerBuffers(slot_k, slot_v, sink_k.clone(), sink_idx.clone(), sink_ok.clone(), m, z, memory, read_S,
-                         read_z, tail)
-
-
-def _attention_step(attn: WindowAttention, buf: _LayerBuffers, h: torch.Tensor, cos_sin, t: torch.Tensor):
-    """One token through one Macchiato (delta, hedgehog) layer over its fixed buffers: ``(B, 1, hidden)``."""
-    B = h.shape[0]
+def _attention_step(attn: nn.Module, buf: DecodingBuffers, h: torch.Tensor, cos_sin: Any,
+                    t: torch.Tensor) -> torch.Tensor:
+    """One token through one attention layer's own step over its buffers: ``h (B, 1, hidden)`` ->
+    ``(B, 1, hidden)``."""
     q, k, v = attn.patch.project_qkv(attn, h, cos_sin)  # (B, Hq|Hkv, 1, d)
-    n, w = buf.sink_k.shape[2], attn.window
-    slot = (n + t % w).view(1)
-    buf.slot_k.index_copy_(2, slot, k)
-    buf.slot_v.index_copy_(2, slot, v)
-    allowed_ring = (torch.arange(w, device=h.device) <= t).expand(B, w)
-    if n:
-        sinks_seen = buf.sink_ok & (buf.sink_idx <= t - w)  # a sink inside the window is its ring slot
-        if attn.sink_inv_freq is not None:
-            capped = capped_sink_keys(buf.sink_k, buf.sink_idx, t, attn.sink_distance, attn.sink_inv_freq.to(h.device))
-            buf.slot_k[:, :, :n] = capped.to(buf.slot_k.dtype)
-        allowed = torch.cat([sinks_seen, allowed_ring], dim=1)
-    else:
-        allowed = allowed_ring
-    if buf.read_S is not None:
-        return attn.patch.project_out(attn, _hedgehog_step(attn, buf, q, allowed, cos_sin, t))
-    mix, lat, tail = attn.mixing_logits(h, None, buf.conv_tail)
-    state = None if buf.m is None else LatteState(buf.m, buf.z)
-    out, state = macchiato_slot_step(q, buf.slot_k, buf.slot_v, allowed, v, mix, lat, state,
-                                     scaling=attn.scaling, softcap=attn.softcap)
-    if state is not None:
-        buf.m.copy_(state.m)
-        buf.z.copy_(state.z)
-    if buf.memory is not None and not attn.latent_path_closed:  # the eager DeltaAttention.attend's step
-        read, memory = delta_rule_step(*attn.memory_inputs(q, k, v, h), DeltaState(buf.memory))
-        buf.memory.copy_(memory.memory)
-        out = out + (attn.memory_share(mix) * read).to(out.dtype)
-    if tail is not None:
-        buf.conv_tail.copy_(tail)
+    out = attn.decoding_step(buf, q, k, v, hidden_states=h, position_embeddings=cos_sin, position=t)
     return attn.patch.project_out(attn, out)
-
-
-def _hedgehog_step(attn: HedgehogAttention, buf: _LayerBuffers, q: torch.Tensor, allowed: torch.Tensor, cos_sin,
-                   t: torch.Tensor) -> torch.Tensor:
-    """The eager hedgehog slot step's arithmetic over the fixed buffers: ``(B, Hq, 1, D)``."""
-    out, lse = slot_attention_step(q, buf.slot_k, buf.slot_v, allowed, scaling=attn.scaling, with_lse=True)
-    if attn.latent_path_closed:
-        return out
-    n, w = buf.sink_k.shape[2], attn.window
-    leaving = t - w + 1  # the oldest token of this query's window: no later window holds it
-    slot = (n + (t + 1) % w).view(1)
-    write = (leaving >= 0).view(1, 1).expand(q.shape[0], 1)
-    if n:
-        write = write & ~((buf.sink_idx == leaving) & buf.sink_ok).any(-1, keepdim=True)
-    out, state = attn.memory_step(q, buf.slot_k.index_select(2, slot), buf.slot_v.index_select(2, slot), write,
-                                  HedgehogState(buf.read_S, buf.read_z), cos_sin, out, lse)
-    buf.read_S.copy_(state.S)
-    buf.read_z.copy_(state.z)
-    return out

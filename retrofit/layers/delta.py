@@ -30,6 +30,7 @@ New weights: ``memory_gate``, ``memory_beta``, ``memory_decay`` (each Linear(hid
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,11 +40,13 @@ from torch import nn
 from retrofit.errors import SpecError
 from retrofit.layers.method import DEFAULT_WINDOW, MethodTestSpec, opt, register_method
 from retrofit.layers.window import (
-    SATURATED_LOGIT, WINDOW_SHARE_HELP, WindowAttention, WindowConfig, check_window_share, window_config,
+    SATURATED_LOGIT, WINDOW_SHARE_HELP, WindowAttention, WindowConfig, WindowDecodingBuffers, check_window_share,
+    window_config,
 )
-from retrofit.ops import DeltaState, delta_rule_chunked, delta_rule_step, repeat_kv_heads
+from retrofit.ops import DeltaState, delta_rule_chunked, delta_rule_step, macchiato_slot_step, repeat_kv_heads
 
-__all__ = ["DEFAULT_DELTA_SWA_SHARE", "DEFAULT_MEMORY_HALF_LIFE", "DeltaAttention", "DeltaConfig", "HeadwiseLinear", "build_delta"]
+__all__ = ["DEFAULT_DELTA_SWA_SHARE", "DEFAULT_MEMORY_HALF_LIFE", "DeltaAttention", "DeltaConfig",
+           "DeltaDecodingBuffers", "HeadwiseLinear", "build_delta"]
 
 # Tokens over which a stored value halves at conversion (the decay gate's bias): past a 1024-token
 # window, a key written 4K tokens back is still read at half strength.
@@ -96,6 +99,14 @@ class HeadwiseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.weight.to(x.dtype).transpose(-1, -2)  # (B, H, T, d) @ (H, d, e): one batched product
+
+
+@dataclass
+class DeltaDecodingBuffers(WindowDecodingBuffers):
+    """The delta method's compiled-decoding state (:mod:`retrofit.layers.decoding`): the window's slots
+    and sinks, and the delta-rule memory, updated in place per step."""
+
+    memory: torch.Tensor  # (B, H, d, D) the memory (fp32 at least)
 
 
 def decay_bias(half_life: int) -> float:
@@ -222,6 +233,41 @@ class DeltaAttention(WindowAttention):
         if cache is not None:
             cache.state = state
         return window_part + (self.memory_share(mix) * memory).to(window_part.dtype)
+
+    # ------------------------------------------------------------------ compiled decoding (retrofit.layers.decoding)
+    def compiled_decoding_support(self) -> str | None:
+        """None: every delta layer has a compiled step."""
+        return None
+
+    def init_decoding_buffers(self, entry: Any) -> DeltaDecodingBuffers:
+        """The window's buffers (:meth:`window_decoding_buffers`) and the memory ``(B, H, d, D)`` (fp32 at
+        least; zeros when the prefill ran with it closed: nothing written yet), copied from the
+        prefill's cache ``entry``."""
+        window = self.window_decoding_buffers(entry)
+        state = entry.state
+        B, d, D = window.slot_k.shape[0], window.slot_k.shape[-1], window.slot_v.shape[-1]
+        memory = state.memory.clone() if isinstance(state, DeltaState) else torch.zeros(
+            B, self.num_heads, d, D, dtype=torch.promote_types(window.slot_v.dtype, torch.float32),
+            device=window.slot_k.device)
+        return DeltaDecodingBuffers(**window.window_fields(), memory=memory)
+
+    def decoding_step(self, buffers: DeltaDecodingBuffers, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                      hidden_states: torch.Tensor, position_embeddings: Any, position: torch.Tensor) -> torch.Tensor:
+        """One token as :meth:`attend` decodes it: the window through its slots (:meth:`decoding_window`)
+        at its share, plus the memory's read at ``p(1|t)`` (:func:`retrofit.ops.delta_rule_step`, the
+        torch kernel itself: no backend lookup in the traced step): ``q (B, Hq, 1, d)``, ``k``, ``v``
+        ``(B, Hkv, 1, .)``, ``hidden_states (B, 1, hidden)`` -> ``(B, Hq, 1, D)``; the memory copied
+        back into ``buffers``."""
+        allowed = self.decoding_window(buffers, k, v, position)
+        mix, _, _ = self.mixing_logits(hidden_states, None, None)
+        out, _ = macchiato_slot_step(q, buffers.slot_k, buffers.slot_v, allowed, v, mix, None, None,
+                                     scaling=self.scaling, softcap=self.softcap)
+        if self.latent_path_closed:
+            return out
+        read, memory = delta_rule_step.torch_kernel(*self.memory_inputs(q, k, v, hidden_states),
+                                                    DeltaState(buffers.memory))
+        buffers.memory.copy_(memory.memory)
+        return out + (self.memory_share(mix) * read).to(out.dtype)
 
     def _options_repr(self) -> str:
         return f", init_swa_share={self.init_swa_share}, memory_half_life={self.memory_half_life}"

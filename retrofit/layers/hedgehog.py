@@ -35,22 +35,23 @@ with std ``d^-1/2``) and ``memory_scale`` (``a_h = 0``, ``b_h = init_log_scale``
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from retrofit.errors import SpecError
+from retrofit.errors import RetrofitError, SpecError
 from retrofit.layers.method import DEFAULT_WINDOW, MethodTestSpec, opt, register_method
 from retrofit.layers.tier import DEFAULT_TIER_BLOCK, RETRIEVE_SCORES, TIER_RULES, TierLayerCache, tiered_attend
-from retrofit.layers.window import WindowAttention, WindowConfig, window_config
-from retrofit.ops import hedgehog_read_chunked, hedgehog_read_step, repeat_kv_heads
+from retrofit.layers.window import WindowAttention, WindowConfig, WindowDecodingBuffers, window_config
+from retrofit.ops import hedgehog_read_chunked, hedgehog_read_step, repeat_kv_heads, slot_attention_step
 from retrofit.ops.hedgehog import HedgehogState, hedgehog_features
 from retrofit.ops.rope import rope_at, rope_move, rope_rotate, rope_unrotate
 
 __all__ = ["DEFAULT_HEDGEHOG_FEATURES", "DEFAULT_INIT_LOG_SCALE", "FeatureMap", "HedgehogAttention",
-           "HedgehogConfig", "MemoryScale", "build_hedgehog"]
+           "HedgehogConfig", "HedgehogDecodingBuffers", "MemoryScale", "build_hedgehog"]
 
 # f: each map has 2 f features. 2 x 128 fitted to SmolLM2-135M's attention beyond a 1024-token window
 # closes 40% of its closed twin's 4K gap at the base's share, 2 x 512 60% (BENCHMARKS.md).
@@ -141,6 +142,15 @@ class MemoryScale(nn.Module):
     def forward(self, q: torch.Tensor, log_count: torch.Tensor) -> torch.Tensor:
         return ((q.float() @ self.weight.float()[:, :, None])[..., 0] + self.bias.float()[:, None]
                 + self.count_weight.float()[:, None] * log_count.float())
+
+
+@dataclass
+class HedgehogDecodingBuffers(WindowDecodingBuffers):
+    """The hedgehog method's compiled-decoding state (:mod:`retrofit.layers.decoding`): the window's
+    slots and sinks, and the read's state, updated in place per step."""
+
+    read_S: torch.Tensor  # (B, H, 2 f, D) the read's state (fp32 at least)
+    read_z: torch.Tensor  # (B, H, 2 f) its normaliser
 
 
 class _WeightTerms(NamedTuple):
@@ -537,6 +547,56 @@ class HedgehogAttention(WindowAttention):
         if valid is not None:  # a padded query outputs 0 (it may see no slot at all)
             out = torch.where(valid[:, None, :, None], out, torch.zeros((), dtype=out.dtype, device=out.device))
         cache.advance(state)
+        return out
+
+    # ------------------------------------------------------------------ compiled decoding (retrofit.layers.decoding)
+    def compiled_decoding_support(self) -> str | None:
+        """None unless the layer reads older tokens exactly (an exact tier or block retrieval: no compiled step)."""
+        if self.exact_tokens:
+            return "compiled decoding has no step for an exact tier or block retrieval; decode eagerly"
+        return None
+
+    def init_decoding_buffers(self, entry: Any) -> HedgehogDecodingBuffers:
+        """The window's buffers (:meth:`window_decoding_buffers`) and the read's state ``S (B, H, 2 f, D)``,
+        ``z (B, H, 2 f)`` (fp32 at least; zeros before any key left the window), copied from the
+        prefill's cache ``entry``. A prefill run with the read closed kept no state: refused while the
+        read is open."""
+        window = self.window_decoding_buffers(entry)
+        state: HedgehogState | None = entry.state
+        if state is None and not self.latent_path_closed:
+            raise RetrofitError("the prompt was run with the Hedgehog read closed, so the cache holds no memory of its "
+                                "keys: prefill again with the read open")
+        B, D = window.slot_v.shape[0], window.slot_v.shape[-1]
+        features = 2 * self.features
+        read_S = state.S.clone() if state is not None else torch.zeros(
+            B, self.num_heads, features, D, dtype=torch.promote_types(window.slot_v.dtype, torch.float32),
+            device=window.slot_k.device)
+        read_z = state.z.clone() if state is not None else read_S.new_zeros(B, self.num_heads, features)
+        return HedgehogDecodingBuffers(**window.window_fields(), read_S=read_S, read_z=read_z)
+
+    def decoding_step(self, buffers: HedgehogDecodingBuffers, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                      hidden_states: torch.Tensor, position_embeddings: Any, position: torch.Tensor) -> torch.Tensor:
+        """The eager slot step's arithmetic (:meth:`_memory_slot_step`) over the fixed buffers: the window
+        through its slots (:meth:`decoding_window`) with its log-sum-exp, the read of the state, and
+        the key leaving the window (token ``t - w + 1``, in ring slot ``(t + 1) % w``, unless a sink)
+        written into it (:meth:`memory_step`): ``q (B, Hq, 1, d)``, ``k``, ``v`` ``(B, Hkv, 1, .)`` ->
+        ``(B, Hq, 1, D)``; the read's state copied back into ``buffers``."""
+        t = position
+        allowed = self.decoding_window(buffers, k, v, t)
+        out, lse = slot_attention_step(q, buffers.slot_k, buffers.slot_v, allowed, scaling=self.scaling, with_lse=True)
+        if self.latent_path_closed:
+            return out
+        n, w = buffers.sink_k.shape[2], self.window
+        leaving = t - w + 1  # the oldest token of this query's window: no later window holds it
+        slot = (n + (t + 1) % w).view(1)
+        write = (leaving >= 0).view(1, 1).expand(q.shape[0], 1)
+        if n:
+            write = write & ~((buffers.sink_idx == leaving) & buffers.sink_ok).any(-1, keepdim=True)
+        out, state = self.memory_step(q, buffers.slot_k.index_select(2, slot), buffers.slot_v.index_select(2, slot),
+                                      write, HedgehogState(buffers.read_S, buffers.read_z), position_embeddings, out,
+                                      lse)
+        buffers.read_S.copy_(state.S)
+        buffers.read_z.copy_(state.z)
         return out
 
     def _options_repr(self) -> str:

@@ -28,6 +28,7 @@ symmetry between latents; the conv starts as the identity.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -38,12 +39,14 @@ from retrofit.errors import SpecError
 from retrofit.layers.conv import CausalDepthwiseConv
 from retrofit.layers.method import DEFAULT_WINDOW, MethodTestSpec, opt, register_method
 from retrofit.layers.window import (
-    SATURATED_LOGIT, WINDOW_SHARE_HELP, WindowAttention, WindowConfig, WindowLayerCache, check_window_share,
-    window_config,
+    SATURATED_LOGIT, WINDOW_SHARE_HELP, WindowAttention, WindowConfig, WindowDecodingBuffers, WindowLayerCache,
+    check_window_share, window_config,
 )
+from retrofit.ops import LatteState, macchiato_slot_step
 
 __all__ = [
-    "DEFAULT_INIT_SWA_SHARE", "MacchiatoAttention", "MacchiatoConfig", "MacchiatoLayerCache", "build_macchiato", "swa_bias",
+    "DEFAULT_INIT_SWA_SHARE", "MacchiatoAttention", "MacchiatoConfig", "MacchiatoDecodingBuffers",
+    "MacchiatoLayerCache", "build_macchiato", "swa_bias",
 ]
 
 # Initial sliding-window share p(0|t) of a fresh layer. Chosen by the ablation in BENCHMARKS.md
@@ -140,6 +143,16 @@ class MacchiatoLayerCache(WindowLayerCache):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.conv_tail = None if self.conv_tail is None else fn(self.conv_tail)
         super()._apply(fn)
+
+
+@dataclass
+class MacchiatoDecodingBuffers(WindowDecodingBuffers):
+    """Macchiato's compiled-decoding state (:mod:`retrofit.layers.decoding`): the window's slots and
+    sinks, the latent state and the conv's previous inputs, each updated in place per step."""
+
+    m: torch.Tensor | None = None  # (B, H, L_h, D) latent value means, or None without latent states
+    z: torch.Tensor | None = None  # (B, H, L_h) log-normalisers
+    conv_tail: torch.Tensor | None = None  # (B, conv_size - 1, hidden), or None without a conv
 
 
 def swa_bias(share: float, latents_per_head: int) -> float:
@@ -285,6 +298,48 @@ class MacchiatoAttention(WindowAttention):
         out = self.mixed_attention(q, k, v, valid, cache, mix, lat, chunk_size=self.chunk_size)
         if cache is not None:
             cache.conv_tail = tail
+        return out
+
+    # ------------------------------------------------------------------ compiled decoding (retrofit.layers.decoding)
+    def compiled_decoding_support(self) -> str | None:
+        """None: every Macchiato layer has a compiled step."""
+        return None
+
+    def init_decoding_buffers(self, entry: MacchiatoLayerCache) -> MacchiatoDecodingBuffers:
+        """The window's buffers (:meth:`window_decoding_buffers`), the latent state ``m (B, H, L_h, D)``,
+        ``z (B, H, L_h)`` (empty before any token reached it) and the conv tail ``(B, conv_size - 1,
+        hidden)``, copied from the prefill's cache ``entry``."""
+        window = self.window_decoding_buffers(entry)
+        B, D = window.slot_v.shape[0], window.slot_v.shape[-1]
+        device = window.slot_k.device
+        m = z = None
+        if self.latent_k is not None:
+            state = entry.state
+            if state is None:
+                state = LatteState.empty(B, self.num_heads, self.latents_per_head, D, device=device)
+            m, z = state.m.clone(), state.z.clone()
+        tail = None
+        if self.conv is not None:
+            tail = entry.conv_tail.clone() if entry.conv_tail is not None else window.slot_k.new_zeros(
+                B, self.conv.kernel_size - 1, self.hidden_size)
+        return MacchiatoDecodingBuffers(**window.window_fields(), m=m, z=z, conv_tail=tail)
+
+    def decoding_step(self, buffers: MacchiatoDecodingBuffers, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                      hidden_states: torch.Tensor, position_embeddings: Any, position: torch.Tensor) -> torch.Tensor:
+        """One token through the window's slots (:meth:`decoding_window`) mixed with the latent states
+        (:func:`retrofit.ops.macchiato_slot_step`, the eager slot step's arithmetic): ``q (B, Hq, 1, d)``,
+        ``k``, ``v`` ``(B, Hkv, 1, .)``, ``hidden_states (B, 1, hidden)`` -> ``(B, Hq, 1, D)``; the latent
+        state and the conv tail copied back into ``buffers``."""
+        allowed = self.decoding_window(buffers, k, v, position)
+        mix, lat, tail = self.mixing_logits(hidden_states, None, buffers.conv_tail)
+        state = None if buffers.m is None else LatteState(buffers.m, buffers.z)
+        out, state = macchiato_slot_step(q, buffers.slot_k, buffers.slot_v, allowed, v, mix, lat, state,
+                                         scaling=self.scaling, softcap=self.softcap)
+        if state is not None:
+            buffers.m.copy_(state.m)
+            buffers.z.copy_(state.z)
+        if tail is not None:
+            buffers.conv_tail.copy_(tail)
         return out
 
     def _options_repr(self) -> str:

@@ -13,6 +13,10 @@ last ``window`` tokens, plus attention sinks.
 * Decoding keeps the last ``window - 1`` keys and values and the sinks
   (:class:`WindowLayerCache`), and a one-token call writes its key into a ring slot and attends
   over the slots in place (:mod:`retrofit.ops.slots`).
+* Compiled decoding (:mod:`retrofit.layers.decoding`): the same slots in fixed shapes,
+  :class:`WindowDecodingBuffers` (:meth:`WindowAttention.window_decoding_buffers` after a prefill),
+  into which :meth:`WindowAttention.decoding_window` writes each token; a window method's buffers
+  subclass them and its ``decoding_step`` adds its own state's read.
 
 A method adds what the window does not see beside it, and combines the two in one of two ways:
 
@@ -37,9 +41,10 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from retrofit.errors import SpecError
+from retrofit.errors import RetrofitError, SpecError
 from retrofit.layers.base import RetrofitAttention
 from retrofit.layers.cache import RetrofitLayerCache
+from retrofit.layers.decoding import DecodingBuffers
 from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, opt, resolve_window
 from retrofit.ops import (
     capped_sink_keys, capped_sinks, first_valid, macchiato_attention, macchiato_slot_step, sink_window_attention,
@@ -47,8 +52,8 @@ from retrofit.ops import (
 )
 
 __all__ = [
-    "SATURATED_LOGIT", "WINDOW_SHARE_HELP", "WindowAttention", "WindowConfig", "WindowLayerCache",
-    "base_context_distance", "check_window_share", "window_config",
+    "SATURATED_LOGIT", "WINDOW_SHARE_HELP", "WindowAttention", "WindowConfig", "WindowDecodingBuffers",
+    "WindowLayerCache", "base_context_distance", "check_window_share", "window_config",
 ]
 
 SATURATED_LOGIT = 1.0e4  # exp(-1e4) underflows to 0 in every float dtype: p(0|t) = 1 exactly
@@ -310,6 +315,27 @@ class WindowLayerCache(RetrofitLayerCache):
         super()._apply(fn)
 
 
+# ---------------------------------------------------------------------- compiled decoding buffers
+@dataclass
+class WindowDecodingBuffers(DecodingBuffers):
+    """The window's part of a layer's compiled-decoding state (:mod:`retrofit.layers.decoding`), in
+    fixed shapes: ``[n sink slots | w ring slots]`` of keys and values, the token at stream index
+    ``s`` in ring slot ``s % w``, and the sinks' original keys, positions and flags. A window
+    method's buffers subclass it and add their own state (:meth:`window_fields` for building one).
+    Built by :meth:`WindowAttention.window_decoding_buffers`, moved on by
+    :meth:`WindowAttention.decoding_window`."""
+
+    slot_k: torch.Tensor  # (B, Hkv, n + w, d)
+    slot_v: torch.Tensor  # (B, Hkv, n + w, D)
+    sink_k: torch.Tensor  # (B, Hkv, n, d): the sinks' keys at their own positions (capped per step)
+    sink_idx: torch.Tensor  # (B, n) stream positions of the sinks
+    sink_ok: torch.Tensor  # (B, n) bool: a real sink
+
+    def window_fields(self) -> dict[str, torch.Tensor]:
+        """The window's fields by name (``Subclass(**buffers.window_fields(), own=...)``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(WindowDecodingBuffers)}
+
+
 # ---------------------------------------------------------------------- layer
 class WindowAttention(RetrofitAttention):
     """The frozen pretrained attention over the last ``window`` tokens, with attention sinks: the
@@ -515,6 +541,58 @@ class WindowAttention(RetrofitAttention):
             idx, _, sink_k, _ = cache.sinks  # re-positioned per step from the originals, in the sink slots
             slot_k[:, :, : sink_k.shape[2]] = capped_sink_keys(sink_k, idx, t, self.sink_distance, self.sink_inv_freq)
         return slot_k, slot_v, allowed
+
+    # ------------------------------------------------------------------ compiled decoding (retrofit.layers.decoding)
+    def window_decoding_buffers(self, entry: Any) -> WindowDecodingBuffers:
+        """The window's compiled-decoding buffers from the cache ``entry`` of a prefill (a
+        :class:`WindowLayerCache`): its chronological window moved into the ring slot of each token,
+        the sinks into the slots before the ring. A window method's ``init_decoding_buffers`` builds
+        its own buffers on these."""
+        if not isinstance(entry, WindowLayerCache) or not entry.has_past:
+            raise RetrofitError("compiled decoding continues a prefill: every layer needs its window cache entry")
+        keys, values, valid = entry.past_kv()  # chronological: the last min(seen, w - 1) tokens
+        if valid is not None and not bool(valid.all()):
+            raise RetrofitError("compiled decoding takes prompts without padding; decode padded batches eagerly")
+        seen, w = entry.cumulative_length, self.window
+        B, Hkv, P, d = keys.shape
+        n = self.sinks
+        if n:
+            if entry.sinks is None or not entry.sinks_full:
+                raise RetrofitError(f"the prompt is shorter than the layer's {n} attention sinks; decode it eagerly")
+            sink_idx, sink_ok, sink_k, sink_v = entry.sinks
+        else:
+            sink_idx = torch.zeros(B, 0, dtype=torch.long, device=keys.device)
+            sink_ok = torch.zeros(B, 0, dtype=torch.bool, device=keys.device)
+            sink_k, sink_v = keys[:, :, :0], values[:, :, :0]
+        slot_k = keys.new_zeros(B, Hkv, n + w, d)
+        slot_v = values.new_zeros(B, Hkv, n + w, values.shape[-1])
+        slot_k[:, :, :n], slot_v[:, :, :n] = sink_k, sink_v
+        ring = n + torch.arange(seen - P, seen, device=keys.device) % w  # token s sits in ring slot s % w
+        slot_k[:, :, ring], slot_v[:, :, ring] = keys, values
+        return WindowDecodingBuffers(slot_k, slot_v, sink_k.clone(), sink_idx.clone(), sink_ok.clone())
+
+    def decoding_window(self, buffers: WindowDecodingBuffers, k: torch.Tensor, v: torch.Tensor,
+                        position: torch.Tensor) -> torch.Tensor:
+        """One compiled decoding step's window: the token's key and value ``(B, Hkv, 1, d | D)`` written
+        into its ring slot, the sinks' keys re-positioned to their capped distance from ``position``
+        (0-dim long, the token's stream index). Returns which slots it sees, ``allowed (B, n + w)``:
+        ring slot ``j`` once a token reached it (``j <= t``), a sink once it lies before the window
+        (``idx <= t - w``; a sink inside the window is its ring slot)."""
+        t = position
+        B = k.shape[0]
+        n, w = buffers.sink_k.shape[2], self.window
+        slot = (n + t % w).view(1)
+        buffers.slot_k.index_copy_(2, slot, k)
+        buffers.slot_v.index_copy_(2, slot, v)
+        allowed_ring = (torch.arange(w, device=k.device) <= t).expand(B, w)
+        if not n:
+            return allowed_ring
+        sinks_seen = buffers.sink_ok & (buffers.sink_idx <= t - w)
+        if self.sink_inv_freq is not None:
+            capped = capped_sink_keys(buffers.sink_k, buffers.sink_idx, t, self.sink_distance,
+                                      self.sink_inv_freq.to(k.device))
+            buffers.slot_k[:, :, :n] = capped.to(buffers.slot_k.dtype)
+        return torch.cat([sinks_seen, allowed_ring], dim=1)
 
     # ------------------------------------------------------------------ repr
     def extra_repr(self) -> str:
