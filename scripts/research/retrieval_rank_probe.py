@@ -44,9 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     set_tier(model, 0, block=args.block, retrieve=args.retrieve, retrieve_score="bound")
     rows: list[dict] = []
     recording = False
-    original = exact_tier._retrieved
+    original = exact_tier._retrieved_bound
 
-    def probe(state, mq, retrieve, block, by="max"):
+    def probe(state, mq, retrieve, block):
         if recording:
             B, Hkv, NB = state.store_lo.shape[:3]
             group = mq.shape[1] // Hkv
@@ -62,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
                          "rank_by_bound": (bound > bound[:, b0:b0 + 1]).sum(-1).tolist(),
                          "rank_by_max": (best > best[:, b0:b0 + 1]).sum(-1).tolist(),
                          "rank_of_best_digit_token": (s > s[:, digits].amax(-1, keepdim=True)).sum(-1).tolist()})
-        return original(state, mq, retrieve, block, by)
+        return original(state, mq, retrieve, block)
 
-    exact_tier._retrieved = probe
+    exact_tier._retrieved_bound = probe
     ids = torch.tensor([prompt["ids"]])
     cache = RetrofitCache(model)
     with torch.no_grad():

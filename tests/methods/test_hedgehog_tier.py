@@ -153,3 +153,19 @@ def test_retrieval_survives_save_and_load_and_refuses_a_tier(tmp_path):
     assert parse_variant("retrieve:8").label("m") == "m + retrieval of 8 blocks"
     with pytest.raises(RetrofitError, match="retrieve"):
         parse_variant("retrieve:0")
+
+
+def test_retrieval_in_some_layers_leaves_the_others_as_the_read():
+    model = _retrieving()
+    plain = _retrieving(retrieve=0)
+    plain.load_state_dict(model.state_dict())
+    assert set_tier(model, 0, retrieve=2, layers=[1]) == 1
+    assert [layer.retrieve for layer in tier_layers(model)] == [0, 2]
+    ids, mask, _ = batch(T=40)
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, output_hidden_states=True)
+        ref = plain(ids, attention_mask=mask, output_hidden_states=True)
+    torch.testing.assert_close(out.hidden_states[1], ref.hidden_states[1])  # layer 0 has no retrieval
+    assert not torch.allclose(out.logits, ref.logits)
+    with pytest.raises(ValueError, match="positions among"):
+        set_tier(model, 0, retrieve=2, layers=[2])
