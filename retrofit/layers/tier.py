@@ -71,9 +71,9 @@ def set_tier(model: nn.Module, capacity: int, rule: str = "recall", block: int =
              retrieve: int = 0, retrieve_score: str = "max", layers: Sequence[int] | None = None) -> int:
     """Give every Hedgehog layer of ``model`` an exact tier of ``capacity`` tokens per KV head (0: none),
     chosen by ``rule`` every ``block`` tokens, or (``retrieve`` > 0, ``capacity`` 0) block retrieval of
-    ``retrieve`` stored blocks per query, ranked by ``retrieve_score``; ``layers``: only the Hedgehog layers at
-    these positions among them (0 = the first; None: all), the others get neither. Returns the number of layers
-    given the tier or retrieval. A cache filled before the change must not be reused."""
+    ``retrieve`` stored blocks per query, ranked by ``retrieve_score``; ``layers``: only the Hedgehog layers with
+    these decoder-layer indices (None: all), the others get neither. Returns the number of layers given the tier
+    or retrieval. A cache filled before the change must not be reused."""
     if rule not in TIER_RULES:
         raise ValueError(f"tier rule must be one of {', '.join(TIER_RULES)}, got {rule!r}")
     if capacity < 0 or block < 1 or retrieve < 0:
@@ -83,16 +83,27 @@ def set_tier(model: nn.Module, capacity: int, rule: str = "recall", block: int =
         raise ValueError(f"retrieve_score must be one of {', '.join(RETRIEVE_SCORES)}, got {retrieve_score!r}")
     if capacity and retrieve:
         raise ValueError(f"block retrieval replaces the tier: give a capacity of 0 with retrieve={retrieve}")
-    found = tier_layers(model)
-    chosen = set(range(len(found)) if layers is None else (int(i) for i in layers))
-    if chosen - set(range(len(found))):
-        raise ValueError(f"layers must be positions among the model's {len(found)} Hedgehog layers, got "
-                         f"{sorted(chosen - set(range(len(found))))}")
-    for i, layer in enumerate(found):
+    found = {layer.layer_idx: layer for layer in tier_layers(model)}
+    chosen = set(found) if layers is None else {int(i) for i in layers}
+    if chosen - set(found):
+        raise ValueError(f"layers must be indices of the model's Hedgehog layers ({_ranges(sorted(found))}), got "
+                         f"{sorted(chosen - set(found))}")
+    for i, layer in found.items():
         on = i in chosen
         layer.tier, layer.tier_rule, layer.tier_block = int(capacity) if on else 0, rule, int(block)
         layer.retrieve, layer.retrieve_score = int(retrieve) if on else 0, retrieve_score
     return len(chosen)
+
+
+def _ranges(indices: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
 
 
 def _sinks(layer: nn.Module, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, cache: TierLayerCache | None,

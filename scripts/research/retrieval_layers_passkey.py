@@ -1,7 +1,7 @@
 """Passkey accuracy with block retrieval in a subset of a Hedgehog model's layers (the rest keep only
 their window, sinks and linear read): how much of the store retrieval needs.
 
-Each subset is a comma list of layer positions or ranges among the model's Hedgehog layers
+Each subset is a comma list of decoder-layer indices or ranges
 (``0-14``, ``15-29``, ``0,3,6``); the store's bytes scale with the number of layers in it.
 
     python scripts/research/retrieval_layers_passkey.py runs/hh-fit --subsets 0-14 15-29 --length 4096 \\

@@ -167,5 +167,5 @@ def test_retrieval_in_some_layers_leaves_the_others_as_the_read():
         ref = plain(ids, attention_mask=mask, output_hidden_states=True)
     torch.testing.assert_close(out.hidden_states[1], ref.hidden_states[1])  # layer 0 has no retrieval
     assert not torch.allclose(out.logits, ref.logits)
-    with pytest.raises(ValueError, match="positions among"):
+    with pytest.raises(ValueError, match=r"Hedgehog layers \(0-1\), got \[2\]"):
         set_tier(model, 0, retrieve=2, layers=[2])
