@@ -85,7 +85,8 @@ def _rope_scaling(model: Any) -> dict | None:
 
 
 def _latent_path_closed(model: Any) -> bool | None:
-    """True when every Macchiato layer's latent path is closed, None for models without one."""
+    """True when every closable layer's latent path (``latent_path_closed``: a window method's, LAVO's) is
+    closed, None for models without one."""
     flags = [bool(m.latent_path_closed) for m in model.modules() if hasattr(m, "latent_path_closed")]
     return all(flags) if flags else None
 

@@ -139,7 +139,8 @@ def parse_variants(texts: list[str] | tuple[str, ...] | None) -> list[Variant]:
 
 
 def apply_variant(model: Any, variant: Variant) -> Any:
-    """Apply ``variant`` to ``model`` in place (returns it). ``closed`` needs a Macchiato model."""
+    """Apply ``variant`` to ``model`` in place (returns it). ``closed`` needs a model whose layers have a path to
+    close (a window method's, LAVO's)."""
     if variant.kind in ("yarn", "dynamic", "linear"):
         from retrofit.surgery.rope_scaling import scale_rope
 
@@ -152,8 +153,8 @@ def apply_variant(model: Any, variant: Variant) -> Any:
     elif variant.kind == "closed":
         layers = [m for m in model.modules() if hasattr(m, "latent_path_closed")]
         if not layers:
-            raise RetrofitError("zero-shot variant 'closed' needs a converted Macchiato model (its latent path "
-                                "is what is closed); MODEL has no Macchiato layer")
+            raise RetrofitError("zero-shot variant 'closed' needs a converted model with a path beside the window "
+                                "to close (Macchiato, delta, Hedgehog or LAVO); MODEL has no such layer")
         for m in layers:
             m.latent_path_closed = True
     elif variant.kind.startswith("tier") or variant.kind.startswith("retrieve"):

@@ -1,9 +1,9 @@
 """Cheap sanity numbers right after a conversion: KL divergences on a short probe text.
 
 * ``KL(base || converted)``: how far the fresh conversion is from the pretrained model.
-* for Macchiato, the SWA anchor: the same converted model with the latent path closed
-  (p(0|t) = 1, i.e. the pretrained attention restricted to the window): ``KL(anchor || converted)``
-  isolates what the untrained latent states add at the initial SWA share.
+* for a method with a window (Macchiato, delta, Hedgehog, LAVO), the SWA anchor: the same converted model with
+  the latent path closed (the pretrained attention restricted to the window):
+  ``KL(anchor || converted)`` isolates what the untrained states beside the window add.
 * :func:`rank_layers`: ``KL(base || model with only layer i converted)`` for each candidate
   layer, so the most costly layers can stay full attention (``retrofit convert --keep-full K``).
   On the probe text this measures local modelling; on :func:`copy_probe_ids` (a random stretch
@@ -45,7 +45,9 @@ PROBE_TEXT = (
 
 @contextlib.contextmanager
 def closed_latent_path(model: nn.Module) -> Iterator[int]:
-    """Temporarily set p(0|t) = 1 in every Macchiato layer; yields how many layers were closed."""
+    """Temporarily close the path beside the window (``latent_path_closed``: the layer is then the pretrained
+    attention over its window) in every layer that has one (the window methods', LAVO's); yields how many
+    layers were closed."""
     layers = [m for m in model.modules() if hasattr(m, "latent_path_closed")]
     before = [m.latent_path_closed for m in layers]
     for m in layers:
