@@ -55,6 +55,23 @@ def check(args: argparse.Namespace) -> None:
             text.encode("utf-8")
         except UnicodeEncodeError:
             raise RetrofitError(f"{flag} {text!r} is not UTF-8 text; give it as UTF-8") from None
+    # an empty needle hides nothing and an empty question asks nothing: every cell would score 0 for no reason
+    for flag, text in (("--needle", args.niah_needle), ("--question", args.niah_question)):
+        if not text.strip():
+            raise RetrofitError(f"{flag} is empty; give the {'sentence to hide' if flag == '--needle' else 'question'} "
+                                "as text (or drop the flag for the default)")
+    answers = [a for a in args.niah_answers or () if a.strip()]
+    if args.niah_answers is not None and not answers:
+        raise RetrofitError("--answers holds no text; give the strings a correct answer contains")
+    needle = args.niah_needle.replace("\\n", "\n").lower()
+    missing = [a for a in answers if a.lower() not in needle]
+    if missing:  # scored as found in the answer, case-insensitively (retrofit.eval.generation.recall)
+        import logging
+
+        logging.getLogger("retrofit").warning(
+            "--answers %s not in --needle: a trial scores the share of --answers found in the model's answer, so "
+            "one that repeats the needle scores at most %d%%", ", ".join(map(repr, missing)),
+            100 * (len(answers) - len(missing)) // len(answers))
 
 
 EVALUATOR = register_evaluator(Evaluator(

@@ -39,9 +39,21 @@ def kwargs(args: argparse.Namespace) -> dict:
     )
 
 
+def check(args: argparse.Namespace) -> None:
+    from retrofit.errors import RetrofitError
+
+    if "perplexity" in (getattr(args, "skip", None) or ()):
+        return
+    short = sorted(L for L in args.ppl_lengths if L < 3)
+    if short and getattr(args, "bos", "auto") != "never":
+        raise RetrofitError(f"window length {short[0]} is too short: a window may start with BOS (--bos "
+                            f"{getattr(args, 'bos', 'auto')}) and then needs 3 tokens or more to score any; give "
+                            "lengths of 3 or more, or --bos never")
+
+
 EVALUATOR = register_evaluator(Evaluator(
     name="perplexity", command="ppl", subdir="ppl", heading="Long-context perplexity",
     help="perplexity vs context length, beside a baseline (paper Table 4)",
-    add_arguments=add_arguments, kwargs=kwargs, run="retrofit.eval.perplexity:run_perplexity",
+    add_arguments=add_arguments, kwargs=kwargs, run="retrofit.eval.perplexity:run_perplexity", check=check,
     uses_bos=True, reads_text=True, order=10,
 ))

@@ -469,7 +469,8 @@ def _plot(report, path: Path) -> None:
             if mem:
                 ax_m.plot(*zip(*mem), style, color=colors[op], label=label, ms=4)
     log_log_axes(((ax_t, "time per call (s)"), (ax_m, "peak memory above inputs (MiB)")), "sequence length T")
-    ax_t.legend(fontsize=7)
+    if ax_t.get_legend_handles_labels()[0]:  # every point failed or timed out: no lines, no legend
+        ax_t.legend(fontsize=7)
     cfg = report["config"]
     fig.suptitle(
         f"attention ops vs SDPA causal - B={cfg['batch']} H={cfg['heads']} d={cfg['head_dim']} "

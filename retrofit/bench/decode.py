@@ -291,7 +291,8 @@ def _plot(report: dict[str, Any], path: Path) -> None:
         ax_t.plot([r["T"] for r in rs], [r["step_s"] * 1e3 for r in rs], style, label=f"{name}: {label}", ms=4)
         ax_m.plot([r["T"] for r in rs], [r["cache_bytes"] / 2**20 for r in rs], style, label=name, ms=4)
     log_log_axes(((ax_t, "latency per token (ms)"), (ax_m, "cache after the context (MiB)")), "context length")
-    ax_t.legend(fontsize=7)
+    if ax_t.get_legend_handles_labels()[0]:  # every point failed or timed out: no lines, no legend
+        ax_t.legend(fontsize=7)
     fig.suptitle(f"decoding: {report['config']['dtype']} on {report['hardware'].get('gpu') or report['hardware']['cpu_model']}",
                  fontsize=9)
     save_figure_atomic(fig, path)

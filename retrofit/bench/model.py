@@ -206,7 +206,8 @@ def _plot(report: dict[str, Any], path: Path) -> None:
             if rs:
                 ax.plot([r["T"] for r in rs], [r["tokens_per_s"] for r in rs], style, color=color, label=f"{name} {kind}", ms=4)
     log_log_axes([(ax, "tokens / s")], "sequence length T")
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[0]:  # every point failed: no lines, no legend
+        ax.legend(fontsize=8)
     ax.set_title(f"whole model: {report['config']['dtype']} on {report['hardware'].get('gpu') or report['hardware']['cpu_model']}",
                  fontsize=9)
     save_figure_atomic(fig, path)

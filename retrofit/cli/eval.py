@@ -186,6 +186,13 @@ def _out(args: argparse.Namespace, name: str) -> Path:
                             "pass the base with --baseline BASE")
     if args.zero_shot and name != "all" and not takes_zero_shot(get_evaluator(args.evaluator).runner()):
         raise RetrofitError(f"retrofit eval {name} does not score zero-shot variants; drop --zero-shot")
+    for flag, attr in _DATA_FLAGS:  # an empty path is the current folder: every text file in it would be read
+        items = getattr(args, attr, None)
+        if any(isinstance(item, str) and not item.strip() for item in (
+                items if isinstance(items, (list, tuple)) else [items])):
+            flag = flag if name == "all" else "--" + flag.split("-")[-1]  # eval niah's --haystack, not --niah-haystack
+            raise RetrofitError(f"{flag} holds an empty name; give a dataset name (retrofit ls datasets) or a path "
+                                "to .txt/.jsonl files")
     for ev in evaluators():
         if ev.check is not None and (name == "all" or ev.command == name):
             ev.check(args)

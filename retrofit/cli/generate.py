@@ -44,7 +44,9 @@ def _run(args: argparse.Namespace) -> int:
     if not -(2**63) <= args.seed < 2**64:  # what torch.manual_seed takes
         raise RetrofitError(f"--seed {args.seed} is beyond what torch takes: give a whole number from 0 to 2**63 - 1")
     from retrofit.cli.devices import check_device
+    from retrofit.surgery.sources import resolve_dtype
 
+    resolve_dtype(args.dtype)  # a dtype no model loads as fails before the model loads
     check_device(args.device)
     prompt = _read_prompt(args.prompt)
 

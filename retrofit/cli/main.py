@@ -51,18 +51,53 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        return _main(argv)
+        rc = _main(argv)
+        sys.stdout.flush()  # what is still buffered meets a closed pipe here, not at exit
+        return rc
     except KeyboardInterrupt:  # Ctrl-C at any point, also while the verbs' parsers are built (imports)
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        # the reader of stdout stopped (retrofit ls | head -1): quiet, like any filter whose reader left
+        _drop_stdout()
+        return 141  # what a shell reports for a process ended by SIGPIPE
+
+
+def _stdout_closed() -> bool:
+    """Whether the reading end of stdout's pipe is gone (a write would fail with EPIPE)."""
+    import select
+
+    try:
+        fd = sys.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no file descriptor (a captured stdout): not a pipe
+        return False
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's flush at exit does not report the closed pipe again."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (AttributeError, OSError, ValueError):
+        pass
 
 
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra and isinstance(getattr(args, "overrides", None), list) and all(
-            "=" in item and not item.startswith("-") for item in extra):
-        args.overrides += extra  # section.key=value after a flag (argparse stops the positionals at the flag)
+            not item.startswith("-") for item in extra):
+        # section.key=value after a flag (argparse stops the positionals at the flag); one without its
+        # '=value' is the recipe loader's to name, as before a flag
+        args.overrides += extra
     elif extra:
         parser.parse_args(argv)  # argparse's own error for what is left
     if not getattr(args, "handler", None):
@@ -88,6 +123,8 @@ def _main(argv: list[str] | None) -> int:
         if isinstance(exc, RetrofitError):
             print(f"retrofit {args.verb}: error: {exc}", file=sys.stderr)
             return 1
+        if isinstance(exc, BrokenPipeError) and _stdout_closed():
+            raise  # main: the reader of stdout left, no error
         if isinstance(exc, OSError):
             print(f"retrofit {args.verb}: error: {os_error_message(exc)}", file=sys.stderr)
             return 1

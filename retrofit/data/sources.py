@@ -31,6 +31,9 @@ def resolve_files(spec: Any, base_dir: str | os.PathLike = ".") -> list[Path]:
     items = spec if isinstance(spec, (list, tuple)) else [spec]
     files: list[Path] = []
     for item in items:
+        if item is None or not str(item).strip():  # an empty path is the base folder: every file in it would be read
+            raise DataError(f"the data files name an empty path ({item!r}); give a file, folder or glob "
+                            "(e.g. data.files=/path/to/*.jsonl)")
         p = expand_path(str(item), base_dir)
         if any(ch in str(p) for ch in "*?["):
             matches = [Path(m) for m in glob.glob(str(p))]

@@ -44,6 +44,7 @@ class LockError(CheckpointError):
 class _Held:
     fd: int
     depth: int = 1
+    made: tuple[Path, ...] = ()  # the folders taking the lock created, deepest first (removed again if left empty)
 
 
 _HELD: dict[str, _Held] = {}  # lock file -> its open descriptor and re-entrance depth in this process
@@ -104,12 +105,25 @@ def _write_record(fd: int) -> None:
         done += os.write(fd, data[done:])
 
 
-def _acquire(target: Path, lock: Path) -> int:
-    """Open and lock ``lock``; returns its descriptor (the lock is held while it is open)."""
+def _missing_folders(folder: Path) -> tuple[Path, ...]:
+    """``folder`` and those above it that do not exist yet, deepest first."""
+    missing = []
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return tuple(missing)
+
+
+def _acquire(target: Path, lock: Path) -> tuple[int, tuple[Path, ...]]:
+    """Open and lock ``lock``; returns its descriptor (the lock is held while it is open) and the folders
+    made for it."""
+    made = _missing_folders(lock.parent)
     for _ in range(20):  # each retry follows a holder's release: a handful at most in practice
         try:
             lock.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except FileNotFoundError:
+            continue  # a holder that made the folder released and removed it meanwhile: make it again
         except OSError as exc:
             raise LockError(f"cannot take the lock {lock} for {target}: {exc.strerror or exc}; choose a writable "
                             "output folder") from None
@@ -134,10 +148,11 @@ def _acquire(target: Path, lock: Path) -> int:
                         os.unlink(lock)
                 raise LockError(f"cannot take the lock {lock} for {target}: {exc.strerror or exc}; free space "
                                 "or choose a writable output folder") from None
-            return fd
+            return fd, made
         except BaseException:
             with contextlib.suppress(OSError):
                 os.close(fd)
+            _remove_empty(made)
             raise
     raise LockError(f"cannot take the lock {lock} for {target}: other runs keep taking it; wait for them to finish")
 
@@ -159,6 +174,15 @@ def _release(lock: Path, fd: int) -> None:
         os.close(fd)  # releases the flock
 
 
+def _remove_empty(folders: tuple[Path, ...]) -> None:
+    """Remove ``folders`` (deepest first) where empty: a run that failed leaves no empty parents of its output."""
+    for folder in folders:
+        try:
+            folder.rmdir()  # fails on a folder holding anything (the run's output, another run's lock)
+        except OSError:
+            return
+
+
 @contextlib.contextmanager
 def output_lock(target: str | os.PathLike) -> Iterator[Path]:
     """Hold the advisory lock of ``target`` (a folder that may not exist yet) for the ``with`` block."""
@@ -168,7 +192,8 @@ def output_lock(target: str | os.PathLike) -> Iterator[Path]:
     if held is not None:
         held.depth += 1
     else:
-        held = _HELD[key] = _Held(_acquire(Path(target), lock))
+        fd, made = _acquire(Path(target), lock)
+        held = _HELD[key] = _Held(fd, made=made)
     try:
         if held.depth == 1:
             recover_interrupted_swaps(target)
@@ -178,3 +203,4 @@ def output_lock(target: str | os.PathLike) -> Iterator[Path]:
         if not held.depth:
             del _HELD[key]
             _release(lock, held.fd)
+            _remove_empty(held.made)

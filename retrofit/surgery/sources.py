@@ -55,6 +55,9 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | str | None:
     value = getattr(torch, name, None)
     if not isinstance(value, torch.dtype):
         raise CheckpointError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+    if not value.is_floating_point or value.itemsize < 2:  # int8, bool, complex, float8: refused here, not later
+        raise CheckpointError(f"dtype {dtype!r} cannot hold a model's weights to run them; use float32, bfloat16 "
+                              "or float16")
     return value
 
 

@@ -253,6 +253,13 @@ class ConversionSpec:
         check_model = getattr(self.config, "check_model", None)
         if check_model is not None:
             check_model(config)
+        sinks = getattr(self.config, "sinks", None)
+        text_config = getattr(config, "text_config", None) or config
+        max_pos = getattr(text_config, "max_position_embeddings", None)
+        if isinstance(sinks, int) and isinstance(max_pos, int) and 0 < max_pos < sinks:
+            raise SpecError(f"sinks={sinks} exceeds the model's max_position_embeddings={max_pos}: sinks are the "
+                            "first tokens every query also attends to (StreamingLLM keeps 4); give at most "
+                            f"{max_pos}")
         if self.layers == "global":
             global_layers(config)  # SpecError for a model that is not hybrid
         elif self.layers != "all":

@@ -381,6 +381,8 @@ class Recipe:
         out = Path(self.checkpoint.output_dir).expanduser().resolve()  # as the trainer resolves it
         for key, spec in (("data.files", self.data.files), ("eval.files", self.eval.files)):
             for item in spec if isinstance(spec, (list, tuple)) else [] if spec is None else [spec]:
+                if item is None or not str(item).strip():
+                    continue  # an empty path: reported where the data files are resolved
                 try:
                     p = expand_path(str(item), self.base_dir)
                 except SpecError:
