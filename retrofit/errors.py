@@ -24,3 +24,12 @@ class DataError(RetrofitError):
 
 class TrainingError(RetrofitError):
     """Training cannot continue (NaN loss, impossible sequence length, ...)."""
+
+
+def yaml_error_line(exc: BaseException) -> str:
+    """A YAML parse error in one line: its problem and where (PyYAML's own text spans several, with a
+    caret under the line), so the CLI's message stays one ``error:`` line."""
+    problem = str(getattr(exc, "problem", None) or exc).strip().splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+    return f"{problem}{where}"

@@ -189,12 +189,17 @@ def _given_method_keys(args: argparse.Namespace) -> dict:
     """The method keys given as flags (``--window 8``) or ``--option KEY=VALUE``."""
     from retrofit.errors import SpecError
 
-    keys = {dest: getattr(args, dest) for dest in method_flags() if getattr(args, dest, None) is not None}
+    flags = method_flags()
+    keys = {dest: getattr(args, dest) for dest in flags if getattr(args, dest, None) is not None}
+    given = {key: f"{flags[key]['flag']} {value!r}" for key, value in keys.items()}
     for item in getattr(args, "option", []) or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise SpecError(f"--option expects KEY=VALUE, got {item!r}")
-        keys[key.strip()] = yaml_value(value, f"--option {key.strip()}")
+        key, value = key.strip(), yaml_value(value, f"--option {key.strip()}")
+        if key in keys and keys[key] != value:  # the last one won silently
+            raise SpecError(f"{given[key]} and --option {key}={value!r} disagree; give the value once")
+        keys[key], given[key] = value, f"--option {key}={value!r}"
     return keys
 
 

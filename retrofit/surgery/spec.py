@@ -330,7 +330,9 @@ class ConversionSpec:
         try:
             data = yaml.safe_load(p.read_text(encoding="utf-8"))
         except yaml.YAMLError as exc:
-            raise SpecError(f"{p} is not valid YAML: {exc}") from None
+            from retrofit.errors import yaml_error_line
+
+            raise SpecError(f"{p} is not valid YAML: {yaml_error_line(exc)}") from None
         except UnicodeDecodeError as exc:
             raise SpecError(f"{p} is not UTF-8 text (byte {exc.start}: {exc.object[exc.start:exc.start + 1]!r}); "
                             "save it as UTF-8") from None

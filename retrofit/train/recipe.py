@@ -644,7 +644,9 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
     try:
         data = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as exc:
-        raise SpecError(f"recipe {file} is not valid YAML: {exc}") from None
+        from retrofit.errors import yaml_error_line
+
+        raise SpecError(f"recipe {file} is not valid YAML: {yaml_error_line(exc)}") from None
     except UnicodeDecodeError as exc:
         raise SpecError(f"recipe {file} is not UTF-8 text (byte {exc.start}: {exc.object[exc.start:exc.start + 1]!r}); "
                         "save it as UTF-8") from None

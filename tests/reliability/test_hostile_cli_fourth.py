@@ -160,3 +160,30 @@ def test_a_bench_plot_without_any_measurement_warns_nothing(tmp_path):
         model._plot({"rows": [{"model": "base", "kind": "prefill", "T": 64, "error": "timed out"}],
                      "hardware": hardware, "config": {"dtype": "float32"}}, tmp_path / "m.png")
     assert (tmp_path / "a.png").is_file() and (tmp_path / "d.png").is_file() and (tmp_path / "m.png").is_file()
+
+
+# ---------------------------------------------------------------------- a value given twice, YAML that does not parse
+@pytest.mark.parametrize("flags, needle", [
+    (["--latents", "16", "--option", "latents=8"], "--latents 16 and --option latents=8 disagree"),
+    (["--option", "latents=8", "--option", "latents=16"], "--option latents=8 and --option latents=16 disagree"),
+])
+def test_a_method_key_given_twice_with_two_values_is_refused(base, tmp_path, capsys, flags, needle):
+    # the --option value won silently over the flag (latents=8 converted where --latents 16 was asked)
+    out = tmp_path / "out"
+    fails(["convert", str(base), "--out", str(out), "--window", "8", "--probe-tokens", "0", *flags], capsys, needle,
+          "give the value once")
+    assert not out.exists()
+    assert main(["convert", str(base), "--out", str(out), "--window", "8", "--probe-tokens", "0", "-q",
+                 "--latents", "8", "--option", "latents=8"]) == 0  # the same value twice is no conflict
+
+
+def test_yaml_that_does_not_parse_is_one_error_line_naming_where(base, books, tmp_path, capsys):
+    # PyYAML's message spans four lines, with a caret under the bad one
+    config = tmp_path / "convert.yaml"
+    config.write_text("method: macchiato\nwindow: [\n")
+    line = fails(["convert", str(base), "--out", str(tmp_path / "o"), "--config", str(config)], capsys,
+                 "is not valid YAML", "at line 3, column 1")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model: {name: [\n")
+    line = fails(["train", str(recipe)], capsys, "is not valid YAML", "at line 2, column 1")
+    assert "^" not in capsys.readouterr().err + line
