@@ -20,6 +20,10 @@ keyed by ``config._attn_implementation`` (``masking_utils.create_causal_mask`` /
 
 Padded query rows attend to themselves only (their outputs are discarded), so no row of
 scores is all ``-inf`` and nothing turns NaN.
+
+Packed documents (``position_ids`` that restart inside a row, no padding mask, no past keys):
+the mask function keeps no T x T mask to make them block-diagonal, so the attention regroups
+them, one padded row per document (:mod:`retrofit.layers.documents`, as the converted layers do).
 """
 from __future__ import annotations
 
@@ -110,6 +114,16 @@ def retrofit_attention_forward(
     """
     B, Hq, T, d = query.shape
     Hkv, K = key.shape[1], key.shape[2]
+    if K == T:
+        from retrofit.layers.documents import packed_documents
+
+        docs = packed_documents(kwargs.get("position_ids"), B, T, attention_mask)
+        if docs is not None:  # packed documents: one padded row each, as the converted layers read them
+            rest = {k: v for k, v in kwargs.items() if k != "position_ids"}
+            out, _ = retrofit_attention_forward(
+                module, docs.split(query, 2), docs.split(key, 2), docs.split(value, 2), docs.valid, dropout=dropout,
+                scaling=scaling, sliding_window=sliding_window, softcap=softcap, **rest)
+            return docs.merge(out, 1), None
     scaling = d**-0.5 if scaling is None else scaling
     dropout = dropout if module.training else 0.0
     cap = getattr(module, ROPE_CAP_ATTR, None)

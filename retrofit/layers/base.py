@@ -17,6 +17,10 @@ padding flags and the layer's cache entry, then the method's :meth:`~RetrofitAtt
 
 ``attention_mask`` is what the ``"retrofit"`` mask function produces: ``None`` (no padding) or
 the 2D bool key padding mask ``(B, past + T)``; a converted layer never needs a T x T mask.
+Packed documents reach the layer as transformers' packed format, ``position_ids`` (a keyword
+the decoder layers pass on) that restart at each document: without a padding mask and without
+a cache, such a call runs one document per row (:mod:`retrofit.layers.documents`), so no
+window or linear state crosses a document boundary, in every mode below.
 
 Distillation modes (``distill_mode``, set through :func:`retrofit.surgery.distill.distill_mode`):
 the frozen pretrained projections are still here, so the layer can also compute the attention it
@@ -44,6 +48,7 @@ import torch
 from torch import nn
 
 from retrofit.layers.cache import RetrofitLayerCache, layer_cache
+from retrofit.layers.documents import DocumentBatch, packed_documents
 from retrofit.layers.method import registered_method
 from retrofit.ops import capped_rope_attention, gqa_sdpa, sliding_window_attention
 
@@ -82,6 +87,11 @@ def adapters_off(module: nn.Module) -> Iterator[None]:
                 m.enable_adapters(True)
         for p, flag in grads:
             p.requires_grad_(flag)
+
+
+def _split_pair(docs: DocumentBatch, pair: tuple[torch.Tensor, torch.Tensor] | None):
+    """``(cos, sin)`` ``(B or 1, T, d)`` each -> the per-document ``(N, L, d)`` pair (None stays None)."""
+    return None if pair is None else tuple(docs.split(t) for t in pair)
 
 
 class RetrofitAttention(nn.Module):
@@ -158,10 +168,17 @@ class RetrofitAttention(nn.Module):
             position_embeddings: ``(cos, sin)`` from the decoder's rotary embedding, ``(B, T, rotary_dim)`` each.
             attention_mask: None or the 2D key padding mask ``(B, past + T)`` (the ``"retrofit"`` mask).
             past_key_values: a transformers ``Cache`` (decoding) or None.
+            position_ids (keyword): ``(B or 1, T)``; where they restart inside a row (packed
+                documents) each document is attended alone (:mod:`retrofit.layers.documents`).
 
         Returns:
             ``(attn_output (B, T, hidden), None)``.
         """
+        docs = packed_documents(kwargs.get("position_ids"), hidden_states.shape[0], hidden_states.shape[1],
+                                attention_mask, past_key_values)
+        if docs is not None:  # one padded row per document, then back (retrofit.layers.documents)
+            out, _ = self.forward(docs.split(hidden_states), _split_pair(docs, position_embeddings), docs.valid)
+            return docs.merge(out), None
         q, k, v = self.patch.project_qkv(self, hidden_states, position_embeddings)
         valid = self.key_padding(attention_mask, hidden_states.shape[1])
         cache = layer_cache(past_key_values, self.layer_idx, self.new_cache_layer)
@@ -203,6 +220,10 @@ class RetrofitAttention(nn.Module):
         if self.distill_mode is None:
             return super().__call__(*args, **kwargs)
         hidden_states = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
+        docs = packed_documents(kwargs.get("position_ids"), hidden_states.shape[0], hidden_states.shape[1],
+                                kwargs.get("attention_mask"), kwargs.get("past_key_values"))
+        if docs is not None:  # teacher and student both read one document per row
+            return self._distill_per_document(docs, hidden_states, kwargs)
         position_embeddings = kwargs.get("position_embeddings")
         attention_mask = kwargs.get("attention_mask")
         with torch.no_grad(), adapters_off(self):  # the pretrained attention, not the adapted one
@@ -214,6 +235,23 @@ class RetrofitAttention(nn.Module):
         elif self.distill_mode == "weights":
             self.transfer_loss = self.attention_weights_loss(hidden_states, position_embeddings, attention_mask)
         return teacher, None
+
+    def _distill_per_document(self, docs: DocumentBatch, hidden_states: torch.Tensor,
+                              kwargs: dict) -> tuple[torch.Tensor, None]:
+        """A distilling call on packed documents, run on their padded per-document batch: the
+        teacher's softmax, the student and ``transfer_loss`` (its real tokens are the packed
+        batch's, so the loss is the same sum) all see one document per row."""
+        kwargs = dict(kwargs, attention_mask=docs.valid,
+                      position_embeddings=_split_pair(docs, kwargs.get("position_embeddings")))
+        kwargs.pop("position_ids", None)
+        weights = self.transfer_position_weights
+        if weights is not None:
+            self.transfer_position_weights = docs.split(weights.to(hidden_states.device))
+        try:
+            out, _ = self(docs.split(hidden_states), **kwargs)
+        finally:
+            self.transfer_position_weights = weights
+        return docs.merge(out), None
 
     def attention_weights_loss(self, hidden_states: torch.Tensor, position_embeddings: Any,
                                attention_mask: torch.Tensor | None) -> torch.Tensor:
