@@ -59,8 +59,8 @@ def compiled_decoding_support(model: nn.Module) -> str | None:
         attn = getattr(layer, "self_attn", None)
         if not supports_compiled_decoding(attn):
             kind = type(attn).__name__
-            return (f"compiled decoding needs every attention layer converted to a method with a compiled decoding "
-                    f"step (retrofit.layers.decoding.CompiledDecodingLayer); layer {i} is {kind}")
+            return (f"layer {i} ({kind}) has no compiled decoding step (retrofit.layers.decoding.CompiledDecodingLayer); "
+                    f"compiled decoding needs every attention layer converted to a method that has one")
         if attn.patch.family not in SUPPORTED_FAMILIES:
             return (f"compiled decoding supports the families {', '.join(SUPPORTED_FAMILIES)} (LLaMA-shaped decoder "
                     f"layers); this model is {attn.patch.family}")
