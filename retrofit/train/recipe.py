@@ -94,6 +94,7 @@ class DataSection:
     holdout_last: int = 0  # keep the last N local files (sorted by name) out of training, for eval
     strip_gutenberg: bool = False  # drop Project Gutenberg headers / licence text around each document
     bos_every_sequence: bool = True  # start every packed sequence with BOS (if the tokenizer uses one)
+    document_boundaries: bool = True  # each packed document is read alone: positions restart, no state crosses
     seq_len: int = 4096
     shuffle_buffer: int = 1000  # packed sequences held for shuffling (0 = off)
     seed: int = 0
