@@ -6,7 +6,8 @@ Gemma's BOS) followed by one EOS; documents are concatenated and cut into blocks
 repeated except the unfinished tail when the stream ends. With ``bos_id`` every block starts
 with BOS: a block that does not begin at a document's own BOS gets one prepended and takes
 ``seq_len - 1`` stream tokens (models pretrained with BOS at position 0, like Gemma, lose about
-a nat per token on windows without it). A shuffle buffer of packed blocks mixes neighbouring
+a nat per token on windows without it). :func:`document_positions` recovers where each document
+starts in a block (after each EOS), as position ids that restart there. A shuffle buffer of packed blocks mixes neighbouring
 blocks (long books would otherwise fill whole batches).
 
 :class:`PackedSequences` is exactly resumable: ``state_dict()`` holds the document stream's
@@ -26,7 +27,8 @@ import torch
 from retrofit.data.bos import sequence_bos  # re-exported: the old import path
 from retrofit.errors import DataError
 
-__all__ = ["PackedSequences", "pack_tokens", "take_block", "make_tokenize", "eval_blocks", "sequence_bos"]
+__all__ = ["PackedSequences", "pack_tokens", "take_block", "make_tokenize", "eval_blocks", "sequence_bos",
+           "document_positions"]
 
 
 def make_tokenize(tokenizer: Any, special_tokens: bool = True) -> Callable[[str], list[int]]:
@@ -37,6 +39,19 @@ def make_tokenize(tokenizer: Any, special_tokens: bool = True) -> Callable[[str]
         return list(tokenizer(text, add_special_tokens=special_tokens, verbose=False)["input_ids"])
 
     return tokenize
+
+
+def document_positions(ids: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Position ids of packed blocks ``ids`` ``(..., T)`` that restart at 0 at each document: the
+    token after every EOS starts one (packing ends each document with EOS), as does a block's first
+    token. This is transformers' packed-sequence format: the model's RoPE restarts with them and
+    the attention layers read each document alone (:mod:`retrofit.layers.documents`)."""
+    T = ids.shape[-1]
+    index = torch.arange(T, device=ids.device).expand(ids.shape)
+    start = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
+    start[..., 1:] = ids[..., :-1] == eos_id
+    first = torch.where(start, index, torch.zeros_like(index)).cummax(-1).values
+    return index - first
 
 
 def take_block(stream: np.ndarray, seq_len: int, bos_id: int | None) -> tuple[np.ndarray | None, np.ndarray]:

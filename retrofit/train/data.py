@@ -7,20 +7,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from retrofit.data.bos import sequence_bos
 from retrofit.data.documents import strip_gutenberg
-from retrofit.data.packing import PackedSequences, eval_blocks, make_tokenize
+from retrofit.data.packing import PackedSequences, document_positions, eval_blocks, make_tokenize
 from retrofit.data.recall import RecallInserter
 from retrofit.data.sources import load_documents, resolve_files, shard_documents, split_holdout
 from retrofit.train.objectives import objective_weights
 from retrofit.train.recipe import Recipe, recall_config
 
 __all__ = ["DataFiles", "data_files", "recipe_tokenize", "recipe_bos", "train_stream", "heldout_sequences",
-           "RecallSequences"]
+           "RecallSequences", "batch_positions"]
 
 
 @dataclass
@@ -63,15 +63,23 @@ class RecallSequences:
     With ``marks`` (the objective reads the answers: ``data.recall.answer_weight`` > 1 or the
     ``recall`` term) each item is ``(ids, mask)``: the block and its ``(seq_len,)`` bool answer
     positions (:meth:`~retrofit.data.recall.RecallInserter.answer_mask`); otherwise the block alone.
+
+    ``rewritten`` says whether the item just yielded was rewritten: its facts and answers lie
+    across the whole block, whatever documents it packs, so :func:`batch_positions` reads it as
+    one document.
     """
 
     def __init__(self, packed: PackedSequences, inserter: RecallInserter, rank: int, world: int, marks: bool = False):
         self.packed, self.inserter, self.rank, self.world, self.marks = packed, inserter, rank, world, marks
+        self.rewritten = False
 
     def __iter__(self) -> Iterator[torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
         for block in self.packed:
             index = (self.packed.blocks_yielded - 1) * self.world + self.rank
-            ids = torch.from_numpy(self.inserter(block.numpy(), index))
+            plain = block.numpy()
+            out = self.inserter(plain, index)
+            self.rewritten = out is not plain
+            ids = torch.from_numpy(out)
             if self.marks:
                 yield ids, torch.from_numpy(self.inserter.answer_mask(len(ids), index))
             else:
@@ -82,6 +90,21 @@ class RecallSequences:
 
     def load_state_dict(self, state: dict) -> None:
         self.packed.load_state_dict(state)
+
+
+def batch_positions(ids: torch.Tensor, eos_id: int | None, whole: Sequence[bool] = ()) -> torch.Tensor | None:
+    """Position ids of packed sequences ``ids`` ``(B, T)`` that restart at each document (after
+    each EOS: ``data.document_boundaries``), rows flagged in ``whole`` read as one document (recall
+    rewrites); None when no row has a boundary, so the model keeps its own positions, bit for bit."""
+    if eos_id is None:
+        return None
+    positions = document_positions(ids, int(eos_id))
+    for row, one in enumerate(whole):
+        if one:
+            positions[row] = torch.arange(ids.shape[1], device=ids.device)
+    if bool((positions[:, 1:] != positions[:, :-1] + 1).any()):
+        return positions
+    return None
 
 
 def train_stream(recipe: Recipe, tokenizer: Any, files: DataFiles, rank: int,

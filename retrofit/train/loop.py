@@ -109,13 +109,15 @@ def _fingerprint(recipe: Recipe) -> dict:
     """What a resumed run must share with the run that wrote the checkpoint.
 
     Settings at their defaults (recall off, recall's ``answer_weight`` 1.0 and ``style`` "facts", the
-    ``lm`` objective) stay out of the hashed mapping: that is the hash every checkpoint of this version
+    ``lm`` objective, ``data.document_boundaries`` on) stay out of the hashed mapping: that is the hash every checkpoint of this version
     carries, so leaving them in would refuse to resume those checkpoints."""
     d = recipe.to_dict()
     data_keys = {k: d["data"][k] for k in ("dataset", "dataset_config", "split", "text_field", "files", "holdout_last",
                                            "strip_gutenberg", "bos_every_sequence", "seq_len", "shuffle_buffer", "seed")}
     same = {"model": d["model"]["name"], "conversion": d["conversion"], "trainable": d["trainable"], "data": data_keys,
             "batch_size": d["train"]["batch_size"], "micro_batch_size": d["train"]["micro_batch_size"]}
+    if not d["data"].get("document_boundaries", True):  # on: the hash of checkpoints written before the key
+        data_keys["document_boundaries"] = False
     if d["data"]["recall"]["share"]:
         data_keys["recall"] = dict(d["data"]["recall"])
         for key, default in (("answer_weight", 1.0), ("style", "facts")):
@@ -447,14 +449,29 @@ class _Run:
             group["lr"] = lr
         return lr
 
-    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(ids (B, T), answer mask (B, T) or None)``: a stream of ``(ids, mask)`` items (recall
-        answers marked for the objective, :class:`retrofit.train.data.RecallSequences`) gives both."""
-        rows = [next(self._train_iter) for _ in range(self.recipe.train.micro_batch_size)]
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """``(ids (B, T), answer mask (B, T) or None, position ids (B, T) or None)``: a stream of
+        ``(ids, mask)`` items (recall answers marked for the objective,
+        :class:`retrofit.train.data.RecallSequences`) gives the mask; ``data.document_boundaries``
+        gives positions that restart at each document (a recall-rewritten row is one document)."""
+        rows, whole = [], []
+        for _ in range(self.recipe.train.micro_batch_size):
+            rows.append(next(self._train_iter))
+            whole.append(bool(getattr(self.train_data, "rewritten", False)))
+        mask = None
         if isinstance(rows[0], tuple):
-            return (torch.stack([r[0] for r in rows]).to(self.device),
-                    torch.stack([r[1] for r in rows]).to(self.device))
-        return torch.stack(rows).to(self.device), None
+            rows, mask = [r[0] for r in rows], torch.stack([r[1] for r in rows]).to(self.device)
+        ids = torch.stack(rows)
+        return ids.to(self.device), mask, self._positions(ids, whole)
+
+    def _positions(self, ids: torch.Tensor, whole: Sequence[bool] = ()) -> torch.Tensor | None:
+        """Position ids restarting at each packed document of ``ids`` (None: boundaries off or none)."""
+        if not self.recipe.data.document_boundaries:
+            return None
+        from retrofit.train.data import batch_positions
+
+        positions = batch_positions(ids, self.tokenizer.eos_token_id, whole)
+        return None if positions is None else positions.to(self.device)
 
     def _global_mean(self, value: torch.Tensor) -> float:
         v = value.detach().float().reshape(1).to(self.device)
@@ -504,10 +521,11 @@ class _Run:
         drop = self._set_window_dropout()
         losses, parts = [], {}
         for micro in range(self.accum):
-            batch, answer_mask = self._next_batch()
+            batch, answer_mask, positions = self._next_batch()
             try:
                 with self.acc.accumulate(self.model):
-                    loss, terms = self.objective(self.model, batch, answer_mask=answer_mask)
+                    documents = {} if positions is None else {"position_ids": positions}
+                    loss, terms = self.objective(self.model, batch, answer_mask=answer_mask, **documents)
                     for k, v in terms.items():
                         parts[k] = parts.get(k, 0.0) + v / self.accum
                     mean = self._global_mean(loss)
@@ -555,8 +573,10 @@ class _Run:
         for b in range(n_batches):
             rows = mine[b * m:(b + 1) * m]
             weight = 1.0 if rows else 0.0  # ZeRO-3 needs every rank in every forward: pad with a dummy
-            batch = torch.stack(rows or [self.eval_data[0]]).to(self.device)
-            nll, targets = heldout_nll(self.model, batch, gather=self._gathered if self.zero_stage == 3 else None)
+            batch = torch.stack(rows or [self.eval_data[0]])
+            positions = self._positions(batch)
+            nll, targets = heldout_nll(self.model, batch.to(self.device), position_ids=positions,
+                                       gather=self._gathered if self.zero_stage == 3 else None)
             total += torch.tensor([nll * weight, targets * weight], dtype=torch.float64, device=self.device)
         if self.world > 1:
             torch.distributed.all_reduce(total)

@@ -131,15 +131,19 @@ class Objective:
     def name(self) -> str:
         return "+".join(f"{w:g}*{k}" if len(self.weights) > 1 else k for k, w in self.weights.items())
 
-    def __call__(self, model: nn.Module, input_ids: torch.Tensor,
-                 answer_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    def __call__(self, model: nn.Module, input_ids: torch.Tensor, answer_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, float]]:
         """``model``: what the training loop calls (the DeepSpeed engine or a plain module);
         ``answer_mask``: ``(B, T)`` bool, the positions that predict a recall answer's value tokens
-        (``data.recall``; needed by the ``recall`` term and by ``answer_weight``)."""
+        (``data.recall``; needed by the ``recall`` term and by ``answer_weight``);
+        ``position_ids``: ``(B, T)`` positions that restart at each packed document
+        (``data.document_boundaries``, :func:`retrofit.data.packing.document_positions`), handed to
+        every forward (student and teacher read each document alone); None: the model's own."""
+        pos = {} if position_ids is None else {"position_ids": position_ids}
         if "recall" in self.weights and answer_mask is None:
             raise SpecError("the recall objective term needs the recall answers' positions: set data.recall.share > 0")
         if self.weights == {"lm": 1.0} and not self.sliced_head:  # the model's own loss, bit for bit
-            loss = model(input_ids=input_ids, labels=input_ids).loss
+            loss = model(input_ids=input_ids, labels=input_ids, **pos).loss
             return loss, {"lm": float(loss.detach())}
         causal_lm = unwrap_causal_lm(model)
         total, parts = None, {}
@@ -148,14 +152,14 @@ class Objective:
             if answer_mask is not None and self.answer_weight != 1.0:
                 position_weights = 1.0 + (self.answer_weight - 1.0) * answer_mask.float()
             with distill_mode(causal_lm, "transfer", position_weights=position_weights) as modules:
-                model(input_ids=input_ids, logits_to_keep=1)  # decoder on teacher states; 1 head position
+                model(input_ids=input_ids, logits_to_keep=1, **pos)  # decoder on teacher states; 1 head position
                 terms = [(int(m.layer_idx), m.transfer_loss) for m in modules if m.transfer_loss is not None]
             att = self._layer_sum(terms)
             parts["attention"] = float(att.detach())
             total = self.weights["attention"] * att
         if "weights" in self.weights:
             with distill_mode(causal_lm, "weights", queries=self.weights_queries) as modules:
-                model(input_ids=input_ids, logits_to_keep=1)
+                model(input_ids=input_ids, logits_to_keep=1, **pos)
                 terms = [(int(m.layer_idx), m.transfer_loss) for m in modules if m.transfer_loss is not None]
             kl = self._layer_sum(terms)
             parts["weights"] = float(kl.detach())
@@ -164,10 +168,10 @@ class Objective:
             teacher = None
             if "kl" in self.weights:
                 with torch.no_grad(), distill_mode(causal_lm, "teacher"), capture_final_hidden(causal_lm) as box:
-                    model(input_ids=input_ids, logits_to_keep=1)
+                    model(input_ids=input_ids, logits_to_keep=1, **pos)
                 teacher = box[0].detach()
             with capture_final_hidden(causal_lm) as box:
-                model(input_ids=input_ids, logits_to_keep=1)
+                model(input_ids=input_ids, logits_to_keep=1, **pos)
             student = box[0]
             terms = {}
             if "recall" in self.weights:
@@ -219,6 +223,7 @@ def heldout_nll(
     input_ids: torch.Tensor,
     *,
     gather: Callable[[list[torch.Tensor]], contextlib.AbstractContextManager] | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> tuple[float, int]:
     """Summed next-token NLL of ``input_ids`` ``(B, T)`` and the number of targets ``B (T - 1)``.
 
@@ -226,15 +231,17 @@ def heldout_nll(
     .loss`` times the count, but the decoder runs with one head position and a linear head is
     applied blockwise (:func:`retrofit.ops.linear_cross_entropy`), so no ``(B, T, V)`` logits
     (4 GiB for one 4096-token Gemma sequence) and no graph. ``gather``: a context manager factory
-    that materialises partitioned parameters (ZeRO-3) around the head's weight.
+    that materialises partitioned parameters (ZeRO-3) around the head's weight. ``position_ids``:
+    ``(B, T)`` positions restarting at each packed document, as :class:`Objective` takes them.
     """
+    pos = {} if position_ids is None else {"position_ids": position_ids}
     causal_lm = unwrap_causal_lm(model)
     head = causal_lm.get_output_embeddings()
     n = input_ids.shape[0] * (input_ids.shape[1] - 1)
     if not isinstance(head, nn.Linear):  # e.g. a PEFT-wrapped head: the model's own loss
-        return float(model(input_ids=input_ids, labels=input_ids).loss) * n, n
+        return float(model(input_ids=input_ids, labels=input_ids, **pos).loss) * n, n
     with capture_final_hidden(causal_lm) as box:
-        model(input_ids=input_ids, logits_to_keep=1)
+        model(input_ids=input_ids, logits_to_keep=1, **pos)
     hidden = box[0][:, :-1]
     cap = final_softcap(causal_lm)
     with gather([head.weight]) if gather is not None else contextlib.nullcontext():
