@@ -1,7 +1,7 @@
 """Where the needle's block ranks for the last query of a passkey prompt, under block retrieval's two rankings.
 
-A 4K passkey prompt (key at depth 0, plain text) is prefilled through a Hedgehog model with block
-retrieval on; the prompt's last token is then decoded alone, and for each layer and query head the
+A passkey prompt (4K, the key at depth 0 unless told; plain text) is prefilled through a Hedgehog
+model with block retrieval on; the prompt's last token is then decoded alone, and for each layer and query head the
 script records the rank (0 = first) of the block holding the key's first digit among the stored
 blocks by Quest's bound (``retrieve_score bound``) and by the block's best score (``max``), and the
 rank of the best digit token among all stored tokens. A block is read when its rank is below
@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("model", help="a converted Hedgehog folder (e.g. the output of retrofit fit)")
     p.add_argument("--length", type=int, default=4096)
+    p.add_argument("--depth", type=float, default=0.0, help="where the key sits (0 = the haystack's start, 1 = its end)")
     p.add_argument("--retrieve", type=int, default=8)
     p.add_argument("--block", type=int, default=64)
     p.add_argument("--out", required=True)
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     model.eval()
     bos_id = tok.bos_token_id if loading.needs_bos(model, tok, "auto") else None
     frame = prompting.build_frame(tok, chat=prompting.use_chat_template(tok, "off"), bos_id=bos_id)
-    prompt = prompt_grid(tok, [args.length], [0.0], trials=1, frame=frame, bos_id=bos_id)[0]
+    prompt = prompt_grid(tok, [args.length], [args.depth], trials=1, frame=frame, bos_id=bos_id)[0]
     digits = key_positions(tok, prompt["ids"], prompt["needle_at"], prompt["key"])
     set_tier(model, 0, block=args.block, retrieve=args.retrieve, retrieve_score="bound")
     rows: list[dict] = []
@@ -76,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"needle block read (rank < {args.retrieve}) in {summary['bound']:.0%} of layer x head pairs by the bound, "
           f"{summary['max']:.0%} by the best score")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(Path(args.out), {"model": args.model, "length": args.length, "block": args.block,
+    write_json_atomic(Path(args.out), {"model": args.model, "length": args.length, "depth": args.depth,
+                                       "block": args.block,
                                        "retrieve": args.retrieve, "key": prompt["key"], "digit_positions": digits,
                                        "needle_block_read": summary, "layers": rows})
     return 0
