@@ -95,7 +95,7 @@ class MacchiatoConfig(WindowConfig):
             lo, hi = (self.latents // heads) * heads, (self.latents // heads + 1) * heads
             raise SpecError(
                 f"latents={self.latents} does not split over the model's {heads} query heads; "
-                f"use a multiple of {heads} (e.g. {lo or hi} or {hi})"
+                f"use a multiple of {heads} (e.g. {f'{lo} or {hi}' if lo else hi})"
             )
 
     def describe(self) -> str:

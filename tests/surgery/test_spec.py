@@ -45,8 +45,11 @@ def test_layer_selection_and_dtype_aliases():
 
 def test_sizes_that_do_not_fit_the_model():
     model = tiny_model("llama")  # 4 query heads, 2 layers
-    with pytest.raises(SpecError, match="does not split over the model's 4 query heads"):
+    fit = r"does not split over the model's 4 query heads; use a multiple of 4 \(e.g. 8 or 12\)"
+    with pytest.raises(SpecError, match=fit):
         convert(model, ConversionSpec(latents=10))
+    with pytest.raises(SpecError, match=r"use a multiple of 4 \(e.g. 4\)$"):  # below the heads: one suggestion
+        convert(model, ConversionSpec(latents=3))
     with pytest.raises(SpecError, match="layers \\[5\\] do not exist"):
         convert(model, ConversionSpec(layers=[0, 5]))
     assert converted_layers(model) == []  # nothing half-converted
