@@ -133,7 +133,7 @@ class Backend:
         if self.devices is not None and call.device.type not in self.devices:
             wanted = "/".join(d.upper() if d == "cuda" else d for d in sorted(self.devices))
             return f"{self.name} needs {wanted} tensors (got {call.device.type})"
-        if not is_installed(self.name):
+        if not (_installed_constant(self.name) if torch.compiler.is_compiling() else is_installed(self.name)):
             return f"{self.name} is not installed (pip install 'retrofit[gpu]' or {self.install_hint or self.package})"
         if self.dtypes is not None and call.dtype not in self.dtypes:
             return f"{self.name} kernels take {_dtypes(self.dtypes)}, not {call.dtype}"
@@ -189,6 +189,13 @@ def backend_names() -> tuple[str, ...]:
     """Registered backends, highest priority first."""
     _FOUND.everything()
     return tuple(b.name for b in sorted(_backends.values(), key=lambda b: -b.priority))
+
+
+@torch.compiler.assume_constant_result
+def _installed_constant(backend: str) -> bool:
+    """:func:`is_installed` as torch.compile sees it: called once while tracing, its answer baked into the graph
+    (tracing the import inside would break the graph)."""
+    return is_installed(backend)
 
 
 @functools.lru_cache(maxsize=None)
@@ -288,7 +295,7 @@ _logged: set[tuple] = set()
 def _log_once(level: int, key: tuple, msg: str, *args: Any) -> None:
     # a call torch.compile traces chooses its backend like an eager one but cannot log (dynamo refuses
     # logging in a graph); the next eager call of the op logs the choice
-    if key in _logged or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or key in _logged:
         return
     _logged.add(key)
     logger.log(level, msg, *args)
@@ -322,12 +329,12 @@ _resolved: dict[tuple, Backend] = {}
 
 def resolve(op: str, call: Call, requested: str | None = None) -> Backend:
     """The backend that runs ``call`` of ``op``; ``requested`` None or "auto": the default request."""
+    if torch.compiler.is_compiling():  # traced: chosen afresh, so the graph guards on the backends, not on this memo
+        return _resolve(op, call, requested)
     key = (op, call, requested, _default_backend, os.environ.get(ENV_VAR), _is_strict())
     chosen = _resolved.get(key)
     if chosen is None:
-        chosen = _resolve(op, call, requested)
-        if not torch.compiler.is_compiling():  # a call torch.compile traces chooses alike but stores nothing
-            _resolved[key] = chosen
+        chosen = _resolved[key] = _resolve(op, call, requested)
     return chosen
 
 
