@@ -192,14 +192,9 @@ def _sink_scores(q, sinks, t, frontier, sink_distance, inv_freq):
 
 
 def _softcapped(s: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
-    """Scores scaled and soft-capped; -inf (a key not read) stays -inf."""
+    """Scores scaled and soft-capped; -inf (a key not read) stays -inf (``tanh(-inf)`` alone is finite)."""
     s = s * scaling
-    return torch.tanh(s / softcap) * softcap if softcap else s
-
-
-def _capped_soft(s: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
-    """:func:`_softcapped` of scores holding -inf (``tanh(-inf)`` is finite)."""
-    return _softcapped(s, scaling, softcap).masked_fill(s == float("-inf"), float("-inf")) if softcap else s * scaling
+    return (torch.tanh(s / softcap) * softcap).masked_fill(s == float("-inf"), float("-inf")) if softcap else s
 
 
 def _scores(rule: str, mk, v, index, S, z, feature_key_weight, group: int) -> torch.Tensor:
@@ -365,9 +360,9 @@ def _retrieved_part(state: TierState, mq: torch.Tensor, retrieve: int, block: in
         def apply(p: torch.Tensor) -> torch.Tensor:  # the k C weights placed among the N stored values
             dense = p.new_zeros(*p.shape[:-1], values.shape[2]).scatter_(-1, tokens, p)
             return dense @ values.to(p.dtype)
-        return _capped_soft(picked, scaling, softcap), apply
+        return _softcapped(picked, scaling, softcap), apply
     scores, values = _retrieved_bound(state, mq, retrieve, block)
-    return _capped_soft(_grouped(scores, group), scaling, softcap), _per_head(values, group)
+    return _softcapped(_grouped(scores, group), scaling, softcap), _per_head(values, group)
 
 
 def _retrieved_bound(state: TierState, mq: torch.Tensor, retrieve: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -424,7 +419,7 @@ def _segment(state: TierState, q, mq, fq, scale, count_weight, t, sinks, *, scal
     parts: list[_Part] = [(s_win, _shared(vw))]
     if sinks is not None and sinks[2].shape[2]:
         s_sink = _sink_scores(qa, sinks, t, state.frontier, sink_distance, inv_freq)
-        parts.append((_capped_soft(_grouped(s_sink, group), scaling, softcap), _shared(sinks[3])))
+        parts.append((_softcapped(_grouped(s_sink, group), scaling, softcap), _shared(sinks[3])))
     if state.tier_keys.shape[2]:
         s_tier = _grouped(mqa, group) @ state.tier_keys.to(acc).transpose(-1, -2)  # (B, Hkv, gR, cap)
         s_tier = _softcapped(s_tier, scaling, softcap).masked_fill(~(state.tier_index >= 0)[:, :, None, :],
