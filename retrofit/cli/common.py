@@ -52,6 +52,7 @@ def finish_parser(parser: argparse.ArgumentParser) -> None:
         parser.formatter_class = HelpFormatter
     if not subs:
         _add_verbosity(parser)
+        parser.set_defaults(command_prog=parser.prog)  # what its error lines start with (retrofit.cli.main)
     for child in subs:
         finish_parser(child)
 

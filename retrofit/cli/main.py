@@ -120,22 +120,31 @@ def _main(argv: list[str] | None) -> int:
 
         if _debug():
             raise
+        who = error_prefix(args)
         if isinstance(exc, RetrofitError):
-            print(f"retrofit {args.verb}: error: {exc}", file=sys.stderr)
+            print(f"{who}: error: {exc}", file=sys.stderr)
             return 1
         if isinstance(exc, BrokenPipeError) and _stdout_closed():
             raise  # main: the reader of stdout left, no error
         if isinstance(exc, OSError):
-            print(f"retrofit {args.verb}: error: {os_error_message(exc)}", file=sys.stderr)
+            print(f"{who}: error: {os_error_message(exc)}", file=sys.stderr)
             return 1
         from retrofit.fs.write_errors import write_failure
 
         failed = write_failure(exc)  # a full disk as torch's zip writer or safetensors reports it
         if failed:
-            print(f"retrofit {args.verb}: error: {failed}; free disk space or write somewhere else "
+            print(f"{who}: error: {failed}; free disk space or write somewhere else "
                   "(nothing was published: outputs are written to a temporary folder first)", file=sys.stderr)
             return 1
         raise
+
+
+def error_prefix(args: argparse.Namespace) -> str:
+    """What an error line starts with: the command as argparse names it in its own errors
+    (``retrofit convert``, ``retrofit eval ppl``, ``retrofit bench attention``), so a refusal of a flag's
+    value and one found while running read the same."""
+    prog = getattr(args, "command_prog", None)
+    return prog if isinstance(prog, str) and prog else f"retrofit {args.verb}"
 
 
 _OS_ADVICE = {

@@ -338,7 +338,7 @@ def test_cli_errors_before_loading(converted_dir, tmp_path, capsys, argv, messag
 
     assert main(["eval", "ppl", str(converted_dir), "--out", str(tmp_path / "o"), *argv]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("retrofit eval: error:") and message in err[0]
+    assert len(err) == 1 and err[0].startswith("retrofit eval ppl: error:") and message in err[0]
     assert not (tmp_path / "o").exists()
 
 
