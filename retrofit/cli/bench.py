@@ -79,7 +79,8 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
                                       "with each model's cache (retrofit's constant-memory cache for the converted one).")
     d.add_argument("--lengths", type=length_arg, nargs="+", default=None, metavar="L",
                    help="context lengths, 4096 or 4K (default 1K..32K; --quick: 256 512 1K)")
-    d.add_argument("--new-tokens", type=count_arg(1), default=16, help="timed decoding steps per length")
+    d.add_argument("--new-tokens", type=count_arg(1), default=16,
+                   help="timed decoding steps per length, at most 1048576 (1M)")
     d.add_argument("--prefill-chunk", type=count_arg(1), default=2048, help="prefill the context in chunks of this many tokens")
     d.add_argument("--batch", type=count_arg(1), default=1)
     d.add_argument("--compile", action="store_true",
@@ -158,7 +159,9 @@ def _run_attention(args: argparse.Namespace) -> int:
 
 def _run_decode(args: argparse.Namespace) -> int:
     from retrofit.bench.decode import run_decode_benchmark
+    from retrofit.eval.evaluators import check_new_tokens
 
+    check_new_tokens("--new-tokens", args.new_tokens)
     _apply_backend(args)
     with _locked(args):
         run_decode_benchmark(args)

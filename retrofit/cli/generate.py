@@ -17,7 +17,9 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("generate", help=help_text, description=help_text)
     p.add_argument("model", metavar="DIR", help="converted checkpoint folder (or model folder / hub id / .gguf / alias)")
     p.add_argument("--prompt", required=True, help="text to continue ('-' reads stdin)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128,
+                   help="tokens to generate at most (it stops early at an end-of-sequence token), 1 to 1048576 "
+                        "(1M)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (with --temperature > 0)")
     p.add_argument("--seed", type=int, default=0)
@@ -39,6 +41,9 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1:
         raise RetrofitError("--max-new-tokens must be >= 1")
+    from retrofit.eval.evaluators import check_new_tokens
+
+    check_new_tokens("--max-new-tokens", args.max_new_tokens)  # a run that would not end in any useful time
     if not 0 <= args.temperature < math.inf or not 0 < args.top_p <= 1:  # NaN fails both: never a silent greedy run
         raise RetrofitError("--temperature must be a finite number >= 0 and --top-p in (0, 1]")
     if not -(2**63) <= args.seed < 2**64:  # what torch.manual_seed takes

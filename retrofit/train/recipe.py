@@ -47,6 +47,9 @@ __all__ = [
 ]
 
 TRAINABLE_MODES = ("new", "lora", "attention", "all")
+# the most optimizer steps a run (or a stage, or a layer's fit) takes: 100 million, a hundred times the longest
+# pretraining runs; more is a typo or "forever" (for a run bounded by the clock, set train.max_time instead)
+MAX_STEPS = 100_000_000
 
 
 @dataclass
@@ -113,7 +116,7 @@ class EvalSection:
 
 @dataclass
 class TrainSection:
-    max_steps: int | None = 1000
+    max_steps: int | None = 1000  # at most MAX_STEPS (100M); the steps max_tokens alone makes too
     max_tokens: int | None = None  # token budget: stop at whichever of max_steps / max_tokens comes first
     max_time: float | None = None  # seconds of training (all resumes together); also stops the run, LR follows the clock
     batch_size: int = 4  # global sequences per optimizer step (all ranks, all accumulation steps)
@@ -226,6 +229,7 @@ class Recipe:
         for name, value in (("train.max_steps", t.max_steps), ("train.max_tokens", t.max_tokens)):
             if value is not None and value < 1:
                 raise SpecError(f"{name} must be >= 1, got {value}")
+        self._check_step_bound()
         if t.max_time is not None and not (isinstance(t.max_time, (int, float)) and not isinstance(t.max_time, bool)
                                            and math.isfinite(t.max_time)
                                            and t.max_time > 0):
@@ -319,6 +323,21 @@ class Recipe:
         self._check_fit()
         return self
 
+    def _check_step_bound(self) -> None:
+        """``train.max_steps`` (or the steps ``train.max_tokens`` makes, where it alone bounds the run) at most
+        :data:`MAX_STEPS`: a run that would never end is refused before anything loads."""
+        t, d = self.train, self.data
+        why = ("a hundred times the longest pretraining runs; to stop a run by the clock, set train.max_time "
+               "(seconds) beside a max_steps within the bound")
+        if t.max_steps is not None and t.max_steps > MAX_STEPS:
+            raise SpecError(f"train.max_steps={t.max_steps} is more optimizer steps than any run takes: give at most "
+                            f"{MAX_STEPS:,} ({why})")
+        per_step = t.batch_size * d.seq_len
+        if t.max_steps is None and t.max_tokens is not None and per_step >= 1 and -(-t.max_tokens // per_step) > MAX_STEPS:
+            raise SpecError(f"train.max_tokens={t.max_tokens} is {-(-t.max_tokens // per_step):,} optimizer steps of "
+                            f"{t.batch_size} x {d.seq_len} tokens, more than any run takes: give at most "
+                            f"{MAX_STEPS * per_step:,} tokens ({MAX_STEPS:,} steps: {why})")
+
     def _check_fit(self) -> None:
         """``fit.maps`` / ``fit.scale``: counts and lengths a fit can use."""
         for name, part in (("fit.maps", self.fit.maps), ("fit.scale", self.fit.scale)):
@@ -330,6 +349,9 @@ class Recipe:
         m = self.fit.maps
         if m.steps < 0 or not (math.isfinite(m.lr) and m.lr > 0):
             raise SpecError(f"fit.maps: steps must be >= 0 and lr a finite number > 0 (got {m.steps}, {m.lr})")
+        if m.steps > MAX_STEPS:
+            raise SpecError(f"fit.maps.steps={m.steps} is more Adam steps per layer than any fit takes: give at most "
+                            f"{MAX_STEPS:,} (the default is 150)")
         if m.steps and not m.sequences:
             raise SpecError("fit.maps.steps > 0 needs fit.maps.sequences > 0 to fit on (or set steps: 0 to keep the maps)")
 

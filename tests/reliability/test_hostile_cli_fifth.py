@@ -40,6 +40,73 @@ def no_run(monkeypatch):
     monkeypatch.setattr(decode, "run_decode_benchmark", refuse)
 
 
+# ---------------------------------------------------------------------- 1. sizes that never end
+@pytest.mark.parametrize("value", HUGE)
+def test_generate_refuses_max_new_tokens_no_run_reaches_before_the_model_loads(base, capsys, no_model_loads, value):
+    # a model that never says end-of-sequence generated until the process was killed
+    fails(["generate", str(base), "--prompt", "hi", "--device", "cpu", "--max-new-tokens", value], capsys,
+          f"--max-new-tokens {value}", "at most 1048576")
+
+
+@pytest.mark.parametrize("command, flags, flag", [
+    ("niah", ["--max-new-tokens"], "--max-new-tokens"),
+    ("ruler", ["--max-new-tokens"], "--max-new-tokens"),
+    ("harness", ["--gen-max-new-tokens"], "--gen-max-new-tokens"),
+    ("all", ["--niah-max-new-tokens"], "--niah-max-new-tokens"),
+    ("all", ["--ruler-max-new-tokens"], "--ruler-max-new-tokens"),
+])
+def test_eval_refuses_a_generation_bound_no_run_reaches_before_any_model_loads(base, tmp_path, capsys, no_model_loads,
+                                                                              command, flags, flag):
+    out = tmp_path / "o"
+    fails(["eval", command, str(base), "--out", str(out), *flags, HUGE[1]], capsys, f"{flag} {HUGE[1]}",
+          "at most 1048576")
+    assert not out.exists()
+
+
+def test_bench_decode_refuses_more_timed_steps_than_any_run_takes(tmp_path, capsys, no_run):
+    out = tmp_path / "b"
+    fails(["bench", "decode", "--new-tokens", "2000000", "--out", str(out)], capsys, "--new-tokens 2000000",
+          "at most 1048576")
+    assert not out.exists()
+
+
+def test_the_bounds_are_in_the_flags_help(capsys):
+    for argv in (["generate", "--help"], ["eval", "niah", "--help"], ["bench", "decode", "--help"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "1048576" in capsys.readouterr().out, argv
+
+
+@pytest.mark.parametrize("verb", ["train", "fit"])
+@pytest.mark.parametrize("override, needles", [
+    (f"train.max_steps={HUGE[0]}", [f"train.max_steps={HUGE[0]}", "at most 100,000,000", "train.max_time"]),
+    (f"train.max_steps={HUGE[1]}", [f"train.max_steps={HUGE[1]}", "at most 100,000,000"]),
+    (f"train.max_tokens={HUGE[0]}", [f"train.max_tokens={HUGE[0]}", "at most 12,800,000,000 tokens"]),
+    ("fit.maps.steps=10000000000", ["fit.maps.steps=10000000000", "at most 100,000,000"]),
+])
+def test_a_recipe_with_steps_no_run_finishes_is_refused_before_anything_loads(base, books, tmp_path, capsys, no_run,
+                                                                              verb, override, needles):
+    # train.max_steps=1e12 trained (and checkpointed) until the process was killed
+    recipe = recipe_file(tmp_path, base, books)
+    extra = ["train.max_steps=null"] if "max_tokens" in override else []
+    fails([verb, str(recipe), *extra, override], capsys, *needles)
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+def test_a_stage_with_steps_no_run_finishes_is_named(base, books, tmp_path, capsys, no_run):
+    recipe = recipe_file(tmp_path, base, books, stages=[{"name": "a", "train": {"max_steps": 2}},
+                                                        {"name": "b", "train": {"max_steps": 10**12}}])
+    fails(["train", str(recipe)], capsys, "stages[1] (b)", "train.max_steps=1000000000000")
+
+
+def test_the_step_bound_leaves_real_recipes_alone(base, books, tmp_path):
+    from retrofit.train.recipe import MAX_STEPS, load_recipe
+
+    recipe = recipe_file(tmp_path, base, books)
+    assert load_recipe(str(recipe), [f"train.max_steps={MAX_STEPS}"]).train.max_steps == MAX_STEPS
+    assert load_recipe(str(recipe), ["train.max_steps=null", "train.max_tokens=20000000"]).train.max_tokens
+
+
 # ---------------------------------------------------------------------- 4. one error prefix per command
 @pytest.mark.parametrize("argv, bad_value, prefix", [
     (["eval", "ppl", "/no/such/model", "--lengths", "16"], ["--lengths", "abc"], "retrofit eval ppl: error: "),
