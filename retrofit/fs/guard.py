@@ -5,7 +5,7 @@ leaves a manifest, ``.retrofit-files.json``, listing every file it wrote with it
 time and sha256: see :func:`retrofit.fs.atomic.write_manifest`) that holds nothing beyond those files,
 each as written (a user's note dropped in, or a file the user edited, makes it irreplaceable: what
 retrofit did not write is never deleted), and never a folder that is or contains a protected path:
-the current directory, the input model, a delta's base.
+the current directory, the input model, a delta's base; nor one inside the input model's or the base's folder.
 
 A listed file counts as unchanged when its size and modification time (ns) are as recorded; when the
 time differs (a copy, a ``touch``) its content is hashed and compared, so an edit is caught whatever its
@@ -181,15 +181,22 @@ def check_replaceable(
 ) -> None:
     """Refuse to write ``out`` where that would destroy something not ours.
 
-    ``out`` must not be, nor contain, the current directory or a ``protect`` path (whether or not
-    ``overwrite``); an existing ``out`` needs ``overwrite`` and must be a checkpoint folder.
+    ``out`` must not be, nor contain, the current directory or a ``protect`` path, nor lie inside a
+    ``protect`` folder (whether or not ``overwrite``); an existing ``out`` needs ``overwrite`` and must be a
+    checkpoint folder.
     """
     out = check_output_folder(out)
     real = _real(out)
+    protect = list(protect)
     for p, label in protected_paths(protect):
         if real == p or real in p.parents:
             rel = "is" if real == p else "contains"
             raise CheckpointError(f"the output {out} {rel} {label}; choose an output folder elsewhere")
+    for p, label in protected_paths(protect)[1:]:  # the inputs (the current directory may hold an output)
+        if p in real.parents and p.is_dir():
+            # the input folder would hold a second model (and whatever replaced or deleted the input, the output)
+            raise CheckpointError(f"the output {out} lies inside {label}; write it outside the input folder "
+                                  "(e.g. next to it)")
     if not (out.exists() or out.is_symlink()):
         return
     if not overwrite:

@@ -107,6 +107,35 @@ def test_the_step_bound_leaves_real_recipes_alone(base, books, tmp_path):
     assert load_recipe(str(recipe), ["train.max_steps=null", "train.max_tokens=20000000"]).train.max_tokens
 
 
+# ---------------------------------------------------------------------- 2. an output inside its input
+@pytest.mark.parametrize("inside", ["conv", "a/b/conv"])
+def test_convert_never_writes_into_its_input_folder(base, tmp_path, capsys, inside):
+    model = tmp_path / "model"
+    shutil.copytree(base, model)
+    before = snapshot(model)
+    for extra in ([], ["--delta"], ["--overwrite"]):
+        fails(["convert", str(model), "--out", str(model / inside), "--window", "8", "--latents", "8",
+               "--probe-tokens", "0", *extra], capsys, f"lies inside the input {model}", "outside the input folder")
+    assert snapshot(model) == before and not leftovers(tmp_path)
+    assert sorted(p.name for p in model.iterdir()) == sorted(p.name for p in base.iterdir())
+
+
+def test_fit_never_writes_into_its_input_folder(base, books, tmp_path, capsys):
+    model = tmp_path / "model"
+    shutil.copytree(base, model)
+    before = snapshot(model)
+    recipe = recipe_file(tmp_path, model, books, conversion=HEDGEHOG)
+    fails(["fit", str(recipe), "--out", str(model / "fitted")], capsys, f"lies inside the input {model}")
+    assert snapshot(model) == before and not leftovers(tmp_path)
+
+
+def test_an_output_beside_its_input_or_in_the_current_folder_is_still_written(base, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # an output inside the current folder is the usual case
+    assert main(["convert", str(base), "--out", "runs/conv", "--window", "8", "--latents", "8", "--probe-tokens",
+                 "0", "-q"]) == 0, capsys.readouterr().err
+    assert (tmp_path / "runs" / "conv" / "config.json").is_file()
+
+
 # ---------------------------------------------------------------------- 4. one error prefix per command
 @pytest.mark.parametrize("argv, bad_value, prefix", [
     (["eval", "ppl", "/no/such/model", "--lengths", "16"], ["--lengths", "abc"], "retrofit eval ppl: error: "),
