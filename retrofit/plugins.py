@@ -29,6 +29,10 @@ A plugin module that fails to import or register (whatever it raises,
 ``SystemExit`` included; only Ctrl-C goes through) is reported in one warning line and skipped:
 one broken plugin never breaks a verb. :func:`report_broken` is that line, for a registry that
 finds a plugin unusable later (an evaluator whose flags clash with the CLI's).
+
+A plugin that raises later, while a verb runs it (a method's builder or layer during ``convert``, a
+backend's kernel, an evaluator's run), is one error line naming the plugin and what it raised
+(:func:`plugin_failure`, read by the CLI), not a traceback through retrofit's code.
 """
 from __future__ import annotations
 
@@ -45,7 +49,10 @@ from typing import Any, Callable, Mapping
 
 from retrofit.errors import RetrofitError
 
-__all__ = ["Discovery", "check_name", "import_submodules", "report_broken", "same_definition"]
+__all__ = ["Discovery", "check_name", "import_submodules", "plugin_failure", "report_broken", "same_definition"]
+
+# the plugin modules the entry-point groups named, once loaded: {module name: "GROUP entry point 'NAME'"}
+_LOADED: dict[str, str] = {}
 
 
 def report_broken(what: str, why: BaseException | str) -> None:
@@ -105,6 +112,52 @@ class Discovery:
             except BaseException as exc:  # SystemExit too: a broken plugin never breaks retrofit
                 report_broken(f"{self.group} entry point {ep.name!r} ({ep.value}) failed to load or register and is",
                               exc)
+            else:
+                _LOADED[ep.module] = f"{self.group} entry point {ep.name!r}"
+
+
+def _package(module: str) -> str:
+    return module.split(".", 1)[0]
+
+
+def _plugin_packages() -> dict[str, list[str]]:
+    """``{top-level package: [how it was found]}`` of the plugins in use: the modules the entry-point groups
+    loaded, and the packages of conversion methods registered from outside retrofit (imported by a caller)."""
+    found: dict[str, list[str]] = {}
+    for module, label in _LOADED.items():
+        found.setdefault(_package(module), []).append(label)
+    methods = sys.modules.get("retrofit.layers.method")  # never imported here: a method in use has loaded it
+    for name, info in sorted(getattr(methods, "_METHODS", {}).items()):
+        module = getattr(info.builder, "__module__", None) or ""
+        if module and _package(module) not in found:
+            found[_package(module)] = [f"method {name!r}"]
+    found.pop("retrofit", None)
+    return found
+
+
+def plugin_failure(exc: BaseException) -> str | None:
+    """What to say when ``exc`` was raised in a plugin's code (its traceback runs through a module of a
+    plugin's package): the plugin, the function that raised, the exception's type and message, on one
+    line; None when no plugin's code is on the traceback (retrofit's own failure)."""
+    packages = _plugin_packages()
+    if not packages:
+        return None
+    blamed = None
+    tb = exc.__traceback__
+    while tb is not None:  # the frame nearest to the raise wins: that plugin's code raised or called what did
+        module = tb.tb_frame.f_globals.get("__name__") or ""
+        if isinstance(module, str) and _package(module) in packages:
+            code = tb.tb_frame.f_code
+            blamed = module, getattr(code, "co_qualname", code.co_name)
+        tb = tb.tb_next
+    if blamed is None:
+        return None
+    module, function = blamed
+    labels = ", ".join(packages[_package(module)])
+    what = " ".join(f"{type(exc).__name__}: {exc}".split()) if str(exc) else type(exc).__name__
+    where = f"{module}.{function}()" if function != "<module>" else module
+    return (f"the plugin {module} ({labels}) failed in {where}: {what}; fix or update the plugin, or uninstall it "
+            "(RETROFIT_DEBUG=1 shows the traceback)")
 
 
 def check_name(kind: str, name: str, held: Any, new: Any, *, replace: bool, holder: str = "") -> None:

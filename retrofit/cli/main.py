@@ -136,6 +136,12 @@ def _main(argv: list[str] | None) -> int:
             print(f"{who}: error: {failed}; free disk space or write somewhere else "
                   "(nothing was published: outputs are written to a temporary folder first)", file=sys.stderr)
             return 1
+        from retrofit.plugins import plugin_failure
+
+        blamed = plugin_failure(exc)  # a plugin's method, backend, family or evaluator raised while it ran
+        if blamed:
+            print(f"{who}: error: {blamed}", file=sys.stderr)
+            return 1
         raise
 
 

@@ -80,7 +80,9 @@ def convert(model: nn.Module, spec: ConversionSpec | None = None, *, base_model:
             try:
                 built.append((site, method.builder(site.module, patch, spec, site.layer_idx, generator)))
             except ValueError as exc:  # layer-level checks -> one clear spec error
-                raise SpecError(f"layer {site.layer_idx}: {exc}") from None
+                module = getattr(method.builder, "__module__", None) or ""
+                by = "" if module.split(".")[0] == "retrofit" else f"method {spec.method!r} (plugin {module}): "
+                raise SpecError(f"{by}layer {site.layer_idx}: {exc}") from None
 
     for site, new in built:
         setattr(site.parent, site.attr, new)

@@ -136,6 +136,91 @@ def test_an_output_beside_its_input_or_in_the_current_folder_is_still_written(ba
     assert (tmp_path / "runs" / "conv" / "config.json").is_file()
 
 
+# ---------------------------------------------------------------------- 3. a plugin that raises while converting
+PLUGIN = textwrap.dedent('''
+    """A conversion-method plugin whose builder raises, and one whose layer raises while the probe runs."""
+    from retrofit.layers import RetrofitAttention
+    from retrofit.layers.cache import RetrofitLayerCache
+    from retrofit.layers.method import register_method
+
+
+    def build_broken(original, patch, spec, layer_idx, generator):
+        raise RuntimeError(f"cannot build layer {layer_idx}\\nwith a second line")
+
+
+    register_method("plug-build", build_broken, options={"gain": 1.0}, description="raises while building")
+
+
+    class Fizzle(RetrofitAttention):
+        method = "plug-attend"
+        new_module_names = ()
+
+        def new_cache_layer(self):
+            return RetrofitLayerCache()
+
+        def attend(self, q, k, v, valid, cache, **kwargs):
+            raise KeyError("fizzled")
+
+
+    def build_fizzle(original, patch, spec, layer_idx, generator):
+        return Fizzle(original, patch)
+
+
+    register_method("plug-attend", build_fizzle, options={"gain": 1.0}, description="raises in attend")
+''')
+
+
+@pytest.fixture
+def raising_plugin(tmp_path, monkeypatch):
+    """PLUGIN named in the retrofit.methods entry-point group of a fresh process."""
+    from retrofit import plugins
+    from retrofit.layers import method as registry
+
+    folder = tmp_path / "plugin"
+    folder.mkdir()
+    (folder / "raising_plugin.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(folder))
+
+    def entry_points(*, group: str):
+        if group != "retrofit.methods":
+            return []
+        return [metadata.EntryPoint(name="raising", value="raising_plugin", group=group)]
+
+    registry._FOUND.everything()
+    monkeypatch.setattr(plugins.metadata, "entry_points", entry_points)
+    monkeypatch.setattr(registry._FOUND, "_done", registry._FOUND._done - {"entry points"})
+    monkeypatch.setattr(plugins, "_LOADED", {})
+    yield
+    for name in ("plug-build", "plug-attend"):
+        registry._METHODS.pop(name, None)
+    sys.modules.pop("raising_plugin", None)
+
+
+@pytest.mark.parametrize("method, needles", [
+    ("plug-build", ["raising_plugin.build_broken()", "RuntimeError: cannot build layer 0 with a second line"]),
+    ("plug-attend", ["raising_plugin.Fizzle.attend()", "KeyError: 'fizzled'"]),
+])
+def test_a_plugin_method_that_raises_while_converting_is_one_line_naming_it(base, tmp_path, capsys, raising_plugin,
+                                                                           method, needles):
+    # its exception came out as a traceback through retrofit's code, as if retrofit had failed
+    out = tmp_path / "out"
+    fails(["convert", str(base), "--out", str(out), "--method", method, "--probe-tokens", "16"], capsys,
+          "the plugin raising_plugin (retrofit.methods entry point 'raising')", *needles, "fix or update the plugin")
+    assert not out.exists() and not leftovers(tmp_path)
+
+
+def test_retrofits_own_failures_still_show_their_traceback(base, tmp_path, monkeypatch, raising_plugin):
+    # a plugin being installed does not make every bug of retrofit's the plugin's
+    from retrofit import surgery
+
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("retrofit's own bug")
+
+    monkeypatch.setattr(surgery, "load_any", broken)
+    with pytest.raises(ZeroDivisionError):
+        main(["convert", str(base), "--out", str(tmp_path / "o"), "--method", "plug-attend"])
+
+
 # ---------------------------------------------------------------------- 4. one error prefix per command
 @pytest.mark.parametrize("argv, bad_value, prefix", [
     (["eval", "ppl", "/no/such/model", "--lengths", "16"], ["--lengths", "abc"], "retrofit eval ppl: error: "),
