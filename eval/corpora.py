@@ -16,6 +16,7 @@ from typing import Any
 from retrofit.data.documents import Document, file_documents, hub_documents, strip_gutenberg  # re-exported
 from retrofit.data.paths import expand_path
 from retrofit.errors import DataError, SpecError
+from retrofit.fs.guard import special_kind
 
 LOCAL_SUFFIXES = (".txt", ".jsonl", ".json")
 PROTOCOLS = ("windows", "packed")
@@ -116,6 +117,10 @@ def resolve_corpus(
             p = expand_path(name_or_path, Path.cwd())  # a path, or bundled:NAME
         except SpecError as exc:
             raise DataError(str(exc)) from None
+        kind = special_kind(p)
+        if kind:  # /dev/null, a pipe: there, but no text files to read
+            raise DataError(f"{name_or_path} is {kind}; pass a registry name (retrofit ls datasets) or a path to "
+                            f"{'/'.join(LOCAL_SUFFIXES)} files or a folder of them")
         if not p.exists():
             raise DataError(
                 f"unknown dataset {name_or_path!r}: not in the registry ({', '.join(sorted(reg))}) "
@@ -163,6 +168,10 @@ def iter_documents(spec: CorpusSpec, *, max_docs: int | None = None) -> Iterator
 
 def list_local_files(spec: CorpusSpec) -> list[Path]:
     root = resolve_local_path(spec)
+    kind = special_kind(root)
+    if kind:
+        hint = f" (set ${spec.path_env} to the folder of its files)" if spec.path_env else ""
+        raise DataError(f"dataset {spec.name!r}: {root} is {kind}{hint}")
     if not root.exists():
         hint = f" (set ${spec.path_env} to where the files are)" if spec.path_env else ""
         raise DataError(f"dataset {spec.name!r}: {root} does not exist{hint}")

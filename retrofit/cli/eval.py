@@ -175,7 +175,7 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
 def _out(args: argparse.Namespace, name: str) -> Path:
     from retrofit.cli.devices import check_device
     from retrofit.eval.variants import parse_variants
-    from retrofit.fs import check_output_folder
+    from retrofit.fs import check_output_folder, special_kind
     from retrofit.surgery.loading import names_converted
 
     check_device(args.device)  # every eval command calls _out first: bad flags fail before any model loads
@@ -193,6 +193,12 @@ def _out(args: argparse.Namespace, name: str) -> Path:
             flag = flag if name == "all" else "--" + flag.split("-")[-1]  # eval niah's --haystack, not --niah-haystack
             raise RetrofitError(f"{flag} holds an empty name; give a dataset name (retrofit ls datasets) or a path "
                                 "to .txt/.jsonl files")
+        for item in items if isinstance(items, (list, tuple)) else [items]:
+            kind = special_kind(item) if isinstance(item, str) else None
+            if kind:  # /dev/null, a pipe: found only after the models load, as a folder without text files
+                flag = flag if name == "all" else "--" + flag.split("-")[-1]
+                raise RetrofitError(f"{flag} {item} is {kind}; give a dataset name (retrofit ls datasets) or a path "
+                                    "to .txt/.jsonl files or a folder of them")
     for ev in evaluators():
         if ev.check is not None and (name == "all" or ev.command == name):
             ev.check(args)

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 
 from retrofit.data.paths import expand_path
 from retrofit.errors import DataError
+from retrofit.fs.guard import special_kind
 
 __all__ = ["resolve_files", "split_holdout", "load_documents", "shard_documents", "LOCAL_FORMATS"]
 
@@ -47,6 +48,9 @@ def resolve_files(spec: Any, base_dir: str | os.PathLike = ".") -> list[Path]:
             files += found
         elif p.is_file():
             files.append(p)
+        elif special_kind(p):  # /dev/null, a pipe: there, but nothing to read documents from
+            raise DataError(f"data file {p} is {special_kind(p)}; give {'/'.join(LOCAL_FORMATS)} files or a folder "
+                            "of them (data.files=/path/to/files)")
         else:
             raise DataError(f"data file {p} does not exist (data paths resolve against the recipe's folder; "
                             "override with data.files=/path/to/files or the ${VAR:-default} form in the recipe)")

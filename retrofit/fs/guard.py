@@ -25,7 +25,7 @@ from retrofit.errors import CheckpointError
 
 __all__ = [
     "MANIFEST", "check_not_model_folder", "check_output_folder", "check_replaceable", "file_record", "folder_files",
-    "is_replaceable_checkpoint", "protected_paths",
+    "is_replaceable_checkpoint", "protected_paths", "special_kind",
 ]
 
 MANIFEST = ".retrofit-files.json"
@@ -35,11 +35,36 @@ def _real(p: str | os.PathLike) -> Path:
     return Path(os.path.realpath(os.path.expanduser(os.fspath(p))))
 
 
+def special_kind(path: str | os.PathLike) -> str | None:
+    """What ``path`` is when it exists but is neither a regular file nor a folder (``/dev/null`` is a character
+    device), or when it is a symbolic link to nothing; None for a file, a folder, or a path that is not there.
+
+    An input check that only asks ``is_file()`` / ``is_dir()`` would call such a path missing: the
+    caller says what it is instead, and what to give.
+    """
+    import stat
+
+    p = Path(os.path.expanduser(os.fspath(path)))
+    try:
+        mode = os.stat(p).st_mode
+    except OSError:
+        return "a symbolic link to a path that does not exist" if os.path.islink(p) else None
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return None
+    for test, what in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return f"{what}, not a regular file"
+    return "not a regular file"
+
+
 def check_output_folder(out: str | os.PathLike, what: str = "--out") -> Path:
     """``out`` must be a folder path: not an existing file, nor below one. Returns it."""
     path = Path(os.path.expanduser(os.fspath(out)))
     if path.exists() and not path.is_dir():
-        raise CheckpointError(f"{what} {path} is an existing file; give a folder path")
+        kind = special_kind(path)
+        raise CheckpointError(f"{what} {path} is {kind.split(',')[0] if kind else 'an existing file'}; give a "
+                              "folder path")
     for parent in path.absolute().parents:
         if parent.exists():
             if not parent.is_dir():

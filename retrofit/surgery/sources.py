@@ -36,6 +36,7 @@ from torch import nn
 
 from retrofit.errors import CheckpointError, RetrofitError
 from retrofit.fs.atomic import atomic_directory
+from retrofit.fs.guard import special_kind
 
 __all__ = [
     "ALIASES", "cache_root", "first_line", "gguf_to_folder", "load_plain", "load_tokenizer", "locate", "quiet_transformers",
@@ -254,6 +255,9 @@ def locate(name_or_path: str | os.PathLike) -> tuple[Path | None, str, str | Non
         path = gguf_to_folder(path, cache_root() / "gguf" / f"{path.stem}-{_file_key(path)}")
     if path.is_dir():
         return path, str(path), alias
+    kind = special_kind(path)
+    if kind:  # /dev/null, a pipe: there, but no model
+        raise CheckpointError(f"{name} is {kind}; pass a model folder, a .gguf file, a hub id or an alias")
     if (Path(name).is_absolute() or name.startswith((".", "~")) or name.lower().endswith(".gguf")
             or (os.sep in name and Path(name).parent.exists())):
         raise CheckpointError(f"{name} does not exist")

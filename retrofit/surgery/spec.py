@@ -326,7 +326,11 @@ class ConversionSpec:
 
         p = Path(path)
         if not p.is_file():
-            raise SpecError(f"conversion config {p} does not exist")
+            from retrofit.fs.guard import special_kind
+
+            kind = special_kind(p)
+            raise SpecError(f"conversion config {p} is {kind}; give a YAML file (retrofit ls lists the bundled convert "
+                            "specs)" if kind else f"conversion config {p} does not exist")
         try:
             data = yaml.safe_load(p.read_text(encoding="utf-8"))
         except yaml.YAMLError as exc:

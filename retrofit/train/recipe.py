@@ -645,6 +645,11 @@ def _find_recipe(path: str | os.PathLike) -> Path:
     p = Path(path).expanduser()
     if p.is_file():
         return p
+    from retrofit.fs.guard import special_kind
+
+    if special_kind(p):  # /dev/null, a pipe: there, but no recipe
+        raise SpecError(f"recipe file {str(path)!r} is {special_kind(p)}; give a YAML recipe file or the name of a "
+                        "bundled recipe (retrofit ls)")
     names_bundled = not p.is_absolute() and p.parent in (Path("."), Path("configs"))
     candidates = (bundled_recipe_dir() / p.name, bundled_recipe_dir() / f"{p.name}.yaml")
     found = next((c for c in candidates if c.is_file()), None)

@@ -236,3 +236,62 @@ def test_an_error_names_the_command_as_argparse_does(tmp_path, capsys, monkeypat
     with pytest.raises(SystemExit):  # argparse's refusal of a flag's value names the same command
         main([*argv, *bad_value])
     assert prefix in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------- 5. paths that are there but no file
+def _special(tmp_path: Path) -> list[str]:
+    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(fifo)
+    dangling = tmp_path / "gone.txt"
+    dangling.symlink_to(tmp_path / "removed.txt")
+    return [os.devnull, str(fifo), str(dangling)]
+
+
+def _kind(path: str) -> str:
+    return {"pipe.txt": "a named pipe (FIFO)", "gone.txt": "a symbolic link"}.get(Path(path).name,
+                                                                                "a character device")
+
+
+@pytest.mark.parametrize("verb", ["train", "fit"])
+def test_a_training_data_path_that_is_no_file_says_what_it_is(base, books, tmp_path, capsys, verb):
+    # /dev/null was reported as "data file /dev/null does not exist"
+    recipe = recipe_file(tmp_path, base, books, **({"conversion": HEDGEHOG} if verb == "fit" else {}))
+    for path in _special(tmp_path):
+        line = fails([verb, str(recipe), f"data.files={path}"], capsys, f"data file {path} is {_kind(path)}",
+                     ".txt/.jsonl/.json/.parquet files or a folder")
+        assert "does not exist" not in line or "symbolic link" in line, line
+    assert not (tmp_path / "out").exists() and not leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("command, flag", [("ppl", "--datasets"), ("passkey", "--haystack"), ("niah", "--haystack"),
+                                           ("all", "--ruler-haystack")])
+def test_an_eval_text_path_that_is_no_file_fails_before_any_model_loads(base, tmp_path, capsys, no_model_loads,
+                                                                       command, flag):
+    # eval ppl --datasets /dev/null loaded both models, then said "no .txt/.jsonl/.json files under /dev/null"
+    for path in _special(tmp_path)[:2]:
+        fails(["eval", command, str(base), "--out", str(tmp_path / "o"), flag, path], capsys,
+              f"{flag} {path} is {_kind(path)}", "retrofit ls datasets")
+        os.unlink(path) if path != os.devnull else None
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_corpus_api_says_what_a_path_is(tmp_path):
+    from retrofit.errors import DataError
+    from retrofit.eval.corpora import resolve_corpus
+
+    with pytest.raises(DataError, match="is a character device, not a regular file"):
+        resolve_corpus(os.devnull)
+
+
+@pytest.mark.parametrize("argv", [
+    ["convert", os.devnull, "--out", "o"],
+    ["generate", os.devnull, "--prompt", "hi"],
+    ["train", os.devnull],
+    ["convert", "MODEL", "--out", "o", "--config", os.devnull],
+])
+def test_a_model_recipe_or_config_that_is_a_device_says_so(base, tmp_path, capsys, monkeypatch, argv):
+    monkeypatch.chdir(tmp_path)
+    argv = [str(base) if a == "MODEL" else a for a in argv]
+    line = fails(argv, capsys, os.devnull, "is a character device, not a regular file")
+    assert "does not exist" not in line and "not found" not in line, line
+    assert not (tmp_path / "o").exists()
