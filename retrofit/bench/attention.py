@@ -270,8 +270,11 @@ def run_attention_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             except RuntimeError as exc:  # e.g. out of memory at the largest lengths
                 res = {"op": op, "T": T, "error": str(exc).splitlines()[0]}
         results.append(res)
-        # after every point, so a run stopped by a time limit keeps what it measured
-        _write_report(out_dir, results, cfg, modes, hw, ref_flops, args, complete=False)
+        # after every point from the first measured one on, so a run stopped by a time limit keeps what it measured
+        if any("modes" in r for r in results):
+            _write_report(out_dir, results, cfg, modes, hw, ref_flops, args, complete=False)
+    if results and not any("modes" in r for r in results):  # a table of errors alone is no result: fail, writing
+        raise _nothing_measured(results, args)               # nothing
     ref_flops.append(matmul_flops(device, dtype))
 
     report, table = _write_report(out_dir, results, cfg, modes, hw, ref_flops, args, complete=True)
@@ -284,6 +287,22 @@ def run_attention_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             print(line)
         print(f"\nwrote {out_dir / 'results.json'}, {out_dir / 'results.md'}, {out_dir / 'attention.png'}")
     return report
+
+
+def _nothing_measured(results: list[dict[str, Any]], args: argparse.Namespace) -> Exception:
+    """The error of a run in which no point finished: a --point-timeout below what a worker needs, or the
+    first point's failure."""
+    from retrofit.errors import RetrofitError
+
+    timed_out = [str(r.get("error", "")).startswith("timed out") for r in results]
+    if all(timed_out):
+        return RetrofitError(f"no point finished within --point-timeout {args.point_timeout:g} s (each runs in a "
+                             "fresh worker process, whose start alone takes seconds): pass a larger --point-timeout "
+                             "(the default is 3600) or --no-isolate")
+    first = results[timed_out.index(False)]
+    more = f" (and {len(results) - 1} more points)" if len(results) > 1 else ""
+    return RetrofitError(f"no point was measured: {first.get('op')} at T={first.get('T')} failed: "
+                         f"{first.get('error', 'failed')}{more}; fix that or choose other --ops / --lengths")
 
 
 def _write_report(out_dir: Path, results, cfg, modes, hw, ref_flops, args, *, complete: bool):

@@ -295,3 +295,27 @@ def test_a_model_recipe_or_config_that_is_a_device_says_so(base, tmp_path, capsy
     line = fails(argv, capsys, os.devnull, "is a character device, not a regular file")
     assert "does not exist" not in line and "not found" not in line, line
     assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------------- 6. a bench that measures nothing
+def test_a_bench_whose_every_point_times_out_fails_and_writes_nothing(tmp_path, capsys):
+    # exit 0 with a table of "timed out" rows: a worker's start alone takes longer than 0.01 s
+    out = tmp_path / "b"
+    fails(["bench", "attention", "--lengths", "64", "--ops", "latte", "--modes", "fwd", "--heads", "2", "--head-dim",
+           "8", "--repeats", "1", "--point-timeout", "0.01", "--quiet", "--out", str(out)], capsys,
+          "no point finished within --point-timeout 0.01 s", "larger --point-timeout")
+    assert not out.exists() and not leftovers(tmp_path)
+
+
+def test_a_bench_whose_every_point_fails_names_the_first_failure(tmp_path, capsys, monkeypatch):
+    from retrofit.bench import attention
+
+    def fail(payload):
+        raise RuntimeError("out of memory\nat the largest length")
+
+    monkeypatch.setattr(attention, "measure_point", fail)
+    out = tmp_path / "b"
+    fails(["bench", "attention", "--lengths", "64", "128", "--ops", "latte", "--modes", "fwd", "--heads", "2",
+           "--head-dim", "8", "--no-isolate", "--quiet", "--out", str(out)], capsys,
+          "no point was measured: latte at T=64 failed: out of memory", "(and 1 more points)")
+    assert not out.exists()
