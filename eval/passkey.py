@@ -9,7 +9,9 @@ Prompt (built in tokens, so its length is exactly L; BOS first when the model us
     NEEDLE   = " The pass key is 48213. Remember it. 48213 is the pass key. "
     QUESTION = "\\n\\nWhat is the pass key? The pass key is"
 
-The filler is real book text (pg-books by default; a different stretch per trial), and
+The filler is real book text (pg-books by default; a different stretch per trial), or with
+``haystack="noise"`` the classic filler of Mohtashami & Jaggi (2023), also RULER's noise haystack,
+``"The grass is green. The sky is blue. ..."`` repeated (every trial alike but for its key), and
 ``k = round(depth * filler_length)``: depth 0 puts the needle right after the intro, depth 1
 right before the question. The model continues greedily with ``model.generate`` (for a converted
 model: its constant-memory decoding path); a trial counts as correct when the first number in
@@ -29,6 +31,7 @@ from typing import Any
 
 from retrofit.errors import DataError
 from retrofit.eval import corpora, loading, prompting, report, variants
+from retrofit.eval.ruler_tasks import REPEAT_NOISE
 from retrofit.eval.generation import check_prefill_chunk, copied_note, run_prompts
 from retrofit.eval.generation import generate_answer, prefill  # noqa: F401  (their former home)
 from retrofit.eval.windows import encode, encode_prefix
@@ -47,9 +50,15 @@ DEFAULT_PREFILL_CHUNK = 4096  # longer prompts reach generate through a cache fi
 _NUMBER = re.compile(r"\d+")
 
 
+NOISE_HAYSTACK = "noise"  # not a corpus: the repeated sentences of the original passkey test
+
+
 def haystack_tokens(tokenizer, corpus: str = "pg-books", *, need: int, max_docs: int | None = None) -> list[int]:
     """Token stream of the haystack corpus (documents joined by blank lines), at least ``need`` long
-    if the corpus allows (it is repeated otherwise)."""
+    if the corpus allows (it is repeated otherwise); ``"noise"``: :data:`REPEAT_NOISE` repeated."""
+    if corpus == NOISE_HAYSTACK:
+        unit = encode(tokenizer, " " + REPEAT_NOISE)
+        return unit * (need // len(unit) + 1)
     spec = corpora.resolve_corpus(corpus)
     sep = encode(tokenizer, "\n\n")
     stream: list[int] = []

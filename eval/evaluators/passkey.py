@@ -14,7 +14,8 @@ def add_arguments(p: argparse.ArgumentParser, prefix: str) -> None:
     g.add_argument("--depths", type=depth_arg, nargs="+", metavar="D", default=[0.0, 0.25, 0.5, 0.75, 1.0],
                    help="needle depths in [0, 1] (default 0 0.25 0.5 0.75 1)")
     g.add_argument("--trials", type=count_arg(1), default=5, help="prompts per (length, depth) cell")
-    g.add_argument("--haystack", default="pg-books", help="corpus for the filler text (default pg-books)")
+    g.add_argument("--haystack", default="pg-books", help="corpus for the filler text (default pg-books), or noise: the classic filler "
+                        "(\"The grass is green. The sky is blue. ...\" repeated)")
     g.add_argument("--key-digits", type=count_arg(1), default=5, help="digits of the passkey (default 5)")
     add_generation_arguments(p)
 

@@ -31,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model", help="a converted Hedgehog folder (e.g. the output of retrofit fit)")
     p.add_argument("--length", type=int, default=4096)
     p.add_argument("--depth", type=float, default=0.0, help="where the key sits (0 = the haystack's start, 1 = its end)")
+    p.add_argument("--haystack", default="pg-books", help="the passkey filler: a corpus, or noise (the classic sentences)")
     p.add_argument("--retrieve", type=int, default=8)
     p.add_argument("--block", type=int, default=64)
     p.add_argument("--out", required=True)
@@ -40,7 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     model.eval()
     bos_id = tok.bos_token_id if loading.needs_bos(model, tok, "auto") else None
     frame = prompting.build_frame(tok, chat=prompting.use_chat_template(tok, "off"), bos_id=bos_id)
-    prompt = prompt_grid(tok, [args.length], [args.depth], trials=1, frame=frame, bos_id=bos_id)[0]
+    prompt = prompt_grid(tok, [args.length], [args.depth], trials=1, frame=frame, bos_id=bos_id,
+                         haystack=args.haystack)[0]
     digits = key_positions(tok, prompt["ids"], prompt["needle_at"], prompt["key"])
     set_tier(model, 0, block=args.block, retrieve=args.retrieve, retrieve_score="bound")
     rows: list[dict] = []
@@ -78,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{summary['max']:.0%} by the best score")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(Path(args.out), {"model": args.model, "length": args.length, "depth": args.depth,
+                                       "haystack": args.haystack,
                                        "block": args.block,
                                        "retrieve": args.retrieve, "key": prompt["key"], "digit_positions": digits,
                                        "needle_block_read": summary, "layers": rows})

@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rules", nargs="+", default=list(TIER_RULES))
     p.add_argument("--lengths", type=int, nargs="+", default=[4096])
     p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--depth", type=float, default=0.0, help="where the key sits (0 = the haystack's start, 1 = its end)")
+    p.add_argument("--haystack", default="pg-books", help="the passkey filler: a corpus, or noise (the classic sentences)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(2)
@@ -53,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     model.eval()
     bos_id = tok.bos_token_id if loading.needs_bos(model, tok, "auto") else None  # as retrofit eval passkey --chat-template off
     frame = prompting.build_frame(tok, chat=prompting.use_chat_template(tok, "off"), bos_id=bos_id)
-    prompts = prompt_grid(tok, args.lengths, [0.0], trials=args.trials, frame=frame, bos_id=bos_id)
+    prompts = prompt_grid(tok, args.lengths, [args.depth], trials=args.trials, frame=frame, bos_id=bos_id,
+                          haystack=args.haystack)
     rows = []
     for rule in args.rules:
         set_tier(model, args.capacity, rule, args.block)

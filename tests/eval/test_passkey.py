@@ -31,6 +31,16 @@ def test_prompt_has_exact_length_and_needle_at_depth(tokenizer, filler, depth):
     assert text.count("48213") == 2 and text.rstrip().endswith("The pass key is")
 
 
+def test_noise_haystack_is_the_classic_filler_around_the_needle(tokenizer):
+    prompts = passkey.prompt_grid(tokenizer, [400], [0.5], trials=2, haystack="noise")
+    for p in prompts:
+        text = tokenizer.decode(p["ids"], skip_special_tokens=True)
+        before, after = text.split(passkey.NEEDLE.format(key=p["key"]).strip())
+        assert "The grass is green. The sky is blue." in before and "The sun is yellow." in after
+        assert text.count(p["key"]) == 2 and len(p["ids"]) == 400
+    assert prompts[0]["key"] != prompts[1]["key"]
+
+
 def test_prompt_too_short_is_a_clear_error(tokenizer, filler):
     with pytest.raises(DataError, match="too short"):
         passkey.build_prompt(tokenizer, filler, 40, 0.5, "12345", bos_id=None)
