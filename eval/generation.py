@@ -10,11 +10,13 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from retrofit.eval import loading, report
+from retrofit.eval import loading, prompting, report
+from retrofit.eval.options import RunOptions
 from retrofit.eval.nll import forward_chunks
 from retrofit.layers.cache import cache_keyword, output_cache
 from retrofit.surgery.rope_scaling import dynamic_rope_held_at, reset_dynamic_rope
@@ -87,6 +89,36 @@ def check_prefill_chunk(prefill_chunk: int | None) -> None:
         from retrofit.errors import DataError
 
         raise DataError(f"prefill_chunk must be a positive number of tokens (0 = one prefill), got {prefill_chunk}")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a generation-scored evaluator's prompts are built from.
+
+    roles: ``{role: (model, tokenizer, label)}`` (:func:`retrofit.eval.variants.resolve_roles`).
+    tokenizer: the model's, which builds the prompts every role reads. use_bos: whether a prompt
+    begins with BOS. chat: whether prompts are wrapped in the chat template. frame: the prompt's
+    wrapping (:func:`retrofit.eval.prompting.build_frame`).
+    """
+
+    roles: dict[str, tuple[Any, Any, str]]
+    tokenizer: Any
+    use_bos: bool
+    chat: bool
+    frame: prompting.Frame
+
+
+def setup(model: Any, *, options: RunOptions, zero_shot: list[str] | tuple[str, ...], bos: str,
+          chat_template: str, system: str | None = None) -> Setup:
+    """Load the models (:meth:`RunOptions.roles`) and frame the prompts with the model's tokenizer:
+    BOS by the ``bos`` policy (auto | always | never), the chat template by ``chat_template``
+    (auto | on | off), and ``system`` as the chat's system turn."""
+    roles = options.roles(model, zero_shot)
+    m, tok, _ = roles["model"]
+    use_bos = loading.needs_bos(m, tok, bos)
+    chat = prompting.use_chat_template(tok, chat_template)
+    frame = prompting.build_frame(tok, chat=chat, bos_id=tok.bos_token_id if use_bos else None, system=system)
+    return Setup(roles=roles, tokenizer=tok, use_bos=use_bos, chat=chat, frame=frame)
 
 
 def run_prompts(

@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from retrofit.errors import DataError
-from retrofit.eval import essays, loading, prompting, report, variants
-from retrofit.eval.generation import check_prefill_chunk, copied_note, mean_or_none, recall, run_prompts
+from retrofit.eval import essays, loading, prompting, report
+from retrofit.eval.generation import check_prefill_chunk, copied_note, mean_or_none, recall, run_prompts, setup
+from retrofit.eval.options import run_options
 from retrofit.eval.passkey import haystack_tokens
 from retrofit.eval.windows import encode
 from retrofit.fs.atomic import save_figure_atomic
@@ -94,9 +95,6 @@ def build_prompt(tokenizer: Any, filler: list[int], length: int, depth: float, *
 def run_niah(
     model: Any,
     *,
-    tokenizer: Any = None,
-    baseline: Any = None,
-    baseline_tokenizer: Any = None,
     lengths: list[int] | tuple[int, ...] = DEFAULT_LENGTHS,
     depths: list[float] | tuple[float, ...] = DEFAULT_DEPTHS,
     trials: int = 1,
@@ -109,13 +107,8 @@ def run_niah(
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     seed: int = 0,
     bos: str = "auto",
-    device: str = "cpu",
-    dtype: str | None = None,
-    rope_cap: int | None = None,
-    out: str | Path | None = None,
-    progress: bool = True,
-    command: str | None = None,
     zero_shot: list[str] | tuple[str, ...] = (),
+    **options: Any,
 ) -> dict:
     """NIAH scores over a (length x depth) grid for ``model`` (and ``baseline``), same prompts.
 
@@ -124,8 +117,11 @@ def run_niah(
     trials: prompts per cell, each from another stretch of the haystack. seed: unused by the
     prompts (they are deterministic) and kept for the common interface.
     zero_shot: variant specs scored beside the two (:mod:`retrofit.eval.variants`), e.g. ``yarn:4``, ``closed``.
+    options: tokenizer, baseline, baseline_tokenizer, device, dtype, rope_cap, out, progress,
+        command (:class:`retrofit.eval.options.RunOptions`).
     Returns the results dict; with ``out``, writes results.json, table.md, niah.png.
     """
+    opts = run_options("run_niah", options)
     if answers is None:
         if needle != NEEDLE:
             raise DataError("a custom needle needs its answers (the strings a correct answer contains)")
@@ -141,12 +137,8 @@ def run_niah(
         raise DataError("max_new_tokens must be at least 1")
     check_prefill_chunk(prefill_chunk)
     hay = essays.resolve_haystack(haystack)
-    roles = variants.resolve_roles(model, tokenizer, baseline, baseline_tokenizer, variants=variants.parse_variants(zero_shot),
-                                   device=device, dtype=dtype, rope_cap=rope_cap)
-    m, tok, _ = roles["model"]
-    use_bos = loading.needs_bos(m, tok, bos)
-    chat = prompting.use_chat_template(tok, chat_template)
-    frame = prompting.build_frame(tok, chat=chat, bos_id=tok.bos_token_id if use_bos else None, system=SYSTEM)
+    run = setup(model, options=opts, zero_shot=zero_shot, bos=bos, chat_template=chat_template, system=SYSTEM)
+    roles, tok, use_bos, chat, frame = run.roles, run.tokenizer, run.use_bos, run.chat, run.frame
 
     stream = haystack_tokens(tok, hay.source, need=max(lengths) + _STRIDE * trials)
     prompts = []
@@ -161,7 +153,7 @@ def run_niah(
 
     records, seconds, attention = run_prompts(
         roles, prompts, score=lambda p, text: recall(text, answers), max_new_tokens=lambda p, _t: max_new_tokens,
-        prefill_chunk=prefill_chunk, desc="niah", progress=progress,
+        prefill_chunk=prefill_chunk, desc="niah", progress=opts.progress,
         keep=("depth", "trial", "needle_at", "placed_depth"),
     )
     results: dict[str, dict] = {}
@@ -177,23 +169,20 @@ def run_niah(
         "settings": {
             "lengths": lengths, "depths": depths, "trials": trials, "haystack": hay.describe(),
             "needle": needle, "question": question, "answers": list(answers), "max_new_tokens": max_new_tokens,
-            "chat_template": chat, "bos_used": use_bos, "seed": seed, "device": device, "dtype": dtype,
+            "chat_template": chat, "bos_used": use_bos, "seed": seed, "device": opts.device, "dtype": opts.dtype,
             "prefill_chunk": prefill_chunk or None, "decoding": "greedy, model.generate",
             "scoring": "recall of the answer strings in the generated text", "attention": attention,
         },
         "results": results,
     }
-    if command:
-        res["command"] = command
-    res["description"] = (
+    description = (
         f"Needle in a haystack (score %, recall of {', '.join(repr(a) for a in answers)} in the greedy answer, "
         f"{trials} trial(s) per cell); rows: needle depth (0 = start of the haystack, 1 = end); columns: "
         f"prompt length in tokens. Haystack: {hay.name}"
         f"{' (fallback: the essays are not installed)' if hay.fallback else ''}. "
         f"Chat template: {'on' if chat else 'off'}."
     ) + copied_note(records)
-    res["table"] = table_markdown(res)
-    return report.finish_results(res, out, plot_heatmap, "niah.png")
+    return opts.finish(res, description=description, table=table_markdown, plot=plot_heatmap, image="niah.png")
 
 
 def table_markdown(res: dict) -> str:

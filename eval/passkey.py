@@ -34,6 +34,7 @@ from retrofit.eval import corpora, loading, prompting, report, variants
 from retrofit.eval.ruler_tasks import REPEAT_NOISE
 from retrofit.eval.generation import check_prefill_chunk, copied_note, run_prompts
 from retrofit.eval.generation import generate_answer, prefill  # noqa: F401  (their former home)
+from retrofit.eval.options import run_options
 from retrofit.eval.windows import encode, encode_prefix
 from retrofit.fs.atomic import save_figure_atomic
 
@@ -151,9 +152,6 @@ def parse_answer(text: str) -> str | None:
 def run_passkey(
     model: Any,
     *,
-    tokenizer: Any = None,
-    baseline: Any = None,
-    baseline_tokenizer: Any = None,
     lengths: list[int] | tuple[int, ...] = DEFAULT_LENGTHS,
     depths: list[float] | tuple[float, ...] = DEFAULT_DEPTHS,
     trials: int = 5,
@@ -163,13 +161,8 @@ def run_passkey(
     chat_template: str = "auto",
     seed: int = 0,
     bos: str = "auto",
-    device: str = "cpu",
-    dtype: str | None = None,
-    rope_cap: int | None = None,
-    out: str | Path | None = None,
-    progress: bool = True,
-    command: str | None = None,
     zero_shot: list[str] | tuple[str, ...] = (),
+    **options: Any,
 ) -> dict:
     """Passkey accuracy over a (length x depth) grid for ``model`` (and ``baseline``).
 
@@ -180,8 +173,12 @@ def run_passkey(
     chat_template: ``auto`` (the tokenizer's chat template when it has one), ``on`` or ``off``.
     zero_shot: variant specs scored beside the two (:mod:`retrofit.eval.variants`), e.g. ``yarn:4``,
         ``cap:8191``, ``closed``.
+    options: tokenizer, baseline, baseline_tokenizer, device, dtype, rope_cap, out, progress,
+        command (:class:`retrofit.eval.options.RunOptions`).
     Returns the results dict; with ``out``, writes results.json, table.md, passkey.png.
     """
+    (tokenizer, baseline, baseline_tokenizer, device, dtype, rope_cap, out, progress,
+     command) = run_options("run_passkey", options)
     lengths = sorted(set(int(x) for x in lengths))
     depths = [float(d) for d in depths]
     if trials < 1:

@@ -15,6 +15,7 @@ import torch
 from retrofit.errors import DataError
 from retrofit.eval import corpora, loading, nll, report
 from retrofit.eval import variants as variants_mod
+from retrofit.eval.options import run_options
 from retrofit.eval.windows import Window, build_windows
 from retrofit.fs.atomic import save_figure_atomic
 
@@ -147,9 +148,6 @@ def _peak_rss_mib() -> float | None:
 def run_perplexity(
     model: Any,
     *,
-    tokenizer: Any = None,
-    baseline: Any = None,
-    baseline_tokenizer: Any = None,
     datasets: list[str] | tuple[str, ...] = ("pg-books",),
     lengths: list[int] | tuple[int, ...] = DEFAULT_LENGTHS,
     protocol: str | None = None,
@@ -160,14 +158,9 @@ def run_perplexity(
     baseline_chunk_size: int | None = None,
     logit_budget: int = nll.DEFAULT_LOGIT_BUDGET,
     text_field: str | None = None,
-    device: str = "cpu",
-    dtype: str | None = None,
-    rope_cap: int | None = None,
-    out: str | Path | None = None,
-    progress: bool = True,
-    command: str | None = None,
     reuse_prefixes: bool = True,
     zero_shot: list[str] | tuple[str, ...] = (),
+    **options: Any,
 ) -> dict:
     """Perplexity at each length on each dataset for ``model`` (and ``baseline``), same windows.
 
@@ -177,27 +170,26 @@ def run_perplexity(
     protocol: ``windows`` or ``packed``; None takes each dataset's registry default.
     max_windows: cap on windows per (dataset, length); None = every window.
     bos: ``auto`` | ``always`` | ``never`` (auto: what the tokenizer does; always for Gemma).
-    rope_cap: cap the RoPE distance of both models' full-attention layers at this many tokens
-        (:func:`retrofit.surgery.rope_cap.cap_rope`; 0 removes a converted model's cap; None = as loaded).
     chunk_size: forward the model ``chunk_size`` tokens at a time through its cache
         (``baseline_chunk_size`` for the baseline; None = one forward per window).
     logit_budget: fp32 logits held at once (elements); sets the lm_head slice size.
-    out: folder for results.json, table.md, perplexity.png (written atomically).
     reuse_prefixes: score lengths longest first and take a window that begins a longer scored
         window (window 0 of a document at every length) from that window's per-token NLLs
         (see :class:`PrefixCache`); False runs every window on its own. Length-dependent variants
         (dynamic NTK) never reuse prefixes.
     zero_shot: variant specs scored beside the two (:mod:`retrofit.eval.variants`): ``yarn:4``,
         ``dynamic:4``, ``linear:4``, ``cap:8191`` on the baseline; ``closed`` on the model.
+    options: device, dtype, rope_cap (applied to both models), out (the folder for results.json,
+        table.md, perplexity.png, written atomically), progress, command
+        (:class:`retrofit.eval.options.RunOptions`).
 
     Returns the results dict (also written to ``out/results.json``).
     """
     from tqdm.auto import tqdm
 
+    opts = run_options("run_perplexity", options)
     lengths = sorted(set(int(x) for x in lengths))
-    resolved = variants_mod.resolve_roles(model, tokenizer, baseline, baseline_tokenizer,
-                                          variants=variants_mod.parse_variants(zero_shot),
-                                          device=device, dtype=dtype, rope_cap=rope_cap)
+    resolved = opts.roles(model, zero_shot)
     m, tok, _ = resolved["model"]
     roles: dict[str, tuple[Any, str, int | None]] = {
         role: (mdl, label, chunk_size if role.startswith("model") else baseline_chunk_size)
@@ -234,7 +226,7 @@ def run_perplexity(
     datasets = names
     results: dict[str, dict[str, dict]] = {ds: {str(L): {} for L in lengths} for ds in datasets}
     n_total = sum(len(w) for per in all_windows.values() for w in per.values()) * len(roles)
-    bar = tqdm(total=n_total, desc="perplexity", unit="window", disable=not progress)
+    bar = tqdm(total=n_total, desc="perplexity", unit="window", disable=not opts.progress)
     attention: dict[str, str | None] = {}
     copied = variants_mod.copied_roles(resolved)
     for role in variants_mod.scoring_order(resolved):
@@ -264,17 +256,14 @@ def run_perplexity(
             "reuse_prefixes": reuse_prefixes,
             "zero_shot": [v.spec for v in variants_mod.parse_variants(zero_shot)],
             "attention": attention,
-            "device": device,
-            "dtype": dtype,
+            "device": opts.device,
+            "dtype": opts.dtype,
         },
         "datasets": ds_info,
         "results": results,
     }
-    if command:
-        res["command"] = command
-    res["description"] = describe(res)
-    res["table"] = table_markdown(res)
-    return report.finish_results(res, out, plot_perplexity, "perplexity.png")
+    return opts.finish(res, description=describe(res), table=table_markdown, plot=plot_perplexity,
+                       image="perplexity.png")
 
 
 

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from retrofit.errors import DataError
-from retrofit.eval import essays, loading, prompting, report, variants
-from retrofit.eval.generation import check_prefill_chunk, copied_note, mean_or_none, recall, run_prompts
+from retrofit.eval import essays, loading, prompting, report
+from retrofit.eval.generation import check_prefill_chunk, copied_note, mean_or_none, recall, run_prompts, setup
+from retrofit.eval.options import run_options
 from retrofit.eval.ruler_tasks import TASKS, EssayUnits, get_task, make_sample
 from retrofit.fs.atomic import save_figure_atomic
 
@@ -46,9 +47,6 @@ def build_prompts(tokenizer: Any, *, tasks: list[str], lengths: list[int], sampl
 def run_ruler(
     model: Any,
     *,
-    tokenizer: Any = None,
-    baseline: Any = None,
-    baseline_tokenizer: Any = None,
     tasks: list[str] | tuple[str, ...] = DEFAULT_TASKS,
     lengths: list[int] | tuple[int, ...] = DEFAULT_LENGTHS,
     samples: int = 5,
@@ -58,13 +56,8 @@ def run_ruler(
     prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     seed: int = 0,
     bos: str = "auto",
-    device: str = "cpu",
-    dtype: str | None = None,
-    rope_cap: int | None = None,
-    out: str | Path | None = None,
-    progress: bool = True,
-    command: str | None = None,
     zero_shot: list[str] | tuple[str, ...] = (),
+    **options: Any,
 ) -> dict:
     """RULER scores (percent) per task x length for ``model`` (and ``baseline``), on the same prompts.
 
@@ -74,8 +67,11 @@ def run_ruler(
     max_new_tokens: the generation bound (default: each task's RULER budget). chat_template:
     auto | on | off. prefill_chunk: chunked prefill above this many tokens (0 or None: one prefill).
     zero_shot: variant specs scored beside the two (:mod:`retrofit.eval.variants`), e.g. ``yarn:4``, ``closed``.
+    options: tokenizer, baseline, baseline_tokenizer, device, dtype, rope_cap, out, progress,
+        command (:class:`retrofit.eval.options.RunOptions`).
     Returns the results dict; with ``out``, writes results.json, table.md, ruler.png.
     """
+    opts = run_options("run_ruler", options)
     tasks = list(dict.fromkeys(tasks))
     for t in tasks:
         get_task(t)
@@ -84,19 +80,15 @@ def run_ruler(
         raise DataError("samples must be at least 1")
     check_prefill_chunk(prefill_chunk)
     hay = essays.resolve_haystack(haystack) if any(get_task(t).haystack == "essay" for t in tasks) else None
-    roles = variants.resolve_roles(model, tokenizer, baseline, baseline_tokenizer, variants=variants.parse_variants(zero_shot),
-                                   device=device, dtype=dtype, rope_cap=rope_cap)
-    m, tok, _ = roles["model"]
-    use_bos = loading.needs_bos(m, tok, bos)
-    chat = prompting.use_chat_template(tok, chat_template)
-    frame = prompting.build_frame(tok, chat=chat, bos_id=tok.bos_token_id if use_bos else None)
+    run = setup(model, options=opts, zero_shot=zero_shot, bos=bos, chat_template=chat_template)
+    roles, tok, use_bos, chat, frame = run.roles, run.tokenizer, run.use_bos, run.chat, run.frame
     prompts, units = build_prompts(tok, tasks=tasks, lengths=lengths, samples=samples, frame=frame, seed=seed,
                                    max_new_tokens=max_new_tokens, haystack=hay)
 
     records, seconds, attention = run_prompts(
         roles, prompts, score=lambda p, text: recall(text, p["outputs"]),
         max_new_tokens=lambda p, _tok: p["max_new_tokens"], prefill_chunk=prefill_chunk, desc="ruler",
-        progress=progress, keep=("task", "index", "outputs", "prompt_tokens"),
+        progress=opts.progress, keep=("task", "index", "outputs", "prompt_tokens"),
     )
     results: dict[str, dict] = {}
     for role, recs in records.items():
@@ -115,22 +107,19 @@ def run_ruler(
             "chat_template": chat, "haystack": hay.describe() if hay else None,
             "haystack_repeated": bool(units and units.repeated),
             "max_new_tokens": {t: (max_new_tokens or get_task(t).max_new_tokens) for t in tasks},
-            "prefill_chunk": prefill_chunk or None, "device": device, "dtype": dtype,
+            "prefill_chunk": prefill_chunk or None, "device": opts.device, "dtype": opts.dtype,
             "decoding": "greedy, model.generate", "scoring": "string_match_all (recall of expected strings)",
             "attention": attention,
         },
         "results": results,
     }
-    if command:
-        res["command"] = command
     hay_text = f" Essay haystack: {hay.name}{' (fallback)' if hay.fallback else ''}." if hay else ""
-    res["description"] = (
+    description = (
         f"RULER-style synthetic tasks (score %, recall of the expected strings in the greedy answer, "
         f"{samples} sample(s) per cell); rows: tasks; columns: sequence length in tokens (prompt + "
         f"answer budget, as RULER counts it). Chat template: {'on' if chat else 'off'}.{hay_text}"
     ) + copied_note(records)
-    res["table"] = table_markdown(res)
-    return report.finish_results(res, out, plot_heatmap, "ruler.png")
+    return opts.finish(res, description=description, table=table_markdown, plot=plot_heatmap, image="ruler.png")
 
 
 def _fmt(v: float | None) -> str:
