@@ -38,7 +38,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from retrofit.errors import SpecError
-from retrofit.layers.method import DEFAULT_WINDOW, MethodTestSpec, opt, register_method
+from retrofit.layers.method import (
+    DEFAULT_WINDOW, MethodTestSpec, check_chunk_size, chunk_size_opt, opt, register_method,
+)
 from retrofit.layers.window import (
     SATURATED_LOGIT, WINDOW_SHARE_HELP, WindowAttention, WindowConfig, WindowDecodingBuffers, check_window_share,
     window_config,
@@ -74,13 +76,12 @@ class DeltaConfig(WindowConfig):
     init_swa_share: float = opt(DEFAULT_DELTA_SWA_SHARE, WINDOW_SHARE_HELP)
     memory_half_life: int = opt(DEFAULT_MEMORY_HALF_LIFE, "tokens over which a stored value halves at conversion "
                                                           "(the decay gate's initial bias; 0 = no decay)")
-    chunk_size: int = opt(64, "chunk length of the chunkwise-parallel scan over the new state")
+    chunk_size: int = chunk_size_opt()
 
     def check(self) -> None:
         super().check()
         check_window_share(self.init_swa_share)
-        if self.chunk_size < 1:
-            raise SpecError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        check_chunk_size(self.chunk_size)
         if self.memory_half_life < 0:
             raise SpecError(f"memory_half_life must be >= 0 tokens (0 = no decay), got {self.memory_half_life}")
 

@@ -26,11 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from retrofit.errors import SpecError
-
 from retrofit.layers.cache import RetrofitLayerCache
 from retrofit.layers.base import RetrofitAttention
-from retrofit.layers.method import MethodConfig, MethodTestSpec, opt, register_method
+from retrofit.layers.method import MethodConfig, MethodTestSpec, check_chunk_size, chunk_size_opt, register_method
 from retrofit.ops import exp_linear_attention, exp_linear_attention_step, repeat_kv_heads
 
 __all__ = ["ExpLinearAttention", "ExpLinearConfig", "build_exp_linear"]
@@ -45,11 +43,10 @@ class ExpLinearConfig(MethodConfig):
     test_spec = MethodTestSpec(options={"chunk_size": 4}, lacks={
         "anchor": "no window and no new weights to close: its exact reference is its op's dense one, on the "
                   "layer (tests/methods/test_exp_linear.py)"})
-    chunk_size: int = opt(64, "chunk length of the chunkwise-parallel scan over the new state")
+    chunk_size: int = chunk_size_opt()
 
     def check(self) -> None:
-        if self.chunk_size < 1:
-            raise SpecError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        check_chunk_size(self.chunk_size)
 
 
 class ExpLinearAttention(RetrofitAttention):

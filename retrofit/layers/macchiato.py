@@ -37,7 +37,9 @@ from torch import nn
 
 from retrofit.errors import SpecError
 from retrofit.layers.conv import CausalDepthwiseConv
-from retrofit.layers.method import DEFAULT_WINDOW, MethodTestSpec, opt, register_method
+from retrofit.layers.method import (
+    DEFAULT_WINDOW, MethodTestSpec, check_chunk_size, chunk_size_opt, opt, register_method,
+)
 from retrofit.layers.window import (
     SATURATED_LOGIT, WINDOW_SHARE_HELP, WindowAttention, WindowConfig, WindowDecodingBuffers, WindowLayerCache,
     check_window_share, window_config,
@@ -70,13 +72,12 @@ class MacchiatoConfig(WindowConfig):
     latents: int = opt(128, "latent states L in total over the query heads (L / heads per head)")
     init_swa_share: float = opt(DEFAULT_INIT_SWA_SHARE, WINDOW_SHARE_HELP)
     conv_size: int = opt(0, "causal depthwise conv size before the latent projections (0 or 1 = none)")
-    chunk_size: int = opt(64, "chunk length of the chunkwise-parallel scan over the new state")
+    chunk_size: int = chunk_size_opt()
 
     def check(self) -> None:
         super().check()
         check_window_share(self.init_swa_share)
-        if self.chunk_size < 1:
-            raise SpecError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        check_chunk_size(self.chunk_size)
         if self.latents < 0:
             raise SpecError(f"latents must be >= 0, got {self.latents}")
         if self.conv_size < 0:

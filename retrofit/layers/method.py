@@ -32,7 +32,8 @@ from retrofit.plugins import Discovery, check_name
 
 __all__ = [
     "DEFAULT_WINDOW", "MethodConfig", "MethodInfo", "MethodTestSpec", "TEST_ANCHORS", "TEST_CHECKS",
-    "available_methods", "get_method", "method_fields", "register_method", "registered_method", "resolve_window",
+    "available_methods", "check_chunk_size", "chunk_size_opt", "get_method", "method_fields", "register_method",
+    "registered_method", "resolve_window",
 ]
 
 # The sliding window of a converted layer unless the spec names one (the paper's w = 128); with
@@ -46,6 +47,18 @@ Builder = Callable[..., Any]
 def opt(default: Any, help: str, **kw: Any) -> Any:
     """A config field with its default and its help text (shown by ``retrofit convert --help``)."""
     return field(default=default, metadata={"help": help, **kw})
+
+
+def chunk_size_opt(default: int = 64) -> Any:
+    """A method's ``chunk_size`` field: the chunk length of its chunkwise-parallel scan (checked by
+    :func:`check_chunk_size`)."""
+    return opt(default, "chunk length of the chunkwise-parallel scan over the new state")
+
+
+def check_chunk_size(chunk_size: int) -> None:
+    """``SpecError`` unless a method's scan chunk ``chunk_size`` is at least one token."""
+    if chunk_size < 1:
+        raise SpecError(f"chunk_size must be >= 1, got {chunk_size}")
 
 
 # ---------------------------------------------------------------------- test spec
