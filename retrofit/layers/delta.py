@@ -279,9 +279,8 @@ def build_delta(original: nn.Module, patch: Any, spec: Any, layer_idx: int,
     """Method-registry builder: a :class:`DeltaAttention` from ``spec.config`` (resolved window)."""
     c: DeltaConfig = spec.config
     return DeltaAttention(
-        original, patch, window=c.window if c.window is not None else DEFAULT_WINDOW, init_swa_share=c.init_swa_share,
-        memory_half_life=c.memory_half_life, chunk_size=c.chunk_size, sinks=c.sinks, sink_distance=c.sink_distance,
-        generator=generator,
+        original, patch, **c.window_options(), init_swa_share=c.init_swa_share,
+        memory_half_life=c.memory_half_life, chunk_size=c.chunk_size, generator=generator,
     )
 
 

@@ -56,7 +56,8 @@ from retrofit.errors import SpecError
 
 from retrofit.layers.cache import RetrofitLayerCache
 from retrofit.layers.base import RetrofitAttention
-from retrofit.layers.method import DEFAULT_WINDOW, MethodConfig, MethodTestSpec, opt, register_method, resolve_window
+from retrofit.layers.method import DEFAULT_WINDOW, MethodTestSpec, opt, register_method
+from retrofit.layers.window import WindowSizeConfig
 from retrofit.ops import lavo_attention
 
 __all__ = ["LavoAttention", "LavoConfig", "LavoLayerCache", "LavoParameters", "build_lavo"]
@@ -65,14 +66,13 @@ DEFAULT_BASES = 64  # the paper's num_bases for language modelling (Table 1); ca
 
 
 @dataclass
-class LavoConfig(MethodConfig):
-    """Hyper-parameters of a LAVO conversion (``retrofit convert --method lavo``)."""
+class LavoConfig(WindowSizeConfig):
+    """Hyper-parameters of a LAVO conversion (``retrofit convert --method lavo``): the local window's
+    size (:class:`~retrofit.layers.window.WindowSizeConfig`; no sinks) and the memory's."""
 
     method = "lavo"
     # a 6-token window (its memory holds the complete windows before it) with 8 bases per head
     test_spec = MethodTestSpec(options={"window": 6, "bases": 8, "global_weight": 0.3}, anchor="closed-window")
-    window: int | None = opt(None, f"local window w in tokens (default {DEFAULT_WINDOW}, or the family's "
-                                   "native window with --layers global)")
     bases: int | None = opt(None, f"orthonormal bases r per head (default min({DEFAULT_BASES}, head_dim))")
     global_weight: float = opt(0.5, "initial g of out = (1-g) local + g global (the paper averages: 0.5)")
     learn_global_weight: bool = opt(True, "train g (off: g stays fixed)")
@@ -81,19 +81,13 @@ class LavoConfig(MethodConfig):
     memory_scaling: float | None = opt(None, "read temperature of the memory (default: the pretrained scaling)")
 
     def check(self) -> None:
-        if self.window is not None and self.window < 1:
-            raise SpecError(f"window must be >= 1 token, got {self.window}")
+        super().check()
         if self.bases is not None and self.bases < 1:
             raise SpecError(f"bases must be >= 1, got {self.bases}")
         g = self.global_weight
         if not 0.0 <= g < 1.0 or (self.learn_global_weight and g == 0.0):
             raise SpecError(f"global_weight={g}: use 0 < g < 1 (0.5 = the paper's average); "
                             "g = 0 only with learn_global_weight=false (the sliding-window anchor)")
-
-    def resolved(self, model_config: Any, layers: Any) -> "LavoConfig":
-        import dataclasses
-
-        return dataclasses.replace(self, window=resolve_window(self.window, model_config, layers))
 
 
 class LavoParameters(nn.Module):
@@ -302,7 +296,7 @@ def build_lavo(original: nn.Module, patch: Any, spec: Any, layer_idx: int, gener
     """Method-registry builder: a :class:`LavoAttention` from ``spec.config`` (resolved window)."""
     c: LavoConfig = spec.config
     return LavoAttention(
-        original, patch, window=c.window if c.window is not None else DEFAULT_WINDOW, bases=c.bases,
+        original, patch, **c.window_options(), bases=c.bases,
         global_weight=c.global_weight, learn_global_weight=c.learn_global_weight, relative_bias=c.relative_bias,
         dissect=c.dissect, memory_scaling=c.memory_scaling, generator=generator,
     )

@@ -354,9 +354,8 @@ def build_macchiato(original: nn.Module, patch: Any, spec: Any, layer_idx: int,
     """Method-registry builder: a :class:`MacchiatoAttention` from ``spec.config`` (resolved window)."""
     c: MacchiatoConfig = spec.config
     return MacchiatoAttention(
-        original, patch, window=c.window if c.window is not None else DEFAULT_WINDOW, latents=c.latents,
-        init_swa_share=c.init_swa_share, conv_size=c.conv_size, chunk_size=c.chunk_size, sinks=c.sinks,
-        sink_distance=c.sink_distance, generator=generator,
+        original, patch, **c.window_options(), latents=c.latents, init_swa_share=c.init_swa_share,
+        conv_size=c.conv_size, chunk_size=c.chunk_size, generator=generator,
     )
 
 

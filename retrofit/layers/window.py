@@ -29,7 +29,8 @@ A method adds what the window does not see beside it, and combines the two in on
   linear read.
 
 :class:`WindowConfig` declares the window's options once (``window``, ``sinks``,
-``sink_distance``); each window method's config subclasses it and adds its own.
+``sink_distance``); each window method's config subclasses it and adds its own
+(:class:`WindowSizeConfig`, the ``window`` alone, for a local window without sinks).
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ from retrofit.ops import (
 
 __all__ = [
     "SATURATED_LOGIT", "WINDOW_SHARE_HELP", "WindowAttention", "WindowConfig", "WindowDecodingBuffers",
-    "WindowLayerCache", "base_context_distance", "check_window_share", "window_config",
+    "WindowLayerCache", "WindowSizeConfig", "base_context_distance", "check_window_share", "window_config",
 ]
 
 SATURATED_LOGIT = 1.0e4  # exp(-1e4) underflows to 0 in every float dtype: p(0|t) = 1 exactly
@@ -64,16 +65,38 @@ WINDOW_SHARE_HELP = "initial sliding-window share p(0|t) in (0, 1] (1 = latent p
 
 # ---------------------------------------------------------------------- config
 @dataclass
-class WindowConfig(MethodConfig):
-    """The window branch's options, declared once for every window method: a method's config
-    subclasses it (through :func:`window_config`) and adds its own fields.
+class WindowSizeConfig(MethodConfig):
+    """The window's size alone, declared once: the base of :class:`WindowConfig` and the config of a
+    method whose local window has no sinks (LAVO's).
 
     ``window: None`` resolves to :data:`~retrofit.layers.method.DEFAULT_WINDOW` (or the family's native
-    window with ``layers: global``) and ``sink_distance: None`` with sinks to the base's context
-    (:meth:`resolved`, what a checkpoint records)."""
+    window with ``layers: global``; :meth:`resolved`, what a checkpoint records)."""
 
     window: int | None = opt(None, f"sliding window w in tokens (default {DEFAULT_WINDOW}, or the family's "
                                    "native window with --layers global)")
+
+    def check(self) -> None:
+        """The window's range; a subclass checks its own fields, then calls this."""
+        if self.window is not None and self.window < 1:
+            raise SpecError(f"window must be >= 1 token, got {self.window}")
+
+    def resolved(self, model_config: Any, layers: Any) -> "WindowSizeConfig":
+        """A copy with the window made concrete (what a checkpoint records)."""
+        return dataclasses.replace(self, window=resolve_window(self.window, model_config, layers))
+
+    def window_options(self) -> dict[str, Any]:
+        """The window's keywords of the method's layer (``window``; None: the default window)."""
+        return {"window": self.window if self.window is not None else DEFAULT_WINDOW}
+
+
+@dataclass
+class WindowConfig(WindowSizeConfig):
+    """The window branch's options, declared once for every window method: a method's config
+    subclasses it (through :func:`window_config`) and adds its own fields.
+
+    ``window: None`` resolves as :class:`WindowSizeConfig`'s, and ``sink_distance: None`` with sinks
+    to the base's context (:meth:`resolved`, what a checkpoint records)."""
+
     sinks: int = opt(0, "attention sinks: the window branch also sees the first n tokens")
     sink_distance: int | None = opt(None, "cap on the RoPE distance a query sees to a sink (StreamingLLM-style "
                                           "re-positioning; default the base's max_position_embeddings - 1, so "
@@ -81,8 +104,7 @@ class WindowConfig(MethodConfig):
 
     def check(self) -> None:
         """The window options' ranges; a subclass checks its own fields, then calls this."""
-        if self.window is not None and self.window < 1:
-            raise SpecError(f"window must be >= 1 token, got {self.window}")
+        super().check()
         if self.sinks < 0:
             raise SpecError(f"sinks must be >= 0 (0 = a plain sliding window), got {self.sinks}")
         if self.sink_distance is not None and self.sink_distance < 0:
@@ -93,8 +115,11 @@ class WindowConfig(MethodConfig):
         distance = self.sink_distance
         if distance is None and self.sinks:
             distance = base_context_distance(model_config)
-        window = resolve_window(self.window, model_config, layers)
-        return dataclasses.replace(self, window=window, sink_distance=distance)
+        return dataclasses.replace(super().resolved(model_config, layers), sink_distance=distance)
+
+    def window_options(self) -> dict[str, Any]:
+        """The window branch's keywords of :class:`WindowAttention` (``window``, ``sinks``, ``sink_distance``)."""
+        return {**super().window_options(), "sinks": self.sinks, "sink_distance": self.sink_distance}
 
     def __repr__(self) -> str:  # in the order of dataclasses.fields (window_config's), as records list them
         items = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
