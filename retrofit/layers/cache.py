@@ -97,6 +97,21 @@ class RetrofitLayerCache(CacheLayerMixin):
         """``(keys, values, valid)`` of the buffered tokens, oldest first (None before the first call)."""
         return self.keys, self.values, self.valid
 
+    def with_past(
+        self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        """This call's ``keys``/``values`` ``(B, Hkv, T, .)`` after the buffered ones (:meth:`past_kv`):
+        ``(keys_all, values_all, valid_all, P)``, ``(B, Hkv, P + T, .)`` and their flags ``(B, P + T)``
+        (``valid`` ``(B, T)``, None: every new token is real), ``P`` the buffered tokens (0 before the
+        first call)."""
+        if valid is None:
+            valid = torch.ones(keys.shape[0], keys.shape[-2], dtype=torch.bool, device=keys.device)
+        if not self.has_past:
+            return keys, values, valid, 0
+        pk, pv, pvalid = self.past_kv()
+        num_past = pk.shape[-2]
+        return torch.cat([pk, keys], dim=-2), torch.cat([pv, values], dim=-2), torch.cat([pvalid, valid], dim=-1), num_past
+
     def store(
         self,
         keys: torch.Tensor | None,

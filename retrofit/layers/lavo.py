@@ -255,7 +255,7 @@ class LavoAttention(RetrofitAttention):
         return self.patch.rotary_fn(q, k, cos, -sin)[0]
 
     def attend(self, q, k, v, valid, cache, *, hidden_states, position_embeddings):
-        B, T = q.shape[0], q.shape[2]
+        T = q.shape[2]
         qg = self.global_query(q, k, position_embeddings)
         params = self.lavo
         closed = self.latent_path_closed
@@ -268,14 +268,7 @@ class LavoAttention(RetrofitAttention):
             out, _ = lavo_attention(q, k, v, params.bases, key_padding_mask=valid, **kw)
             return out
 
-        if valid is None:
-            valid = torch.ones(B, T, dtype=torch.bool, device=q.device)
-        k_all, v_all, valid_all, num_past = k, v, valid, 0
-        if cache.keys is not None:
-            pk, pv, pvalid = cache.past_kv()
-            num_past = pk.shape[-2]
-            k_all, v_all = torch.cat([pk, k], dim=-2), torch.cat([pv, v], dim=-2)
-            valid_all = torch.cat([pvalid, valid], dim=-1)
+        k_all, v_all, valid_all, num_past = cache.with_past(k, v, valid)
         out, state = lavo_attention(
             q, k_all, v_all, params.bases, key_padding_mask=valid_all, num_past=num_past,
             initial_state=cache.state, output_final_state=True, **kw,

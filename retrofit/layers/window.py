@@ -453,14 +453,7 @@ class WindowAttention(RetrofitAttention):
         sinks as :func:`retrofit.ops.sinks.first_valid` returns them (None without), the stream
         position of the first new token and the sinks' capped scores (None unless capped)."""
         B, T = q.shape[0], q.shape[2]
-        if valid is None and cache is not None:
-            valid = torch.ones(B, T, dtype=torch.bool, device=q.device)
-        k_all, v_all, valid_all, num_past = k, v, valid, 0
-        if cache is not None and cache.has_past:
-            pk, pv, pvalid = cache.past_kv()
-            num_past = pk.shape[-2]
-            k_all, v_all = torch.cat([pk, k], dim=-2), torch.cat([pv, v], dim=-2)
-            valid_all = torch.cat([pvalid, valid], dim=-1)
+        k_all, v_all, valid_all, num_past = (k, v, valid, 0) if cache is None else cache.with_past(k, v, valid)
         sinks, seen = None, 0
         if self.sinks and cache is not None and cache.sinks_full:  # the first n real tokens are known
             seen, sinks = cache.cumulative_length, cache.sinks
