@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import torch
 
-from retrofit.ops.latte import LatteState, causal_latte_chunked, causal_latte_step, NEG_INF, _compute_dtype, _finite_or_zero
+from retrofit.ops._common import compute_dtype
+from retrofit.ops.latte import LatteState, causal_latte_chunked, causal_latte_step, NEG_INF, _finite_or_zero
 
 __all__ = ["exp_linear_attention", "exp_linear_attention_reference", "exp_linear_attention_step"]
 
@@ -67,7 +68,7 @@ def _exp_linear_latte_form(q, k, v, *, chunk_size, key_padding_mask, initial_sta
     Exact for any logit spread (every exponent <= 0) but holds (T, d) log-normalisers and
     weights per head; the chunked form's fallback and the path for differentiable states.
     """
-    dtype = _compute_dtype(q, k, v)
+    dtype = compute_dtype(q, k, v)
     a = k.to(dtype)
     if key_padding_mask is not None:
         a = a.masked_fill(~key_padding_mask.bool()[:, None, :, None], NEG_INF)
@@ -261,7 +262,7 @@ def exp_linear_attention(
     """
     B, H, T, d = q.shape
     D = v.shape[-1]
-    dtype = _compute_dtype(q, k, v)
+    dtype = compute_dtype(q, k, v)
     wants_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
     state_grad = torch.is_grad_enabled() and (
         (initial_state is not None and (initial_state.m.requires_grad or initial_state.z.requires_grad))
@@ -330,7 +331,7 @@ def exp_linear_attention_step(
         >>> out.shape
         torch.Size([1, 2, 8])
     """
-    dtype = _compute_dtype(q, k, v, state.m)
+    dtype = compute_dtype(q, k, v, state.m)
     a = k.to(dtype)
     if valid is not None:
         a = a.masked_fill(~valid.bool()[:, None, None], NEG_INF)
@@ -363,7 +364,7 @@ def exp_linear_attention_reference(
         >>> exp_linear_attention_reference(q, k, v).shape
         torch.Size([1, 2, 6, 8])
     """
-    dtype = _compute_dtype(q, k, v)
+    dtype = compute_dtype(q, k, v)
     T = q.shape[2]
     logits = torch.logsumexp(q.to(dtype)[:, :, :, None, :] + k.to(dtype)[:, :, None, :, :], dim=-1)  # (B,H,t,s)
     allowed = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()[None, None]

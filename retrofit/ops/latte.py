@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from retrofit.ops._common import compute_dtype
+
 __all__ = [
     "LatteState",
     "causal_latte",
@@ -68,13 +70,6 @@ class LatteState:
         return LatteState(self.m.index_select(0, batch_index), self.z.index_select(0, batch_index))
 
 
-def _compute_dtype(*xs: torch.Tensor) -> torch.dtype:
-    dtype = torch.float32
-    for x in xs:
-        dtype = torch.promote_types(dtype, x.dtype)
-    return dtype
-
-
 def _finite_or_zero(z: torch.Tensor) -> torch.Tensor:
     """Replace -inf log-normalisers (empty state) by 0 so that ``x - z`` never is ``-inf - -inf``."""
     return z.masked_fill(z == NEG_INF, 0.0)
@@ -117,7 +112,7 @@ def causal_latte_reference(
         >>> causal_latte_reference(q, torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 8)).shape
         torch.Size([1, 2, 10, 8])
     """
-    dtype = _compute_dtype(q_weights, k_logits, v)
+    dtype = compute_dtype(q_weights, k_logits, v)
     T = v.shape[-2]
     a = _masked_logits(k_logits, key_padding_mask, dtype)  # (B,H,T,L)
     causal = torch.ones(T, T, dtype=torch.bool, device=v.device).tril()  # [t, s]
@@ -322,7 +317,7 @@ def causal_latte_chunked(
     """
     B, H, T, L = k_logits.shape
     D = v.shape[-1]
-    dtype = _compute_dtype(q_weights, k_logits, v)
+    dtype = compute_dtype(q_weights, k_logits, v)
     C = max(1, min(chunk_size, T))
     span = C * max(1, NO_GRAD_STATE_BYTES // (2 * B * H * L * D * torch.finfo(dtype).bits // 8))
     if T > span and not _tracked(q_weights, k_logits, v, initial_state):
@@ -445,7 +440,7 @@ def causal_latte_step(
         >>> out.shape
         torch.Size([1, 2, 8])
     """
-    dtype = _compute_dtype(q_weights, k_logits, v, state.m)
+    dtype = compute_dtype(q_weights, k_logits, v, state.m)
     a = k_logits.to(dtype)
     if valid is not None:
         a = a.masked_fill(~valid.bool()[:, None, None], NEG_INF)
@@ -490,7 +485,7 @@ def causal_latte_recurrent(
     """
     B, H, T, L = k_logits.shape
     D = v.shape[-1]
-    state = initial_state or LatteState.empty(B, H, L, D, device=v.device, dtype=_compute_dtype(q_weights, k_logits, v))
+    state = initial_state or LatteState.empty(B, H, L, D, device=v.device, dtype=compute_dtype(q_weights, k_logits, v))
     outs = []
     for t in range(T):
         valid = None if key_padding_mask is None else key_padding_mask[:, t]
@@ -525,7 +520,7 @@ def causal_latte(
         >>> causal_latte(torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 8)).shape
         torch.Size([1, 2, 10, 8])
     """
-    p = torch.softmax(q_logits.to(_compute_dtype(q_logits)), dim=-1)
+    p = torch.softmax(q_logits.to(compute_dtype(q_logits)), dim=-1)
     out, _ = causal_latte_chunked(p, k_logits, v, chunk_size=chunk_size, key_padding_mask=key_padding_mask)
     return out
 
@@ -561,7 +556,7 @@ def bidirectional_latte(
         >>> out.shape, bool(out[:, :, 0].eq(0).all())
         (torch.Size([1, 2, 6, 8]), True)
     """
-    dtype = _compute_dtype(q_logits, k_logits, v)
+    dtype = compute_dtype(q_logits, k_logits, v)
     a = _masked_logits(k_logits, key_padding_mask, dtype)
     p_l = torch.softmax(q_logits.to(dtype), dim=-1)  # (B,H,T,L)
     p_s = torch.softmax(a, dim=-2).nan_to_num(0.0)  # over T
@@ -597,7 +592,7 @@ def bidirectional_latte_reference(
         >>> bidirectional_latte_reference(q, k, v).shape
         torch.Size([1, 2, 6, 8])
     """
-    dtype = _compute_dtype(q_logits, k_logits, v)
+    dtype = compute_dtype(q_logits, k_logits, v)
     a = _masked_logits(k_logits, key_padding_mask, dtype)
     p_l = torch.softmax(q_logits.to(dtype), dim=-1)
     p_s = torch.softmax(a, dim=-2).nan_to_num(0.0)

@@ -31,10 +31,12 @@ import torch.nn.functional as F
 
 from typing import NamedTuple
 
+from retrofit.ops._common import drop_unseen_past
 from retrofit.ops.dispatched import (
     masked_dense_attention, sliding_window_attention, sliding_window_attention_with_lse, sliding_window_lse,
 )
 from retrofit.ops.rope import rope_rotate
+from retrofit.ops.sliding_window import dense_window_mask
 
 __all__ = [
     "FarSinks",
@@ -267,23 +269,17 @@ def _one_dense_softmax(q, k, v, window, sink_k, sink_v, sink_idx, sink_valid, *,
     a decoding step of a converted layer otherwise runs two dense score blocks and the merge.
     """
     B, Hq, Tq, d = q.shape
-    if num_past > window:  # only the last w - 1 past keys can be seen (as the window kernel drops them)
-        drop = num_past - window
-        k, v = k[:, :, drop:], v[:, :, drop:]
-        key_padding_mask = None if key_padding_mask is None else key_padding_mask[:, drop:]
-        num_past = window
+    # only the last w - 1 past keys can be seen (as the window kernel drops them)
+    k, v, num_past, key_padding_mask = drop_unseen_past(k, v, num_past, window, key_padding_mask)
     Tk = k.shape[2]
     kk, vv = torch.cat([sink_k.to(k.dtype), k], dim=2), torch.cat([sink_v.to(v.dtype), v], dim=2)
-    q_pos = torch.arange(Tq, device=q.device)[:, None] + num_past
-    k_pos = torch.arange(Tk, device=q.device)[None, :]
-    band = ((k_pos <= q_pos) & (k_pos > q_pos - window)).expand(B, Tq, Tk)
+    # a padded query sees only its own key (its output is zeroed)
+    band, q_valid = dense_window_mask(Tq, Tk, window, key_padding_mask, num_past, q.device)
+    band = band[:, 0].expand(B, Tq, Tk)
     t = torch.arange(Tq, device=q.device) + q_start
     seen = sink_valid[:, None, :] & (sink_idx[:, None, :] <= (t - window)[None, :, None])  # (B, Tq, n)
-    q_valid = None
-    if key_padding_mask is not None:  # a padded query sees only its own key (its output is zeroed)
-        kpm = key_padding_mask.bool()
-        q_valid = kpm[:, num_past:]
-        band = (band & kpm[:, None, :]) | ((k_pos == q_pos) & ~q_valid[:, :, None])
+    if q_valid is not None:
+        q_valid = q_valid.view(B, Tq)
         seen = seen & q_valid[:, :, None]
     result = masked_dense_attention(q, kk, vv, torch.cat([seen, band], dim=-1), scaling=scaling, softcap=softcap,
                                     with_lse=with_lse, backend=backend)

@@ -29,38 +29,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from retrofit.ops._common import (
+    check_num_past, drop_unseen_past, from_blocks, grouped_attend, grouped_scores, query_blocks, soft_cap, two_blocks,
+    upcast, window_keys,
+)
+
 __all__ = [
     "sliding_window_attention",
     "sliding_window_attention_reference",
     "sliding_window_attention_with_lse",
     "sliding_window_lse",
 ]
-
-
-
-def drop_unseen_past(
-    k: torch.Tensor, v: torch.Tensor | None, num_past: int, window: int, mask: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, int, torch.Tensor | None]:
-    """Only the last ``w - 1`` cached keys can be seen by the first query: drop the rest of ``k``,
-    ``v`` (None: keys only) and the key padding ``mask``. Returns ``(k, v, num_past, mask)``."""
-    if num_past > window:
-        drop = num_past - window
-        k = k[:, :, drop:]
-        v = None if v is None else v[:, :, drop:]
-        mask = None if mask is None else mask[:, drop:]
-        num_past = window
-    return k, v, num_past, mask
-
-
-def _upcast(x: torch.Tensor) -> torch.Tensor:
-    """bf16/fp16 scores go to fp32 for the softmax; fp32/fp64 stay as they are."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-def _softcap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    if softcap is None or softcap <= 0:
-        return scores
-    return torch.tanh(scores / softcap) * softcap
 
 
 def _dense_scores(
@@ -75,19 +54,13 @@ def _dense_scores(
     """Window-masked scores ``(B, Hkv, group, Tq, Tk)`` (-inf outside; fp32 or wider) and the query
     validity ``(B, 1, 1, Tq, 1)`` (None without padding). A padded query sees only its own key, so
     no row is all -inf."""
-    B, Hq, Tq, d = q.shape
-    Hkv, Tk = k.shape[1], k.shape[2]
-    group = Hq // Hkv
-    scaling = d**-0.5 if scaling is None else scaling
-    qg = q.reshape(B, Hkv, group * Tq, d)
-    scores = _upcast(torch.matmul(qg, k.transpose(-1, -2))) * scaling
-    scores = _softcap(scores, softcap).view(B, Hkv, group, Tq, Tk)
-    allowed, q_valid = _dense_allowed(Tq, Tk, window, key_padding_mask, num_past, q.device)
+    scores = grouped_scores(q, k, scaling, softcap)
+    allowed, q_valid = dense_window_mask(q.shape[2], k.shape[2], window, key_padding_mask, num_past, q.device)
     return scores.masked_fill(~allowed[:, None], float("-inf")), None if q_valid is None else q_valid[:, None]
 
 
-def _dense_allowed(
-    Tq: int, Tk: int, window: int, key_padding_mask: torch.Tensor | None, num_past: int, device,
+def dense_window_mask(
+    Tq: int, Tk: int, window: int, key_padding_mask: torch.Tensor | None, num_past: int, device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Which keys each query sees, ``(B|1, 1, Tq, Tk)`` bool, and the query validity ``(B, 1, Tq, 1)``
     (None without padding). A padded query sees only its own key, so no row is all -inf."""
@@ -159,7 +132,7 @@ def _merge_partial(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torc
     lse = torch.logsumexp(torch.stack([x for _, x in parts]), dim=0)
     out = None
     for o, x in parts:  # summed in fp32 at least
-        term = _upcast(o) * torch.exp(x - lse)[..., None]
+        term = upcast(o) * torch.exp(x - lse)[..., None]
         out = term if out is None else out + term
     return out.to(parts[0][0].dtype), lse
 
@@ -235,7 +208,7 @@ def _fused_dense(
     """
     B, Hq, Tq, d = q.shape
     group = Hq // k.shape[1]
-    allowed, q_valid = _dense_allowed(Tq, k.shape[2], window, key_padding_mask, num_past, q.device)
+    allowed, q_valid = dense_window_mask(Tq, k.shape[2], window, key_padding_mask, num_past, q.device)
     bias = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed, float("-inf"))
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -272,13 +245,10 @@ def sliding_window_attention_reference(
         >>> sliding_window_attention_reference(q, k, v, 4).shape
         torch.Size([1, 4, 10, 8])
     """
-    B, Hq, Tq, d = q.shape
-    Hkv, Tk = k.shape[1], k.shape[2]
-    if Tk != num_past + Tq:
-        raise ValueError(f"keys ({Tk}) must be num_past ({num_past}) + queries ({Tq})")
+    B, Tq = q.shape[0], q.shape[2]
+    check_num_past(q, k, num_past)
     scores, q_valid = _dense_scores(q, k, window, scaling, softcap, key_padding_mask, num_past)
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    out = torch.matmul(probs.view(B, Hkv, (Hq // Hkv) * Tq, Tk), v).view(B, Hq, Tq, -1)
+    out = grouped_attend(scores, v)
     if q_valid is not None:
         out = out * q_valid.view(B, 1, Tq, 1).to(out.dtype)
     return out
@@ -444,28 +414,17 @@ def _block_layout(
     (the previous and the own key block of each query block); ``allowed`` ``(B|1, 1, n, group w,
     2w)``, ``q_valid`` ``(B|1, n, w)`` from :func:`_window_mask`; ``n`` query blocks.
     """
-    B, Hq, Tq, d = q.shape
+    Tq, Hq = q.shape[2], q.shape[1]
     Hkv, Tk = kv[0].shape[1], kv[0].shape[2]
     w, group = window, Hq // Hkv
     n = -(-Tq // w)
     tail = n * w - Tq
-
-    def two_blocks(x: torch.Tensor) -> torch.Tensor:  # key j (past keys at -num_past..-1) sits at j + w
-        x = F.pad(x, (0, 0, w - num_past, tail))
-        return torch.cat([x[..., : n * w, :].unflatten(-2, (n, w)), x[..., w:, :].unflatten(-2, (n, w))], dim=-2)
-
-    qb = F.pad(q, (0, 0, 0, tail)).view(B, Hkv, group, n, w, d).permute(0, 1, 3, 2, 4, 5).reshape(B, Hkv, n, group * w, d)
+    qb = query_blocks(q, Hkv, w, tail)
     allowed, q_valid = _window_mask(key_padding_mask, Tk, w, n, num_past, q.device)
     Bm = allowed.shape[0]
     allowed = allowed.unsqueeze(2).expand(Bm, n, group, w, 2 * w).reshape(Bm, 1, n, group * w, 2 * w)
-    return qb, tuple(two_blocks(x) for x in kv), allowed, q_valid, n
-
-
-def _from_blocks(x: torch.Tensor, group: int) -> torch.Tensor:
-    """Undo :func:`_block_layout` on a per-query result: ``(B, Hkv, n, group w[, c])`` -> ``(B, Hq,
-    n w[, c])``, the query heads of each GQA group back in order."""
-    B, Hkv, n, gw, *rest = x.shape
-    return x.view(B, Hkv, n, group, gw // group, *rest).transpose(2, 3).reshape(B, Hkv * group, n * (gw // group), *rest)
+    # key j (past keys at -num_past..-1) sits at padded index j + w
+    return qb, tuple(two_blocks(F.pad(x, (0, 0, w - num_past, tail)), w) for x in kv), allowed, q_valid, n
 
 
 def _banded_blocked(
@@ -562,11 +521,8 @@ def sliding_window_attention(
         >>> sliding_window_attention(q, k, v, 8, num_past=3).shape
         torch.Size([1, 4, 32, 8])
     """
-    B, Hq, Tq, d = q.shape
-    Tk = k.shape[2]
-    if Tk != num_past + Tq:
-        raise ValueError(f"keys ({Tk}) must be num_past ({num_past}) + queries ({Tq})")
-    k, v, num_past, key_padding_mask = drop_unseen_past(k, v, num_past, window, key_padding_mask)
+    Tq, d = q.shape[2], q.shape[3]
+    k, v, num_past, key_padding_mask = window_keys(q, k, v, window, num_past, key_padding_mask)
     fused = _fused_form(q, k, v, window, scaling, softcap, key_padding_mask, num_past)
     if fused is not None:
         return fused[0]
@@ -602,10 +558,10 @@ def _masked_blocked(
         out = F.scaled_dot_product_attention(qb.flatten(0, 1), kb.flatten(0, 1), vb.flatten(0, 1),
                                              attn_mask=mask.flatten(0, 1), scale=scaling).unflatten(0, (B, Hkv))
     else:
-        scores = _softcap(_upcast(torch.matmul(qb, kb.transpose(-1, -2))) * scaling, softcap)
+        scores = soft_cap(upcast(torch.matmul(qb, kb.transpose(-1, -2))) * scaling, softcap)
         scores = scores.masked_fill(~allowed, float("-inf"))
         out = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), vb)
-    out = _from_blocks(out, group)[:, :, :Tq]
+    out = from_blocks(out, group)[:, :, :Tq]
     if key_padding_mask is not None:
         out = out * q_valid.reshape(-1, 1, n * w, 1)[:, :, :Tq].to(out.dtype)
     return out
@@ -633,8 +589,8 @@ def _fused_blocked(
         out, lse = _FUSED_CPU(qb[:, :, c], kb[:, :, c], vb[:, :, c], 0.0, False, attn_mask=bias, scale=scaling)
         outs.append(out)
         lses.append(lse)
-    out = _from_blocks(torch.stack(outs, 2), group)[:, :, :Tq]
-    lse = _from_blocks(torch.stack(lses, 2), group)[:, :, :Tq].float()
+    out = from_blocks(torch.stack(outs, 2), group)[:, :, :Tq]
+    lse = from_blocks(torch.stack(lses, 2), group)[:, :, :Tq].float()
     if key_padding_mask is not None:
         out = out * q_valid.reshape(-1, 1, n * window, 1)[:, :, :Tq].to(out.dtype)
     return out.to(v.dtype), lse
@@ -674,18 +630,16 @@ def sliding_window_lse(
         torch.Size([1, 4, 32])
     """
     B, Hq, Tq, d = q.shape
-    Hkv, Tk = k.shape[1], k.shape[2]
-    if Tk != num_past + Tq:
-        raise ValueError(f"keys ({Tk}) must be num_past ({num_past}) + queries ({Tq})")
-    k, _, num_past, key_padding_mask = drop_unseen_past(k, None, num_past, window, key_padding_mask)
+    Hkv = k.shape[1]
+    k, _, num_past, key_padding_mask = window_keys(q, k, None, window, num_past, key_padding_mask)
     if Tq <= window:  # short query blocks (decoding, short sequences): dense over <= 2w keys, no w-padding
         scores, _ = _dense_scores(q, k, window, scaling, softcap, key_padding_mask, num_past)
         return torch.logsumexp(scores, dim=-1).view(B, Hq, Tq)
     scaling = d**-0.5 if scaling is None else scaling
     qb, (kb,), allowed, _, _ = _block_layout(q, (k,), window, num_past, key_padding_mask)
-    scores = _softcap(_upcast(torch.matmul(qb, kb.transpose(-1, -2))) * scaling, softcap)
+    scores = soft_cap(upcast(torch.matmul(qb, kb.transpose(-1, -2))) * scaling, softcap)
     lse = torch.logsumexp(scores.masked_fill(~allowed, float("-inf")), dim=-1)  # (B, Hkv, n, group w)
-    return _from_blocks(lse, Hq // Hkv)[:, :, :Tq]
+    return from_blocks(lse, Hq // Hkv)[:, :, :Tq]
 
 
 def sliding_window_attention_with_lse(
@@ -727,10 +681,7 @@ def sliding_window_attention_with_lse(
         >>> out.shape, lse.shape
         (torch.Size([1, 4, 32, 8]), torch.Size([1, 4, 32]))
     """
-    Tk = k.shape[2]
-    if Tk != num_past + q.shape[2]:
-        raise ValueError(f"keys ({Tk}) must be num_past ({num_past}) + queries ({q.shape[2]})")
-    k, v, num_past, key_padding_mask = drop_unseen_past(k, v, num_past, window, key_padding_mask)
+    k, v, num_past, key_padding_mask = window_keys(q, k, v, window, num_past, key_padding_mask)
     fused = _fused_form(q, k, v, window, scaling, softcap, key_padding_mask, num_past)
     if fused is not None:
         return fused

@@ -18,7 +18,7 @@ import functools
 import torch
 
 from retrofit.ops.backends.registry import Backend, Call, register_backend
-from retrofit.ops.sliding_window import drop_unseen_past
+from retrofit.ops._common import window_keys
 
 __all__ = ["BACKEND", "sliding_window_attention_flash"]
 
@@ -44,10 +44,7 @@ def sliding_window_attention_flash(
     """flash-attn 2 (fp16/bf16, no padding mask). Returns ``(B, Hq, Tq, Dv)`` in q's dtype."""
     if key_padding_mask is not None:
         raise ValueError("the flash-attn sliding window takes no key padding mask")
-    Tq, Tk = q.shape[2], k.shape[2]
-    if Tk != num_past + Tq:
-        raise ValueError(f"keys ({Tk}) must be num_past ({num_past}) + queries ({Tq})")
-    k, v, num_past, _ = drop_unseen_past(k, v, num_past, window)
+    k, v, num_past, _ = window_keys(q, k, v, window, num_past)
     out = _flash_attn_func()(
         q.transpose(1, 2),
         k.transpose(1, 2),

@@ -9,7 +9,7 @@ import functools
 
 import torch
 
-from retrofit.ops.sliding_window import drop_unseen_past
+from retrofit.ops._common import window_keys
 from retrofit.ops.backends.registry import Backend, Kernel, register_backend
 
 __all__ = ["BACKEND", "sliding_window_attention_flex"]
@@ -53,10 +53,8 @@ def sliding_window_attention_flex(
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     B, Hq, Tq, d = q.shape
-    Hkv, Tk = k.shape[1], k.shape[2]
-    if Tk != num_past + Tq:
-        raise ValueError(f"keys ({Tk}) must be num_past ({num_past}) + queries ({Tq})")
-    k, v, num_past, key_padding_mask = drop_unseen_past(k, v, num_past, window, key_padding_mask)
+    Hkv = k.shape[1]
+    k, v, num_past, key_padding_mask = window_keys(q, k, v, window, num_past, key_padding_mask)
     Tk = k.shape[2]
     compile = q.device.type == "cuda" if compile is None else compile
     if key_padding_mask is None:
