@@ -40,7 +40,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from retrofit.ops.sliding_window import sliding_window_attention, sliding_window_attention_reference
+from retrofit.ops._common import (
+    block_attention, check_num_past, compute_dtype, drop_unseen_past, from_blocks, grouped_attend, grouped_scores,
+    query_blocks, two_blocks,
+)
+from retrofit.ops.sliding_window import dense_window_mask, sliding_window_attention, sliding_window_attention_reference
 
 __all__ = [
     "LavoState",
@@ -53,23 +57,6 @@ __all__ = [
     "orthogonal_memory_recurrent",
     "orthogonal_memory_step",
 ]
-
-
-def _compute_dtype(*xs: torch.Tensor) -> torch.dtype:
-    dtype = torch.float32
-    for x in xs:
-        dtype = torch.promote_types(dtype, x.dtype)
-    return dtype
-
-
-def _upcast(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-def _softcap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    if softcap is None or softcap <= 0:
-        return scores
-    return torch.tanh(scores / softcap) * softcap
 
 
 # --------------------------------------------------------------------------------------
@@ -139,7 +126,7 @@ def _orthogonal_memory(
     _check_block(block)
     Bsz, H, T, d = x.shape
     r = bases.shape[1]
-    dtype = _compute_dtype(q, x, bases)
+    dtype = compute_dtype(q, x, bases)
     if state is None:
         state = LavoState.empty(Bsz, H, r, device=x.device, dtype=dtype)
     if valid is None:
@@ -265,7 +252,7 @@ def orthogonal_memory_attention_reference(
     """
     _check_block(block)
     Bsz, H, T, d = x.shape
-    dtype = _compute_dtype(q, x, bases)
+    dtype = compute_dtype(q, x, bases)
     valid = torch.ones(Bsz, T, dtype=torch.bool, device=x.device) if key_padding_mask is None else key_padding_mask.bool()
     rank = torch.cumsum(valid.long(), dim=1) - 1
     rt, rs = rank[:, :, None], rank[:, None, :]
@@ -317,7 +304,7 @@ def orthogonal_memory_step(
         (torch.Size([1, 2, 8]), 1)
     """
     _check_block(block)
-    dtype = _compute_dtype(q, x, bases, state.committed)
+    dtype = compute_dtype(q, x, bases, state.committed)
     Bsz = x.shape[0]
     ok = torch.ones(Bsz, dtype=torch.bool, device=x.device) if valid is None else valid.bool()
     bb = bases.to(dtype)
@@ -376,7 +363,7 @@ def orthogonal_memory_recurrent(
         (torch.Size([1, 2, 6, 8]), 4, 2)
     """
     Bsz, H, T, _ = x.shape
-    state = initial_state or LavoState.empty(Bsz, H, bases.shape[1], device=x.device, dtype=_compute_dtype(q, x, bases))
+    state = initial_state or LavoState.empty(Bsz, H, bases.shape[1], device=x.device, dtype=compute_dtype(q, x, bases))
     outs = []
     for t in range(T):
         valid = None if key_padding_mask is None else key_padding_mask[:, t]
@@ -428,28 +415,16 @@ def local_attention_reference(
         return sliding_window_attention_reference(
             q, k, v, window, scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask, num_past=num_past
         )
-    B, Hq, Tq, d = q.shape
+    B, Hq, Tq, _ = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
-    if Tk != num_past + Tq:
-        raise ValueError(f"keys ({Tk}) must be num_past ({num_past}) + queries ({Tq})")
+    check_num_past(q, k, num_past)
     _check_bias(rel_bias, Hq, window)
-    group = Hq // Hkv
-    scaling = d**-0.5 if scaling is None else scaling
-    scores = _upcast(torch.matmul(q.reshape(B, Hkv, group * Tq, d), k.transpose(-1, -2))) * scaling
-    scores = _softcap(scores, softcap).view(B, Hkv, group, Tq, Tk)
-    q_pos = torch.arange(Tq, device=q.device)[:, None] + num_past
-    k_pos = torch.arange(Tk, device=q.device)[None, :]
-    delta = q_pos - k_pos
+    scores = grouped_scores(q, k, scaling, softcap)
+    delta = torch.arange(Tq, device=q.device)[:, None] + num_past - torch.arange(Tk, device=q.device)[None, :]
     bias = rel_bias.to(scores.dtype).expand(Hq, window)[:, delta.clamp(0, window - 1)]  # (Hq, Tq, Tk)
-    scores = scores + bias.view(1, Hkv, group, Tq, Tk)
-    allowed = ((delta >= 0) & (delta < window)).view(1, 1, 1, Tq, Tk)
-    q_valid = None
-    if key_padding_mask is not None:
-        kv_valid = key_padding_mask.view(B, 1, 1, 1, Tk).bool()
-        q_valid = key_padding_mask[:, num_past:].view(B, 1, 1, Tq, 1).bool()
-        allowed = (allowed & kv_valid) | (~q_valid & (delta == 0).view(1, 1, 1, Tq, Tk))
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype).view(B, Hkv, group * Tq, Tk), v).view(B, Hq, Tq, -1)
+    scores = scores + bias.view(1, Hkv, Hq // Hkv, Tq, Tk)
+    allowed, q_valid = dense_window_mask(Tq, Tk, window, key_padding_mask, num_past, q.device)
+    out = grouped_attend(scores.masked_fill(~allowed[:, None], float("-inf")), v)
     if q_valid is not None:
         out = out * q_valid.view(B, 1, Tq, 1).to(out.dtype)
     return out
@@ -500,15 +475,11 @@ def local_attention(
             q, k, v, window, scaling=scaling, softcap=softcap, key_padding_mask=key_padding_mask, num_past=num_past
         )
     B, Hq, Tq, d = q.shape
-    Hkv, Tk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    if Tk != num_past + Tq:
-        raise ValueError(f"keys ({Tk}) must be num_past ({num_past}) + queries ({Tq})")
+    Hkv = k.shape[1]
+    check_num_past(q, k, num_past)
     _check_bias(rel_bias, Hq, window)
-    if num_past > window:
-        drop = num_past - window
-        k, v = k[:, :, drop:], v[:, :, drop:]
-        key_padding_mask = None if key_padding_mask is None else key_padding_mask[:, drop:]
-        num_past = window
+    k, v, num_past, key_padding_mask = drop_unseen_past(k, v, num_past, window, key_padding_mask)
+    Tk = k.shape[2]
     if Tq <= window:
         return local_attention_reference(
             q, k, v, window, rel_bias=rel_bias, scaling=scaling, softcap=softcap,
@@ -519,19 +490,11 @@ def local_attention(
     n = -(-Tq // w)
     tail = n * w - Tq
     front = w - num_past
-    kp = F.pad(k, (0, 0, front, tail))
-    vp = F.pad(v, (0, 0, front, tail))
+    kb, vb = (two_blocks(F.pad(x, (0, 0, front, tail)), w) for x in (k, v))
     valid = torch.ones(B, Tk, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask.bool()
     valid = F.pad(valid, (front, tail), value=False)
-
-    def two_blocks(x: torch.Tensor) -> torch.Tensor:  # (..., (n+1) w, c) -> (..., n, 2w, c)
-        prev = x[..., : n * w, :].unflatten(-2, (n, w))
-        cur = x[..., w:, :].unflatten(-2, (n, w))
-        return torch.cat([prev, cur], dim=-2)
-
-    kb, vb = two_blocks(kp), two_blocks(vp)
-    vmask = two_blocks(valid.unsqueeze(-1)).squeeze(-1)  # (B, n, 2w)
-    qb = F.pad(q, (0, 0, 0, tail)).view(B, Hkv, group, n, w, d).permute(0, 1, 3, 2, 4, 5).reshape(B, Hkv, n, group * w, d)
+    vmask = two_blocks(valid.unsqueeze(-1), w).squeeze(-1)  # (B, n, 2w)
+    qb = query_blocks(q, Hkv, w, tail)
 
     a = torch.arange(w, device=q.device)
     j = torch.arange(2 * w, device=q.device)
@@ -543,12 +506,7 @@ def local_attention(
     bias = rel_bias.to(score_dtype).expand(Hq, w)[:, delta.clamp(0, w - 1)].view(1, Hkv, 1, group, w, 2 * w)
     mask = bias.masked_fill(~allowed[:, None, :, None], float("-inf")).reshape(B, Hkv, n, group * w, 2 * w)
 
-    if softcap is None or softcap <= 0:
-        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask, scale=scaling)
-    else:
-        scores = _softcap(_upcast(torch.matmul(qb, kb.transpose(-1, -2))) * scaling, softcap) + mask
-        out = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), vb)
-    out = out.view(B, Hkv, n, group, w, Dv).permute(0, 1, 3, 2, 4, 5).reshape(B, Hq, n * w, Dv)[:, :, :Tq]
+    out = from_blocks(block_attention(qb, kb, vb, mask, scaling, softcap), group)[:, :, :Tq]
     if key_padding_mask is not None:
         out = out * q_valid.reshape(B, 1, n * w, 1)[:, :, :Tq].to(out.dtype)
     return out

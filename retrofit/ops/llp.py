@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from retrofit.ops._common import block_attention, from_blocks, grouped_attend, grouped_scores, query_blocks, two_blocks
+
 __all__ = ["LLPState", "llp_attention", "llp_attention_cached", "llp_attention_reference"]
 
 
@@ -39,16 +41,6 @@ def _half(segment: int) -> int:
     if segment < 2 or segment % 2:
         raise ValueError(f"LLP segment must be an even integer >= 2 (it is split in two halves), got {segment}")
     return segment // 2
-
-
-def _upcast(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.promote_types(x.dtype, torch.float32))
-
-
-def _softcap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    if softcap is None or softcap <= 0:
-        return scores
-    return torch.tanh(scores / softcap) * softcap
 
 
 def _ranks(valid: torch.Tensor, offset: torch.Tensor | int = 0) -> torch.Tensor:
@@ -72,11 +64,8 @@ def _rank_masked_attention(
 
     Returns ``(B, Hq, Tq, Dv)``; rows whose query is padding (rank -1) are zero.
     """
-    B, Hq, Tq, d = q.shape
-    Hkv, Tk = k.shape[1], k.shape[2]
-    group = Hq // Hkv
-    scores = _upcast(torch.matmul(q.reshape(B, Hkv, group * Tq, d), k.transpose(-1, -2))) * scaling
-    scores = _softcap(scores, softcap).view(B, Hkv, group, Tq, Tk)
+    B, Tq, Tk = q.shape[0], q.shape[2], k.shape[2]
+    scores = grouped_scores(q, k, scaling, softcap)
     qr, kr = q_rank[:, :, None], k_rank[:, None, :]  # (B, Tq, 1), (B, 1, Tk)
     q_valid = qr >= 0
     allowed = (kr >= 0) & (kr <= qr) & (torch.div(kr, half, rounding_mode="floor") >= torch.div(qr, half, rounding_mode="floor") - 1)
@@ -84,9 +73,7 @@ def _rank_masked_attention(
     first_key = torch.zeros(Tk, dtype=torch.bool, device=q.device)
     first_key[0] = True
     allowed = allowed | (~q_valid & first_key)
-    scores = scores.masked_fill(~allowed[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    out = torch.matmul(probs.view(B, Hkv, group * Tq, Tk), v).view(B, Hq, Tq, -1)
+    out = grouped_attend(scores.masked_fill(~allowed[:, None, None], float("-inf")), v)
     return out * q_valid.view(B, 1, Tq, 1).to(out.dtype)
 
 
@@ -193,19 +180,12 @@ def llp_attention(
 
     n = -(-T // h)
     tail = n * h - T
-    kp = F.pad(k, (0, 0, h, tail))  # block j of kp (j = 0..n) holds half-segment j - 1
-    vp = F.pad(v, (0, 0, h, tail))
+    # block j of the padded keys (j = 0..n) holds half-segment j - 1
+    kb, vb = (two_blocks(F.pad(x, (0, 0, h, tail)), h) for x in (k, v))  # (B, Hkv, n, 2h, .)
     kvalid = torch.ones(B, T, dtype=torch.bool, device=q.device) if valid is None else valid
     kvalid = F.pad(kvalid, (h, tail), value=False)  # (B, (n + 1) h)
-
-    def two_blocks(x: torch.Tensor) -> torch.Tensor:  # (..., (n+1) h, c) -> (..., n, 2h, c)
-        prev = x[..., : n * h, :].unflatten(-2, (n, h))
-        cur = x[..., h:, :].unflatten(-2, (n, h))
-        return torch.cat([prev, cur], dim=-2)
-
-    kb, vb = two_blocks(kp), two_blocks(vp)  # (B, Hkv, n, 2h, .)
-    kmask = two_blocks(kvalid.unsqueeze(-1)).squeeze(-1)  # (B, n, 2h)
-    qb = F.pad(q, (0, 0, 0, tail)).view(B, Hkv, group, n, h, d).permute(0, 1, 3, 2, 4, 5).reshape(B, Hkv, n, group * h, d)
+    kmask = two_blocks(kvalid.unsqueeze(-1), h).squeeze(-1)  # (B, n, 2h)
+    qb = query_blocks(q, Hkv, h, tail)
 
     a = torch.arange(h, device=q.device)
     band = torch.cat([torch.ones(h, h, dtype=torch.bool, device=q.device), a[None, :] <= a[:, None]], dim=1)  # (h, 2h)
@@ -215,13 +195,7 @@ def llp_attention(
     allowed = (band & kmask[:, :, None, :]) | (~q_valid[..., None] & self_key)  # (B, n, h, 2h)
     allowed = allowed.unsqueeze(2).expand(B, n, group, h, 2 * h).reshape(B, 1, n, group * h, 2 * h)
 
-    if softcap is None or softcap <= 0:
-        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, scale=scaling)
-    else:
-        scores = _softcap(_upcast(torch.matmul(qb, kb.transpose(-1, -2))) * scaling, softcap)
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), vb)
-    out = out.view(B, Hkv, n, group, h, Dv).permute(0, 1, 3, 2, 4, 5).reshape(B, Hq, n * h, Dv)[:, :, :T]
+    out = from_blocks(block_attention(qb, kb, vb, allowed, scaling, softcap), group)[:, :, :T]
     if inverse is not None:
         out = out * q_valid.reshape(B, 1, n * h, 1)[:, :, :T].to(out.dtype)
         out = _take(out, inverse)
