@@ -222,6 +222,26 @@ def _finish(
     return out.to(v.dtype), state
 
 
+def _run_gla(
+    kernel: Callable,
+    gate_kw: str,
+    q_weights: torch.Tensor,
+    k_logits: torch.Tensor,
+    v: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    initial_state: LatteState | None,
+    output_final_state: bool,
+) -> tuple[torch.Tensor, LatteState | None]:
+    """Causal Latte (``q_weights``, ``k_logits`` ``(B, H, T, L)``, ``v`` ``(B, H, T, D)``) through one
+    fla GLA ``kernel`` whose gate keyword is ``gate_kw``: :func:`gla_inputs` in, ``(out (B, H, T, D)
+    in v.dtype, LatteState or None)`` out."""
+    q, k, vv, g, h0, z_last = gla_inputs(
+        q_weights, k_logits, v, key_padding_mask=key_padding_mask, initial_state=initial_state
+    )
+    o, ht = _call(kernel, q, k, vv, g, h0, gate_kw=gate_kw, output_final_state=output_final_state)
+    return _finish(o, ht, z_last, v, key_padding_mask, output_final_state)
+
+
 def causal_latte_chunked_fla(
     q_weights: torch.Tensor,
     k_logits: torch.Tensor,
@@ -247,11 +267,7 @@ def causal_latte_chunked_fla(
             initial_state=initial_state, output_final_state=output_final_state,
         )
     chunk_gla, _ = fla_kernels()
-    q, k, vv, g, h0, z_last = gla_inputs(
-        q_weights, k_logits, v, key_padding_mask=key_padding_mask, initial_state=initial_state
-    )
-    o, ht = _call(chunk_gla, q, k, vv, g, h0, gate_kw="g", output_final_state=output_final_state)
-    return _finish(o, ht, z_last, v, key_padding_mask, output_final_state)
+    return _run_gla(chunk_gla, "g", q_weights, k_logits, v, key_padding_mask, initial_state, output_final_state)
 
 
 def causal_latte_recurrent_fla(
@@ -265,11 +281,8 @@ def causal_latte_recurrent_fla(
 ) -> tuple[torch.Tensor, LatteState | None]:
     """Token-serial form through ``fused_recurrent_gla`` (few tokens: decoding, short prefill)."""
     _, fused_recurrent_gla = fla_kernels()
-    q, k, vv, g, h0, z_last = gla_inputs(
-        q_weights, k_logits, v, key_padding_mask=key_padding_mask, initial_state=initial_state
-    )
-    o, ht = _call(fused_recurrent_gla, q, k, vv, g, h0, gate_kw="gk", output_final_state=output_final_state)
-    return _finish(o, ht, z_last, v, key_padding_mask, output_final_state)
+    return _run_gla(fused_recurrent_gla, "gk", q_weights, k_logits, v, key_padding_mask, initial_state,
+                    output_final_state)
 
 
 def causal_latte_step_fla(
