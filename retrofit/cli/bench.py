@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 from retrofit.eval.evaluators import count_arg, length_arg, positive_float_arg
 
@@ -43,16 +44,33 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="built-in config when no --model: tiny (hidden 64, 2 layers) or small (hidden 256, 4 layers)")
 
 
+def _suite(suites: argparse._SubParsersAction, name: str, *, help: str, description: str,
+           lengths: str) -> argparse.ArgumentParser:
+    """A suite's parser, opening with the flag every suite has: ``--lengths`` (``lengths``: its help)."""
+    s = suites.add_parser(name, help=help, description=description)
+    s.add_argument("--lengths", type=length_arg, nargs="+", default=None, metavar="L", help=lengths)
+    return s
+
+
+def _finish_suite(s: argparse.ArgumentParser, out: str, handler: Callable[[argparse.Namespace], int], *,
+                  models: bool = True) -> None:
+    """A suite's closing flags: the model flags (``models``: a suite that times whole models) and the
+    flags every suite has (``out``: its default output folder), and its ``handler``."""
+    if models:
+        _model_args(s)
+    _common(s, out)
+    s.set_defaults(handler=handler)
+
+
 def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     p = sub.add_parser("bench", help=help_text, description=help_text,
                        epilog="retrofit bench SUITE --help for a suite's options.")
     suites = p.add_subparsers(dest="suite", metavar="SUITE")
 
-    a = suites.add_parser("attention", help="attention ops vs PyTorch SDPA causal across sequence lengths",
-                          description="Forward and forward+backward time, peak memory and FLOP efficiency of "
-                                      "causal Latte, Macchiato, the sliding window and exp-linear against SDPA causal.")
-    a.add_argument("--lengths", type=length_arg, nargs="+", default=None, metavar="L",
-                   help="sequence lengths, 4096 or 4K (default 1K..32K; --quick: 1K 2K 4K)")
+    a = _suite(suites, "attention", help="attention ops vs PyTorch SDPA causal across sequence lengths",
+               description="Forward and forward+backward time, peak memory and FLOP efficiency of causal Latte, "
+                           "Macchiato, the sliding window and exp-linear against SDPA causal.",
+               lengths="sequence lengths, 4096 or 4K (default 1K..32K; --quick: 1K 2K 4K)")
     a.add_argument("--batch", type=count_arg(1), default=1)
     a.add_argument("--heads", type=count_arg(1), default=8)
     a.add_argument("--head-dim", type=count_arg(1), default=256)
@@ -71,14 +89,12 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     a.add_argument("--point-timeout", type=positive_float_arg, default=3600.0, help="give up on a point after this many seconds")
     a.add_argument("--no-isolate", dest="isolate", action="store_false",
                    help="measure in this process instead of a fresh worker per point (faster; memory less exact)")
-    _common(a, "runs/bench/attention")
-    a.set_defaults(handler=_run_attention)
+    _finish_suite(a, "runs/bench/attention", _run_attention, models=False)
 
-    d = suites.add_parser("decode", help="per-token decoding latency vs context length, converted vs base",
-                          description="Prefill a context of each length, then time single-token decoding steps "
-                                      "with each model's cache (retrofit's constant-memory cache for the converted one).")
-    d.add_argument("--lengths", type=length_arg, nargs="+", default=None, metavar="L",
-                   help="context lengths, 4096 or 4K (default 1K..32K; --quick: 256 512 1K)")
+    d = _suite(suites, "decode", help="per-token decoding latency vs context length, converted vs base",
+               description="Prefill a context of each length, then time single-token decoding steps with each "
+                           "model's cache (retrofit's constant-memory cache for the converted one).",
+               lengths="context lengths, 4096 or 4K (default 1K..32K; --quick: 256 512 1K)")
     d.add_argument("--new-tokens", type=count_arg(1), default=16,
                    help="timed decoding steps per length, at most 1048576 (1M)")
     d.add_argument("--prefill-chunk", type=count_arg(1), default=2048, help="prefill the context in chunks of this many tokens")
@@ -86,15 +102,12 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
     d.add_argument("--compile", action="store_true",
                    help="decode the converted model through retrofit.decoding.CompiledDecoder (one compiled step, "
                         "weights frozen) and time the base both as it ships and compiled with a StaticCache")
-    _model_args(d)
-    _common(d, "runs/bench/decode")
-    d.set_defaults(handler=_run_decode)
+    _finish_suite(d, "runs/bench/decode", _run_decode)
 
-    m = suites.add_parser("model", help="whole-model prefill and training-step tokens/s, converted vs base",
-                          description="Prefill (no-grad forward) and training step (forward, backward, AdamW step) "
-                                      "throughput of a converted model and its base at several sequence lengths.")
-    m.add_argument("--lengths", type=length_arg, nargs="+", default=None, metavar="L",
-                   help="sequence lengths, 4096 or 4K (default 1K 2K 4K 8K; --quick: 256 512)")
+    m = _suite(suites, "model", help="whole-model prefill and training-step tokens/s, converted vs base",
+               description="Prefill (no-grad forward) and training step (forward, backward, AdamW step) throughput "
+                           "of a converted model and its base at several sequence lengths.",
+               lengths="sequence lengths, 4096 or 4K (default 1K 2K 4K 8K; --quick: 256 512)")
     m.add_argument("--batch", type=count_arg(1), default=1)
     m.add_argument("--train-all", action="store_true",
                    help="train every weight of both models (default: base trains all, converted its new weights)")
@@ -111,9 +124,7 @@ def add_parser(sub: argparse._SubParsersAction, help_text: str) -> None:
                         "runs those layers through the O(T w) banded kernel the converted model uses")
     m.add_argument("--checkpointing", action="store_true",
                    help="activation checkpointing of every decoder layer in the training step (the trainer's default)")
-    _model_args(m)
-    _common(m, "runs/bench/model")
-    m.set_defaults(handler=_run_model)
+    _finish_suite(m, "runs/bench/model", _run_model)
 
     p.set_defaults(handler=lambda args: (p.print_help(), 2)[1])
 
