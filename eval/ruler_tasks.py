@@ -177,6 +177,24 @@ def _frame_parts(tokenizer: Any, frame: Frame, head: str, tail: str, answer: str
     return prefix, suffix
 
 
+def _interleave(filler: list[list[int]], needles: list[list[int]],
+                where: list[int]) -> tuple[list[list[int]], list[int]]:
+    """The ``filler`` units with ``needles[j]`` placed before filler unit ``where[j]`` (``where`` sorted;
+    ``len(filler)``: after the last): ``(body units, marks)``, ``marks`` the needles' indices in the
+    body (for :func:`_assemble`)."""
+    body: list[list[int]] = []
+    marks: list[int] = []
+    j = 0
+    for i in range(len(filler) + 1):
+        while j < len(needles) and where[j] == i:
+            marks.append(len(body))
+            body.append(needles[j])
+            j += 1
+        if i < len(filler):
+            body.append(filler[i])
+    return body, marks
+
+
 def _assemble(prefix: list[int], body: list[list[int]], marks: list[int], pad: list[int], suffix: list[int],
               total: int) -> tuple[list[int], list[tuple[int, int]]]:
     """``prefix + body units + pad + suffix``; ``marks``: indices of body units whose spans to return."""
@@ -264,17 +282,7 @@ def _niah(spec: TaskSpec, tok: Any, length: int, index: int, frame: Frame, seed:
         where = sorted(int(n * d / 100) for d in rng.sample(DEPTHS, len(needle_ids)))
     else:  # RULER: random line indices
         where = sorted(rng.sample(range(n + 1), len(needle_ids))) if n + 1 >= len(needle_ids) else [n] * len(needle_ids)
-    body: list[list[int]] = []
-    marks: list[int] = []
-    j = 0
-    for i in range(n + 1):
-        while j < len(needle_ids) and where[j] == i:
-            marks.append(len(body))
-            body.append(needle_ids[j])
-            j += 1
-        if i < n:
-            body.append(filler[i])
-    ids, spans = _assemble(prefix, body, marks, pad, suffix, total)
+    ids, spans = _assemble(prefix, *_interleave(filler, needle_ids, where), pad, suffix, total)
     return Sample(spec.name, length, index, ids, outputs, max_new, query=query, needles=spans)
 
 
@@ -336,17 +344,7 @@ def _vt(spec: TaskSpec, tok: Any, length: int, index: int, frame: Frame, seed: i
     filler, pad = _take(_repeat(encode(tok, " " + REPEAT_NOISE + "\n")), budget)
     n = len(filler)
     where = sorted(rng.choices(range(n + 1), k=len(stmt_ids))) if n else [0] * len(stmt_ids)
-    body: list[list[int]] = []
-    marks: list[int] = []
-    j = 0
-    for i in range(n + 1):
-        while j < len(stmt_ids) and where[j] == i:
-            marks.append(len(body))
-            body.append(stmt_ids[j])
-            j += 1
-        if i < n:
-            body.append(filler[i])
-    ids, spans = _assemble(prefix, body, marks, pad, suffix, total)
+    ids, spans = _assemble(prefix, *_interleave(filler, stmt_ids, where), pad, suffix, total)
     return Sample(spec.name, length, index, ids, names, max_new, query=value, needles=spans)
 
 
