@@ -49,7 +49,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_interrupted = False  # set by the SIGINT handler: a later failure is the interrupt's, whoever caught it
+
+
+def _on_sigint(signum, frame) -> None:
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+def _catch_interrupts() -> None:
+    """Record every Ctrl-C: a library that catches the KeyboardInterrupt mid-import (numpy, half set up)
+    makes a later step fail for a reason the user did not cause; that failure then reads as ``interrupted``."""
+    global _interrupted
+    _interrupted = False
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _on_sigint)
+
+
 def main(argv: list[str] | None = None) -> int:
+    _catch_interrupts()
     try:
         rc = _main(argv)
         sys.stdout.flush()  # what is still buffered meets a closed pipe here, not at exit
@@ -118,6 +140,9 @@ def _main(argv: list[str] | None) -> int:
     except Exception as exc:  # one clear message, non-zero exit; full trace with RETROFIT_DEBUG=1
         from retrofit.errors import RetrofitError
 
+        if _interrupted:  # Ctrl-C came first and something swallowed it: this failure is its consequence
+            print("interrupted", file=sys.stderr)
+            return 130
         if _debug():
             raise
         who = error_prefix(args)

@@ -109,6 +109,23 @@ def test_an_interrupt_while_the_parsers_are_built_is_interrupted_130(base, tmp_p
     assert err.strip() == "interrupted" and not (tmp_path / "out").exists()
 
 
+def test_a_failure_after_a_swallowed_interrupt_is_interrupted_130(base, tmp_path, capsys, monkeypatch):
+    # a library that catches Ctrl-C mid-import (numpy, half set up) makes a later step fail instead
+    import retrofit.cli.convert as convert_cli
+    from retrofit.errors import RetrofitError
+
+    def build_spec(args):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+        except KeyboardInterrupt:
+            pass
+        raise RetrofitError("cannot load the model folder")
+
+    monkeypatch.setattr(convert_cli, "build_spec", build_spec)
+    assert main(convert_argv(base, tmp_path / "out")) == 130
+    assert capsys.readouterr().err.strip() == "interrupted" and not (tmp_path / "out").exists()
+
+
 _CTRL_C = textwrap.dedent("""
     import os, signal, sys, threading
     from retrofit.cli.main import main
