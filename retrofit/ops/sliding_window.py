@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from retrofit.ops._common import (
-    check_num_past, drop_unseen_past, from_blocks, grouped_attend, grouped_scores, query_blocks, soft_cap, two_blocks,
-    upcast, window_keys,
+    check_num_past, from_blocks, grouped_attend, grouped_scores, query_blocks, soft_cap, two_blocks, upcast,
+    window_keys,
 )
 
 __all__ = [
@@ -108,7 +108,7 @@ def _fused_form(
     num_past: int,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(out, lse)`` from the fused CPU kernel where it serves and wins (:data:`FUSED_MAX_HEAD_DIM`),
-    else None. ``k``, ``v`` hold at most ``w`` cached keys (:func:`drop_unseen_past`)."""
+    else None. ``k``, ``v`` hold at most ``w`` cached keys (:func:`~retrofit.ops._common.drop_unseen_past`)."""
     Tq, d = q.shape[2], q.shape[3]
     if not _fused_serves(q, k, v, softcap) or (Tq > window and d > FUSED_MAX_HEAD_DIM):
         return None
