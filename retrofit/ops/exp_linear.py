@@ -43,7 +43,9 @@ from __future__ import annotations
 import torch
 
 from retrofit.ops._common import compute_dtype
-from retrofit.ops.latte import LatteState, causal_latte_chunked, causal_latte_step, NEG_INF, _finite_or_zero
+from retrofit.ops.latte import (
+    NEG_INF, LatteState, causal_latte_chunked, causal_latte_step, finite_or_zero, masked_logits,
+)
 
 __all__ = ["exp_linear_attention", "exp_linear_attention_reference", "exp_linear_attention_step"]
 
@@ -59,7 +61,21 @@ MAX_QUERY_GAIN = 60.0
 
 def _mixing_weights(q: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     # an empty state (z = -inf on every feature) gives finite weights over a zero state
-    return torch.softmax(q + _finite_or_zero(z), dim=-1)
+    return torch.softmax(q + finite_or_zero(z), dim=-1)
+
+
+def exp_linear_weights(
+    q: torch.Tensor, k: torch.Tensor, key_padding_mask: torch.Tensor | None, initial_state: LatteState | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """exp-linear attention as causal Latte inputs, in ``dtype``: ``(p, a)``, the mixing weights
+    ``softmax_i(q_ti + z_ti)`` ``(B, H, T, d)`` (``z`` the running log-normaliser, continuing
+    ``initial_state``) and the key logits ``a = k`` ``(B, H, T, d)``, -inf at padded tokens."""
+    a = masked_logits(k, key_padding_mask, dtype)
+    z = torch.logcumsumexp(a, dim=2)
+    if initial_state is not None:
+        z = torch.logaddexp(initial_state.z.to(dtype).unsqueeze(2), z)
+    return _mixing_weights(q.to(dtype), z), a
 
 
 def _exp_linear_latte_form(q, k, v, *, chunk_size, key_padding_mask, initial_state, output_final_state):
@@ -68,14 +84,7 @@ def _exp_linear_latte_form(q, k, v, *, chunk_size, key_padding_mask, initial_sta
     Exact for any logit spread (every exponent <= 0) but holds (T, d) log-normalisers and
     weights per head; the chunked form's fallback and the path for differentiable states.
     """
-    dtype = compute_dtype(q, k, v)
-    a = k.to(dtype)
-    if key_padding_mask is not None:
-        a = a.masked_fill(~key_padding_mask.bool()[:, None, :, None], NEG_INF)
-    z = torch.logcumsumexp(a, dim=2)
-    if initial_state is not None:
-        z = torch.logaddexp(initial_state.z.to(dtype).unsqueeze(2), z)
-    p = _mixing_weights(q.to(dtype), z)
+    p, a = exp_linear_weights(q, k, key_padding_mask, initial_state, compute_dtype(q, k, v))
     return causal_latte_chunked(
         p, a, v, chunk_size=chunk_size, key_padding_mask=key_padding_mask,
         initial_state=initial_state, output_final_state=output_final_state,
@@ -110,7 +119,7 @@ class _ExpLinearChunked(torch.autograd.Function):
         # an empty feature (prev = -inf) has a zero state: leave it (f = 1)
         f = torch.exp(torch.where(prev == NEG_INF, R, prev) - R).nan_to_num_(1.0)
         moved = (f != 1.0).any(dim=2).any(dim=0).tolist()
-        return running, before, _finite_or_zero(R).unsqueeze(2), f, moved
+        return running, before, finite_or_zero(R).unsqueeze(2), f, moved
 
     @staticmethod
     def _query_shift(qR: torch.Tensor, kc: torch.Tensor, R: torch.Tensor, running: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
@@ -332,9 +341,7 @@ def exp_linear_attention_step(
         torch.Size([1, 2, 8])
     """
     dtype = compute_dtype(q, k, v, state.m)
-    a = k.to(dtype)
-    if valid is not None:
-        a = a.masked_fill(~valid.bool()[:, None, None], NEG_INF)
+    a = masked_logits(k, valid, dtype)
     z_new = torch.logaddexp(state.z.to(dtype), a)
     return causal_latte_step(_mixing_weights(q.to(dtype), z_new), a, v, state, valid=valid)
 

@@ -70,15 +70,17 @@ class LatteState:
         return LatteState(self.m.index_select(0, batch_index), self.z.index_select(0, batch_index))
 
 
-def _finite_or_zero(z: torch.Tensor) -> torch.Tensor:
+def finite_or_zero(z: torch.Tensor) -> torch.Tensor:
     """Replace -inf log-normalisers (empty state) by 0 so that ``x - z`` never is ``-inf - -inf``."""
     return z.masked_fill(z == NEG_INF, 0.0)
 
 
-def _masked_logits(k_logits: torch.Tensor, key_padding_mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+def masked_logits(k_logits: torch.Tensor, valid: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Key logits ``(B, H, T, L)`` (or one token's, ``(B, H, L)``) in ``dtype``, -inf at padded tokens:
+    ``valid`` ``(B, T)`` (or ``(B,)``) bool, True for real tokens (None: all real)."""
     a = k_logits.to(dtype)
-    if key_padding_mask is not None:
-        a = a.masked_fill(~key_padding_mask.bool()[:, None, :, None], NEG_INF)
+    if valid is not None:
+        a = a.masked_fill(~valid.bool()[:, None, ..., None], NEG_INF)
     return a
 
 
@@ -114,7 +116,7 @@ def causal_latte_reference(
     """
     dtype = compute_dtype(q_weights, k_logits, v)
     T = v.shape[-2]
-    a = _masked_logits(k_logits, key_padding_mask, dtype)  # (B,H,T,L)
+    a = masked_logits(k_logits, key_padding_mask, dtype)  # (B,H,T,L)
     causal = torch.ones(T, T, dtype=torch.bool, device=v.device).tril()  # [t, s]
     logits = a.transpose(-1, -2)[..., None, :].expand(*a.shape[:2], a.shape[-1], T, T)  # (B,H,L,t,s)
     logits = logits.masked_fill(~causal, NEG_INF)
@@ -243,7 +245,7 @@ def _exact_chunks(
     z_start). Every exponent is a_s - z_t or z_start - z_t with s <= t, hence <= 0.
     """
     z = torch.logaddexp(z_start.unsqueeze(1), torch.logcumsumexp(a, dim=1))
-    z_safe = _finite_or_zero(z)
+    z_safe = finite_or_zero(z)
     w = _IntraChunkWeights.apply(q, a, z_safe)
     q_inter = q * torch.exp(z_start.unsqueeze(1) - z_safe)
     return torch.baddbmm(torch.bmm(q_inter, m_start), w, v)
@@ -327,7 +329,7 @@ def causal_latte_chunked(
         return v.new_zeros(B, H, 0, D), (state if output_final_state else None)
     n = -(-T // C)
     pad = n * C - T
-    a = _masked_logits(k_logits, key_padding_mask, dtype)
+    a = masked_logits(k_logits, key_padding_mask, dtype)
     q = q_weights.to(dtype)
     vv = v.to(dtype)
     if pad:
@@ -349,7 +351,7 @@ def causal_latte_chunked(
     chunk_total = torch.logsumexp(a, dim=3)  # (B,H,n,L)
     z_bound = torch.logcumsumexp(torch.cat([z_init, chunk_total], dim=2), dim=2)  # (B,H,n+1,L)
     z_start, z_end = z_bound[:, :, :-1], z_bound[:, :, 1:]
-    r = _finite_or_zero(z_end)
+    r = finite_or_zero(z_end)
     k_f = torch.exp(a - r.unsqueeze(3))  # key factor exp(a_s - r) <= 1
     carry = torch.exp(z_start - r)  # weight of the tokens before the chunk, exp(z_start - r) <= 1
     # exp(z_t - r) = carry + sum_{s<=t in chunk} exp(a_s - r): the running normaliser without a log
@@ -441,12 +443,10 @@ def causal_latte_step(
         torch.Size([1, 2, 8])
     """
     dtype = compute_dtype(q_weights, k_logits, v, state.m)
-    a = k_logits.to(dtype)
-    if valid is not None:
-        a = a.masked_fill(~valid.bool()[:, None, None], NEG_INF)
+    a = masked_logits(k_logits, valid, dtype)
     z_old = state.z.to(dtype)
     z_new = torch.logaddexp(z_old, a)
-    z_new_safe = _finite_or_zero(z_new)
+    z_new_safe = finite_or_zero(z_new)
     decay, weight = torch.exp(z_old - z_new_safe).unsqueeze(-1), torch.exp(a - z_new_safe).unsqueeze(-1)
     m = torch.addcmul(decay * state.m.to(dtype), weight, v.to(dtype).unsqueeze(2))
     out = torch.matmul(q_weights.to(dtype).unsqueeze(2), m).squeeze(2)  # (B, H, 1, L) @ (B, H, L, D)
@@ -557,7 +557,7 @@ def bidirectional_latte(
         (torch.Size([1, 2, 6, 8]), True)
     """
     dtype = compute_dtype(q_logits, k_logits, v)
-    a = _masked_logits(k_logits, key_padding_mask, dtype)
+    a = masked_logits(k_logits, key_padding_mask, dtype)
     p_l = torch.softmax(q_logits.to(dtype), dim=-1)  # (B,H,T,L)
     p_s = torch.softmax(a, dim=-2).nan_to_num(0.0)  # over T
     summary = torch.matmul(p_s.transpose(-1, -2), v.to(dtype))  # (B,H,L,D)
@@ -593,7 +593,7 @@ def bidirectional_latte_reference(
         torch.Size([1, 2, 6, 8])
     """
     dtype = compute_dtype(q_logits, k_logits, v)
-    a = _masked_logits(k_logits, key_padding_mask, dtype)
+    a = masked_logits(k_logits, key_padding_mask, dtype)
     p_l = torch.softmax(q_logits.to(dtype), dim=-1)
     p_s = torch.softmax(a, dim=-2).nan_to_num(0.0)
     attn = torch.einsum("bhtl,bhsl->bhts", p_l, p_s)

@@ -25,10 +25,10 @@ from retrofit.ops import (
 )
 from retrofit.ops.backends import registry
 import retrofit.ops.backends.fla as fla_backend
-from retrofit.ops.backends.fla import _exp_linear_weights, gla_inputs
+from retrofit.ops.backends.fla import gla_inputs
 from retrofit.ops.delta_rule import delta_rule_reference
 # the torch kernels themselves (no dispatch)
-from retrofit.ops.exp_linear import exp_linear_attention
+from retrofit.ops.exp_linear import exp_linear_attention, exp_linear_weights
 from retrofit.ops.latte import causal_latte_chunked
 from retrofit.ops.sliding_window import sliding_window_attention
 from tests.ops._inputs import latte_inputs, padding_mask
@@ -268,7 +268,7 @@ def test_gla_mapping_with_empty_state_and_leading_padding():
 def test_exp_linear_mapping_reproduces_the_reference():
     q, k, v = (torch.randn(2, 2, 23, 6, dtype=torch.float64) for _ in range(3))
     mask = padding_mask(2, 23, [0, 4])
-    p, a = _exp_linear_weights(q, k * 3, mask, None)
+    p, a = exp_linear_weights(q, k * 3, mask, None, torch.float64)
     gq, gk, gv, gg, h0, _ = gla_inputs(p, a, v, key_padding_mask=mask, dtype=torch.float64)
     out, _ = _naive_gla(gq, gk, gv, gg, h0)
     ref = exp_linear_attention_reference(q, k * 3, v, key_padding_mask=mask)

@@ -53,7 +53,9 @@ import torch
 
 from retrofit.ops.backends.registry import Backend, Call, Kernel, register_backend
 from retrofit.ops.delta_rule import DeltaState, masked_inputs
-from retrofit.ops.latte import NEG_INF, LatteState
+from retrofit.ops._common import compute_dtype
+from retrofit.ops.exp_linear import exp_linear_weights
+from retrofit.ops.latte import NEG_INF, LatteState, finite_or_zero, masked_logits
 
 __all__ = [
     "gla_inputs",
@@ -152,10 +154,6 @@ def _takes_head_first(fn: Callable) -> bool:
         return False
 
 
-def _finite_or_zero(z: torch.Tensor) -> torch.Tensor:
-    return z.masked_fill(z == NEG_INF, 0.0)
-
-
 def _kernel_dtype(v: torch.Tensor) -> torch.dtype:
     return v.dtype if v.dtype in _KERNEL_DTYPES else torch.float32
 
@@ -179,9 +177,7 @@ def gla_inputs(
     """
     dtype = dtype or _kernel_dtype(v)
     gate_dtype = torch.promote_types(torch.float32, k_logits.dtype)
-    a = k_logits.to(gate_dtype)
-    if key_padding_mask is not None:
-        a = a.masked_fill(~key_padding_mask.bool()[:, None, :, None], NEG_INF)
+    a = masked_logits(k_logits, key_padding_mask, gate_dtype)
     z = torch.logcumsumexp(a, dim=2)  # (B,H,T,L)
     if initial_state is not None:
         z_init = initial_state.z.to(gate_dtype).unsqueeze(2)
@@ -190,8 +186,8 @@ def gla_inputs(
         z_init = torch.full_like(a[:, :, :1], NEG_INF)
     z_prev = torch.cat([z_init, z[:, :, :-1]], dim=2)
     # f_t = exp(z_{t-1} - z_t); where z_{t-1} = -inf the state is empty and any finite g will do
-    g = torch.where(z_prev == NEG_INF, torch.zeros_like(z), z_prev - _finite_or_zero(z))
-    k = torch.exp(a - _finite_or_zero(z))  # 1 - f_t; 0 for padded tokens and before any token
+    g = torch.where(z_prev == NEG_INF, torch.zeros_like(z), z_prev - finite_or_zero(z))
+    k = torch.exp(a - finite_or_zero(z))  # 1 - f_t; 0 for padded tokens and before any token
 
     def btH(x: torch.Tensor) -> torch.Tensor:
         return x.transpose(1, 2).to(dtype).contiguous()
@@ -302,20 +298,6 @@ def causal_latte_step_fla(
     return out.squeeze(2), new_state
 
 
-def _exp_linear_weights(
-    q: torch.Tensor, k: torch.Tensor, key_padding_mask: torch.Tensor | None, initial_state: LatteState | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(p, a)``: mixing weights ``softmax_i(q_ti + z_ti)`` and masked latent logits ``a = k`` (>= fp32)."""
-    dtype = torch.promote_types(torch.float32, torch.promote_types(q.dtype, k.dtype))
-    a = k.to(dtype)
-    if key_padding_mask is not None:
-        a = a.masked_fill(~key_padding_mask.bool()[:, None, :, None], NEG_INF)
-    z = torch.logcumsumexp(a, dim=2)
-    if initial_state is not None:
-        z = torch.logaddexp(initial_state.z.to(dtype).unsqueeze(2), z)
-    return torch.softmax(q.to(dtype) + _finite_or_zero(z), dim=-1), a
-
-
 def exp_linear_attention_fla(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -327,7 +309,7 @@ def exp_linear_attention_fla(
     output_final_state: bool = False,
 ) -> tuple[torch.Tensor, LatteState | None]:
     """``exp_linear_attention`` (q, k ``(B, H, T, d)``, v ``(B, H, T, D)``) through ``chunk_gla``."""
-    p, a = _exp_linear_weights(q, k, key_padding_mask, initial_state)
+    p, a = exp_linear_weights(q, k, key_padding_mask, initial_state, compute_dtype(q, k))
     return causal_latte_chunked_fla(
         p, a, v, chunk_size=chunk_size, key_padding_mask=key_padding_mask,
         initial_state=initial_state, output_final_state=output_final_state,
@@ -344,7 +326,7 @@ def exp_linear_attention_step_fla(
 ) -> tuple[torch.Tensor, LatteState]:
     """``exp_linear_attention_step`` (q, k ``(B, H, d)``, v ``(B, H, D)``) through ``fused_recurrent_gla``."""
     mask = None if valid is None else valid.bool()[:, None]
-    p, a = _exp_linear_weights(q.unsqueeze(2), k.unsqueeze(2), mask, state)
+    p, a = exp_linear_weights(q.unsqueeze(2), k.unsqueeze(2), mask, state, compute_dtype(q, k))
     out, new_state = causal_latte_recurrent_fla(
         p, a, v.unsqueeze(2), key_padding_mask=mask, initial_state=state, output_final_state=True,
     )
