@@ -38,13 +38,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from retrofit.ops._common import (
     block_attention, check_num_past, compute_dtype, drop_unseen_past, from_blocks, grouped_attend, grouped_scores,
-    query_blocks, two_blocks,
 )
-from retrofit.ops.sliding_window import dense_window_mask, sliding_window_attention, sliding_window_attention_reference
+from retrofit.ops.sliding_window import (
+    block_layout, dense_window_mask, sliding_window_attention, sliding_window_attention_reference,
+)
 
 __all__ = [
     "LavoState",
@@ -479,7 +479,6 @@ def local_attention(
     check_num_past(q, k, num_past)
     _check_bias(rel_bias, Hq, window)
     k, v, num_past, key_padding_mask = drop_unseen_past(k, v, num_past, window, key_padding_mask)
-    Tk = k.shape[2]
     if Tq <= window:
         return local_attention_reference(
             q, k, v, window, rel_bias=rel_bias, scaling=scaling, softcap=softcap,
@@ -487,24 +486,13 @@ def local_attention(
         )
     w, group = window, Hq // Hkv
     scaling = d**-0.5 if scaling is None else scaling
-    n = -(-Tq // w)
-    tail = n * w - Tq
-    front = w - num_past
-    kb, vb = (two_blocks(F.pad(x, (0, 0, front, tail)), w) for x in (k, v))
-    valid = torch.ones(B, Tk, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask.bool()
-    valid = F.pad(valid, (front, tail), value=False)
-    vmask = two_blocks(valid.unsqueeze(-1), w).squeeze(-1)  # (B, n, 2w)
-    qb = query_blocks(q, Hkv, w, tail)
+    qb, (kb, vb), allowed, q_valid, n = block_layout(q, (k, v), w, num_past, key_padding_mask)
 
-    a = torch.arange(w, device=q.device)
-    j = torch.arange(2 * w, device=q.device)
-    delta = a[:, None] + w - j[None, :]  # (w, 2w) distance query - key
-    band = (delta >= 0) & (delta < w)
-    q_valid = valid[:, w:].view(B, n, w)
-    allowed = (band & vmask[:, :, None, :]) | (~q_valid[..., None] & (delta == 0))  # (B, n, w, 2w)
+    # padded key j of a block is at distance a + w - j from its query a
+    delta = torch.arange(w, device=q.device)[:, None] + w - torch.arange(2 * w, device=q.device)[None, :]
     score_dtype = torch.promote_types(q.dtype, torch.float32) if softcap else q.dtype
-    bias = rel_bias.to(score_dtype).expand(Hq, w)[:, delta.clamp(0, w - 1)].view(1, Hkv, 1, group, w, 2 * w)
-    mask = bias.masked_fill(~allowed[:, None, :, None], float("-inf")).reshape(B, Hkv, n, group * w, 2 * w)
+    bias = rel_bias.to(score_dtype).expand(Hq, w)[:, delta.clamp(0, w - 1)].view(1, Hkv, 1, group * w, 2 * w)
+    mask = bias.masked_fill(~allowed, float("-inf")).expand(B, Hkv, n, group * w, 2 * w)
 
     out = from_blocks(block_attention(qb, kb, vb, mask, scaling, softcap), group)[:, :, :Tq]
     if key_padding_mask is not None:

@@ -404,10 +404,11 @@ def _window_mask(
     return allowed, q_valid
 
 
-def _block_layout(
+def block_layout(
     q: torch.Tensor, kv: tuple[torch.Tensor, ...], window: int, num_past: int, key_padding_mask: torch.Tensor | None,
 ):
-    """The blocked layout shared by the SDPA form and :func:`sliding_window_lse`.
+    """The blocked layout shared by the SDPA form, :func:`sliding_window_lse` and LAVO's local
+    attention (:func:`retrofit.ops.lavo.local_attention`).
 
     Queries ``(B, Hq, Tq, d)`` -> ``(B, Hkv, n, group w, d)`` (query heads of a GQA group stacked
     per block); each key-like tensor ``(B, Hkv, num_past + Tq, c)`` -> ``(B, Hkv, n, 2w, c)``
@@ -551,7 +552,7 @@ def _masked_blocked(
     B, Hq, Tq, d = q.shape
     Hkv, w = k.shape[1], window
     group = Hq // Hkv
-    qb, (kb, vb), allowed, q_valid, n = _block_layout(q, (k, v), window, num_past, key_padding_mask)
+    qb, (kb, vb), allowed, q_valid, n = block_layout(q, (k, v), window, num_past, key_padding_mask)
 
     if softcap is None:  # 4-D, as SDPA's fused CUDA kernels require: a 5-D call runs the math kernel
         mask = allowed if allowed.shape[0] == 1 else allowed.expand(B, Hkv, *allowed.shape[2:])
@@ -581,7 +582,7 @@ def _fused_blocked(
     to each query's window, one kernel call per block. Returns ``(out (B, Hq, Tq, Dv), lse (B, Hq, Tq)
     fp32)``."""
     Tq, group = q.shape[2], q.shape[1] // k.shape[1]
-    qb, (kb, vb), allowed, q_valid, n = _block_layout(q, (k, v.to(q.dtype)), window, num_past, key_padding_mask)
+    qb, (kb, vb), allowed, q_valid, n = block_layout(q, (k, v.to(q.dtype)), window, num_past, key_padding_mask)
     outs, lses = [], []
     for c in range(n):  # one block's (group w) x 2w bias at a time
         bias = torch.zeros(allowed[:, :, c].shape, dtype=q.dtype, device=q.device).masked_fill_(~allowed[:, :, c],
@@ -636,7 +637,7 @@ def sliding_window_lse(
         scores, _ = _dense_scores(q, k, window, scaling, softcap, key_padding_mask, num_past)
         return torch.logsumexp(scores, dim=-1).view(B, Hq, Tq)
     scaling = d**-0.5 if scaling is None else scaling
-    qb, (kb,), allowed, _, _ = _block_layout(q, (k,), window, num_past, key_padding_mask)
+    qb, (kb,), allowed, _, _ = block_layout(q, (k,), window, num_past, key_padding_mask)
     scores = soft_cap(upcast(torch.matmul(qb, kb.transpose(-1, -2))) * scaling, softcap)
     lse = torch.logsumexp(scores.masked_fill(~allowed, float("-inf")), dim=-1)  # (B, Hkv, n, group w)
     return from_blocks(lse, Hq // Hkv)[:, :, :Tq]
