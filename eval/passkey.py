@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from retrofit.errors import DataError
-from retrofit.eval import corpora, loading, prompting, report, variants
+from retrofit.eval import corpora, loading, prompting, report
 from retrofit.eval.ruler_tasks import REPEAT_NOISE
-from retrofit.eval.generation import check_prefill_chunk, copied_note, run_prompts
+from retrofit.eval.generation import check_prefill_chunk, copied_note, run_prompts, setup
 from retrofit.eval.generation import generate_answer, prefill  # noqa: F401  (their former home)
 from retrofit.eval.options import run_options
 from retrofit.eval.windows import encode, encode_prefix
@@ -177,21 +177,15 @@ def run_passkey(
         command (:class:`retrofit.eval.options.RunOptions`).
     Returns the results dict; with ``out``, writes results.json, table.md, passkey.png.
     """
-    (tokenizer, baseline, baseline_tokenizer, device, dtype, rope_cap, out, progress,
-     command) = run_options("run_passkey", options)
+    opts = run_options("run_passkey", options)
     lengths = sorted(set(int(x) for x in lengths))
     depths = [float(d) for d in depths]
     if trials < 1:
         raise DataError("trials must be at least 1")
     check_prefill_chunk(prefill_chunk)
-    roles = variants.resolve_roles(model, tokenizer, baseline, baseline_tokenizer,
-                                   variants=variants.parse_variants(zero_shot), device=device, dtype=dtype,
-                                   rope_cap=rope_cap)
-    m, tok, _ = roles["model"]
-    use_bos = loading.needs_bos(m, tok, bos)
+    run = setup(model, options=opts, zero_shot=zero_shot, bos=bos, chat_template=chat_template)
+    roles, tok, use_bos, chat, frame = run.roles, run.tokenizer, run.use_bos, run.chat, run.frame
     bos_id = tok.bos_token_id if use_bos else None
-    chat = prompting.use_chat_template(tok, chat_template)
-    frame = prompting.build_frame(tok, chat=chat, bos_id=bos_id)
 
     prompts = prompt_grid(tok, lengths, depths, trials=trials, haystack=haystack, key_digits=key_digits,
                           seed=seed, bos_id=bos_id, frame=frame)
@@ -199,7 +193,7 @@ def run_passkey(
     records, seconds, attention = run_prompts(
         roles, prompts, score=lambda p, text: float(parse_answer(text) == p["key"]),
         max_new_tokens=lambda p, mtok: len(encode(mtok, " " + p["key"])) + 2, prefill_chunk=prefill_chunk,
-        desc="passkey", progress=progress, keep=("depth", "trial", "key", "needle_at"),
+        desc="passkey", progress=opts.progress, keep=("depth", "trial", "key", "needle_at"),
     )
     results: dict[str, dict] = {}
     for role, recs in records.items():
@@ -224,23 +218,19 @@ def run_passkey(
         "models": {role: loading.model_info(mdl, label) for role, (mdl, _, label) in roles.items()},
         "settings": {
             "lengths": lengths, "depths": depths, "trials": trials, "haystack": haystack,
-            "key_digits": key_digits, "seed": seed, "bos_used": use_bos, "device": device, "dtype": dtype,
+            "key_digits": key_digits, "seed": seed, "bos_used": use_bos, "device": opts.device, "dtype": opts.dtype,
             "prefill_chunk": prefill_chunk or None, "chat_template": chat,
             "decoding": "greedy, model.generate", "attention": attention,
         },
         "results": results,
     }
-    if command:
-        res["command"] = command
-    res["description"] = (
+    description = (
         f"Passkey retrieval accuracy (%, exact match of a {key_digits}-digit key, {trials} trial(s) "
         f"per cell, greedy decoding); rows: needle depth (0 = start of the haystack, 1 = end); "
         f"columns: prompt length in tokens. Haystack: {haystack}. "
         f"Chat template: {'on' if chat else 'off'}."
-    )
-    res["description"] += copied_note(records)
-    res["table"] = table_markdown(res)
-    return report.finish_results(res, out, plot_heatmap, "passkey.png")
+    ) + copied_note(records)
+    return opts.finish(res, description=description, table=table_markdown, plot=plot_heatmap, image="passkey.png")
 
 
 def _trial(record: dict) -> dict:
