@@ -294,10 +294,7 @@ def plot_heatmap(res: dict, path: str | Path) -> Path:
         if k == 0:
             ax.set_ylabel("needle depth")
         ax.set_title(res["models"][role]["label"], fontsize=10)
-        for i in range(len(depths)):
-            for j in range(len(lengths)):
-                v = data[i, j]
-                ax.text(j, i, "OOM" if np.isnan(v) else f"{100 * v:.0f}", ha="center", va="center", fontsize=8)
+        report.label_cells(ax, data)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="accuracy")
     fig.suptitle("Passkey retrieval")
     path = save_figure_atomic(fig, path)

@@ -16,7 +16,7 @@ from retrofit.eval.evaluators import evaluators
 from retrofit.fs.atomic import write_json_atomic, write_text_atomic
 from retrofit.results import markdown_table, pyplot, write_results
 
-__all__ = ["role_order", "fmt_length", "fmt_num", "markdown_table", "pyplot", "save_results", "write_json",
+__all__ = ["role_order", "fmt_length", "fmt_num", "label_cells", "markdown_table", "pyplot", "save_results", "write_json",
            "write_report", "write_results"]
 
 
@@ -56,6 +56,17 @@ def fmt_length(n: int) -> str:
         k = n / 1024
         return f"{k:g}K"
     return str(n)
+
+
+def label_cells(ax: Any, data: Any) -> None:
+    """Write each cell's value of a heat map of fractions ``data`` ``(rows, columns)`` on ``ax``, in
+    percent, and ``OOM`` where it is nan (a length that ran out of memory)."""
+    import numpy as np
+
+    for i in range(data.shape[0]):
+        for j in range(data.shape[1]):
+            v = data[i, j]
+            ax.text(j, i, "OOM" if np.isnan(v) else f"{100 * v:.0f}", ha="center", va="center", fontsize=8)
 
 
 def fmt_num(x: Any, digits: int = 2) -> str:

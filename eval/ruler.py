@@ -163,10 +163,7 @@ def plot_heatmap(res: dict, path: str | Path) -> Path:
         ax.axhline(len(rows) - 1.5, color="black", linewidth=0.8)
         ax.set_xlabel("sequence length (tokens)")
         ax.set_title(res["models"][role]["label"], fontsize=10)
-        for i in range(len(rows)):
-            for j in range(len(lengths)):
-                v = data[i, j]
-                ax.text(j, i, "OOM" if np.isnan(v) else f"{100 * v:.0f}", ha="center", va="center", fontsize=8)
+        report.label_cells(ax, data)
     fig.colorbar(im, ax=axes[0].tolist(), shrink=0.8, label="score")
     fig.suptitle(f"RULER-style tasks (chat template {'on' if res['settings']['chat_template'] else 'off'})")
     path = save_figure_atomic(fig, path)
