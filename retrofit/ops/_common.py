@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 __all__ = [
     "block_attention", "check_num_past", "compute_dtype", "drop_unseen_past", "from_blocks", "grouped_attend",
-    "grouped_scores", "query_blocks", "soft_cap", "two_blocks", "upcast", "window_keys",
+    "grouped_scores", "query_blocks", "real_tokens", "soft_cap", "two_blocks", "upcast", "window_keys",
 ]
 
 
@@ -39,6 +39,14 @@ def soft_cap(scores: torch.Tensor, softcap: float | None) -> torch.Tensor:
     if softcap is None or softcap <= 0:
         return scores
     return torch.tanh(scores / softcap) * softcap
+
+
+def real_tokens(key_padding_mask: torch.Tensor | None, batch: int, length: int, device: torch.device) -> torch.Tensor:
+    """``key_padding_mask`` ``(B, T)`` as bool, True for real tokens; without one, every token of
+    ``(batch, length)`` is real."""
+    if key_padding_mask is None:
+        return torch.ones(batch, length, dtype=torch.bool, device=device)
+    return key_padding_mask.bool()
 
 
 # ---------------------------------------------------------------------- cached keys

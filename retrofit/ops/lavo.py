@@ -41,6 +41,7 @@ import torch
 
 from retrofit.ops._common import (
     block_attention, check_num_past, compute_dtype, drop_unseen_past, from_blocks, grouped_attend, grouped_scores,
+    real_tokens,
 )
 from retrofit.ops.sliding_window import (
     block_layout, dense_window_mask, sliding_window_attention, sliding_window_attention_reference,
@@ -129,9 +130,7 @@ def _orthogonal_memory(
     dtype = compute_dtype(q, x, bases)
     if state is None:
         state = LavoState.empty(Bsz, H, r, device=x.device, dtype=dtype)
-    if valid is None:
-        valid = torch.ones(Bsz, T, dtype=torch.bool, device=x.device)
-    valid = valid.bool()
+    valid = real_tokens(valid, Bsz, T, x.device)
     bb = bases.to(dtype)
     coef = torch.einsum("bhtd,hrd->bhtr", x.to(dtype), bb) * valid[:, None, :, None]
     committed0, pending0 = state.committed.to(dtype), state.pending.to(dtype)
@@ -253,7 +252,7 @@ def orthogonal_memory_attention_reference(
     _check_block(block)
     Bsz, H, T, d = x.shape
     dtype = compute_dtype(q, x, bases)
-    valid = torch.ones(Bsz, T, dtype=torch.bool, device=x.device) if key_padding_mask is None else key_padding_mask.bool()
+    valid = real_tokens(key_padding_mask, Bsz, T, x.device)
     rank = torch.cumsum(valid.long(), dim=1) - 1
     rt, rs = rank[:, :, None], rank[:, None, :]
     if block is None:
@@ -622,7 +621,7 @@ def lavo_attention_reference(
     qg = q if global_query is None else global_query
     block = window if dissect else None
     glob = orthogonal_memory_attention_reference(qg, local, bases, block=block, scaling=memory_scaling, key_padding_mask=key_padding_mask)
-    valid = torch.ones(B, T, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask.bool()
+    valid = real_tokens(key_padding_mask, B, T, q.device)
     rank = torch.cumsum(valid.long(), dim=1) - 1
     nonempty = (rank >= 0) if block is None else (rank >= block)
     dtype = torch.float64

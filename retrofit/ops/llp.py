@@ -32,7 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from retrofit.ops._common import block_attention, from_blocks, grouped_attend, grouped_scores, query_blocks, two_blocks
+from retrofit.ops._common import (
+    block_attention, from_blocks, grouped_attend, grouped_scores, query_blocks, real_tokens, two_blocks,
+)
 
 __all__ = ["LLPState", "llp_attention", "llp_attention_cached", "llp_attention_reference"]
 
@@ -105,7 +107,7 @@ def llp_attention_reference(
     B, _, T, d = q.shape
     if k.shape[2] != T:
         raise ValueError(f"llp_attention_reference needs as many keys as queries ({k.shape[2]} != {T})")
-    valid = torch.ones(B, T, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask.bool()
+    valid = real_tokens(key_padding_mask, B, T, q.device)
     rank = _ranks(valid)
     return _rank_masked_attention(q, k, v, rank, rank, _half(segment), d**-0.5 if scaling is None else scaling, softcap)
 
@@ -300,7 +302,7 @@ def llp_attention_cached(
     scaling = d**-0.5 if scaling is None else scaling
     if state is None:
         state = LLPState.empty(B, k.shape[1], d, v.shape[-1], device=q.device, dtype=k.dtype)
-    valid = torch.ones(B, Tq, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask.bool()
+    valid = real_tokens(key_padding_mask, B, Tq, q.device)
     new_rank = _ranks(valid, state.seen)
     k_all = torch.cat([state.k.to(k.dtype), k], dim=2)
     v_all = torch.cat([state.v.to(v.dtype), v], dim=2)

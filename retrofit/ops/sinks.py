@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from typing import NamedTuple
 
-from retrofit.ops._common import drop_unseen_past
+from retrofit.ops._common import drop_unseen_past, real_tokens
 from retrofit.ops.dispatched import (
     masked_dense_attention, sliding_window_attention, sliding_window_attention_with_lse, sliding_window_lse,
 )
@@ -331,7 +331,7 @@ def sink_window_attention_reference(
     group = Hq // Hkv
     scaling = d**-0.5 if scaling is None else scaling
     kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    valid = torch.ones(B, T, dtype=torch.bool, device=q.device) if key_padding_mask is None else key_padding_mask.bool()
+    valid = real_tokens(key_padding_mask, B, T, q.device)
     rank = valid.long().cumsum(-1)  # 1-based rank of each real token
     is_sink = valid & (rank <= sinks)
     ti = torch.arange(T, device=q.device)[:, None]
