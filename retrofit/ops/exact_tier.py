@@ -194,6 +194,11 @@ def _sink_scores(q, sinks, t, frontier, sink_distance, inv_freq):
 def _softcapped(s: torch.Tensor, scaling: float, softcap: float | None) -> torch.Tensor:
     """Scores scaled and soft-capped; -inf (a key not read) stays -inf (``tanh(-inf)`` alone is finite)."""
     s = s * scaling
+    return _capped_only(s, softcap)
+
+
+def _capped_only(s: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Scaled scores soft-capped (-inf stays -inf); as they are without a cap."""
     return (torch.tanh(s / softcap) * softcap).masked_fill(s == float("-inf"), float("-inf")) if softcap else s
 
 
@@ -399,6 +404,25 @@ def _retrieved_bound(state: TierState, mq: torch.Tensor, retrieve: int, block: i
     return (mq @ keys.to(mq.dtype).transpose(-1, -2)).masked_fill(~read, float("-inf")), values
 
 
+def _merged(parts: list[_Part]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The softmax over every part's keys at once: outputs ``(B, Hkv, gR, D)`` (0 where nothing is read) and the
+    log-sum-exp ``(B, Hkv, gR)`` (-inf there). Each score is exponentiated once, against its part's own maximum;
+    the parts' outputs are then rescaled to the common normaliser (the maxima cancel, so they carry no gradient)."""
+    maxima, sums, weights = [], [], []
+    for s, _ in parts:
+        m = s.detach().amax(-1, keepdim=True)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # a row reading nothing: its weights are 0
+        p = (s - m).exp_()
+        maxima.append(m[..., 0])
+        sums.append(p.sum(-1))
+        weights.append(p)
+    logs = [torch.where(l > 0, torch.log(l.clamp_min(torch.finfo(l.dtype).tiny)), float("-inf")) for l in sums]
+    lse = torch.logsumexp(torch.stack([m + log for m, log in zip(maxima, logs)]), dim=0)  # no inf gradient at 0
+    shift = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    exact = sum(apply(p) * torch.exp(m - shift)[..., None] for (_, apply), p, m in zip(parts, weights, maxima))
+    return exact, lse
+
+
 def _segment(state: TierState, q, mq, fq, scale, count_weight, t, sinks, *, scaling, softcap, sink_distance,
              inv_freq, retrieve: int = 0, block: int = 1, retrieve_score: str = "max") -> torch.Tensor:
     """Outputs ``(B, Hq, R, D)`` of R queries at stream positions ``t`` that share one frontier.
@@ -412,34 +436,34 @@ def _segment(state: TierState, q, mq, fq, scale, count_weight, t, sinks, *, scal
     W = int(t[-1]) + 1 - state.frontier  # window tokens the last query reads
     kw, vw, okw = state.keys[:, :, :W], state.values[:, :, :W], state.valid[:, :W]
     pos = torch.arange(state.frontier, state.frontier + W, device=q.device)
-    qa, mqa = q.to(acc), mq.to(acc)
+    qs, mqa = q.to(acc) * scaling, mq.to(acc)  # the scale folded into the R queries, not the R x M scores
     allowed = (pos[None, :] <= t[:, None])[None] & okw[:, None, :]  # (B, R, W)
-    s_win = _grouped(qa, group) @ kw.to(acc).transpose(-1, -2)  # (B, Hkv, gR, W)
-    s_win = _softcapped(s_win, scaling, softcap).masked_fill(~allowed.repeat(1, group, 1)[:, None], float("-inf"))
+    s_win = _capped_only(_grouped(qs, group) @ kw.to(acc).transpose(-1, -2), softcap)  # (B, Hkv, gR, W)
+    s_win.view(B, Hkv, group, R, W).masked_fill_(~allowed[:, None, None], float("-inf"))  # no copy of the mask per head
     parts: list[_Part] = [(s_win, _shared(vw))]
     if sinks is not None and sinks[2].shape[2]:
-        s_sink = _sink_scores(qa, sinks, t, state.frontier, sink_distance, inv_freq)
-        parts.append((_softcapped(_grouped(s_sink, group), scaling, softcap), _shared(sinks[3])))
+        s_sink = _sink_scores(qs, sinks, t, state.frontier, sink_distance, inv_freq)
+        parts.append((_capped_only(_grouped(s_sink, group), softcap), _shared(sinks[3])))
     if state.tier_keys.shape[2]:
-        s_tier = _grouped(mqa, group) @ state.tier_keys.to(acc).transpose(-1, -2)  # (B, Hkv, gR, cap)
-        s_tier = _softcapped(s_tier, scaling, softcap).masked_fill(~(state.tier_index >= 0)[:, :, None, :],
-                                                                     float("-inf"))
+        s_tier = _capped_only(_grouped(mqa * scaling, group) @ state.tier_keys.to(acc).transpose(-1, -2), softcap)
+        s_tier.masked_fill_(~(state.tier_index >= 0)[:, :, None, :], float("-inf"))  # (B, Hkv, gR, cap)
         parts.append((s_tier, _shared(state.tier_values)))
     if retrieve and state.store_keys.shape[2]:
         parts.append(_retrieved_part(state, mqa, retrieve, block, retrieve_score, scaling, softcap))
-    lse = torch.logsumexp(torch.stack([torch.logsumexp(s, dim=-1) for s, _ in parts]), dim=0)  # (B, Hkv, gR)
+    exact, lse = _merged(parts)
     finite = torch.isfinite(lse)
-    shift = torch.where(finite, lse, torch.zeros_like(lse))[..., None]
-    exact = sum(apply(torch.exp(s - shift)) for s, apply in parts)  # (B, Hkv, gR, D)
     exact, lse, finite = exact.reshape(B, Hq, R, -1), lse.reshape(B, Hq, R), finite.reshape(B, Hq, R)
     f = fq.to(acc)
     num = f @ state.S
     mass = (f * state.z[:, :, None]).sum(-1)
     n = _rep(state.count[..., None, None], group)[..., 0, 0]  # (B, Hq)
     c = scale.to(acc) + count_weight.to(acc)[None, :, None] * n.clamp_min(1.0).log()[..., None]
-    share = torch.sigmoid(torch.log(mass) + c - lse)  # mass = 0: log = -inf, share = 0
-    share = torch.where(finite & (mass > 0), share, torch.zeros_like(share))
-    read = num / mass.clamp_min(torch.finfo(acc).tiny)[..., None]
+    tiny = torch.finfo(acc).tiny
+    # no read where the memory is empty (mass 0) or nothing exact is read (a padded query): share 0, and no
+    # infinite logit whose gradient would be NaN
+    logit = torch.log(mass.clamp_min(tiny)) + c - torch.where(finite, lse, torch.zeros_like(lse))
+    share = torch.where(finite & (mass > 0), torch.sigmoid(logit), torch.zeros_like(logit))
+    read = num / mass.clamp_min(tiny)[..., None]
     out = exact + share[..., None] * (read - exact)
     return torch.where(finite[..., None], out, torch.zeros_like(out))
 

@@ -265,3 +265,21 @@ def test_retrieval_backward_equals_the_definition(score):
         grads.append([leaves[n].grad for n in ("q", "k", "v", "mq", "mk")])
     for got, want in zip(*grads):
         torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-8)
+
+
+@pytest.mark.parametrize("softcap", [None, 20.0])
+def test_tier_backward_equals_the_definition(softcap):
+    # every part of the exact softmax (window, sinks past their distance, tier) and the read, with padding
+    x, wk, cw = _inputs(26, seed=17, big=3.0)
+    valid = torch.ones(B, 26, dtype=torch.bool)
+    valid[1, :3] = False
+    kw = dict(window=5, block=3, capacity=3, rule="recall", softcap=softcap, sink_distance=6, inv_freq=INV_FREQ)
+    grads = []
+    for fn in (lambda a: _run(a, wk, cw, sinks_n=2, valid=valid, **kw)[0],
+               lambda a: tiered_attention_reference(**a, feature_key_weight=wk, count_weight=cw, num_sinks=2,
+                                                    key_padding_mask=valid, **kw)):
+        leaves = {n: t.clone().requires_grad_(n in ("q", "k", "v", "mq", "mk", "fq", "scale")) for n, t in x.items()}
+        (fn(leaves) * torch.linspace(-1, 1, 8, dtype=torch.float64)).sum().backward()
+        grads.append([leaves[n].grad for n in ("q", "k", "v", "mq", "mk", "fq", "scale")])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-8)
