@@ -33,3 +33,18 @@ def yaml_error_line(exc: BaseException) -> str:
     mark = getattr(exc, "problem_mark", None)
     where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
     return f"{problem}{where}"
+
+
+def parse_yaml(text: str):
+    """``yaml.safe_load(text)``, where every way the text can fail to be a YAML value raises ``yaml.YAMLError``:
+    PyYAML lets nesting deeper than Python's recursion limit out as a ``RecursionError`` and an integer of more
+    than 4300 digits as a ``ValueError``, which no caller's ``except yaml.YAMLError`` names as bad YAML."""
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except RecursionError:
+        raise yaml.YAMLError("nested too deeply (lists or mappings inside each other past Python's recursion "
+                             "limit)") from None
+    except ValueError as exc:  # an integer past Python's int_max_str_digits, and any like it
+        raise yaml.YAMLError((str(exc).strip().splitlines() or [type(exc).__name__])[0]) from None

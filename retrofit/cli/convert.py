@@ -161,10 +161,10 @@ def yaml_value(text: str, what: str):
     """``text`` parsed as one plain YAML value (no tags that build objects): SpecError otherwise."""
     import yaml
 
-    from retrofit.errors import SpecError
+    from retrofit.errors import SpecError, parse_yaml
 
     try:
-        return yaml.safe_load(text)
+        return parse_yaml(text)
     except yaml.YAMLError as exc:
         problem = str(getattr(exc, "problem", None) or exc).splitlines()[0]
         raise SpecError(f"{what}: {text!r} is not a plain YAML value ({problem}); give a number, a string, "

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Mapping
 
-from retrofit.errors import SpecError
+from retrofit.errors import SpecError, parse_yaml
 
 __all__ = ["ConversionSpec", "DEFAULT_INIT_SWA_SHARE", "DEFAULT_WINDOW", "DTYPES", "global_layers", "parse_layers"]
 
@@ -332,7 +332,7 @@ class ConversionSpec:
             raise SpecError(f"conversion config {p} is {kind}; give a YAML file (retrofit ls lists the bundled convert "
                             "specs)" if kind else f"conversion config {p} does not exist")
         try:
-            data = yaml.safe_load(p.read_text(encoding="utf-8"))
+            data = parse_yaml(p.read_text(encoding="utf-8"))
         except yaml.YAMLError as exc:
             from retrofit.errors import yaml_error_line
 

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 from retrofit.data.paths import expand_path
 from retrofit.data.recall import RecallConfig
 from retrofit.data.text import TEXT_ERRORS
-from retrofit.errors import SpecError
+from retrofit.errors import SpecError, parse_yaml
 
 __all__ = [
     "Recipe", "ModelSection", "TrainableSection", "LoraSection", "DataSection", "RecallSection", "EvalSection",
@@ -234,6 +234,8 @@ class Recipe:
                                            and math.isfinite(t.max_time)
                                            and t.max_time > 0):
             raise SpecError(f"train.max_time must be a number of seconds > 0 (or null for no time limit), got {t.max_time!r}")
+        if not 0 <= t.seed < 2**32:  # set_seed seeds numpy too, which takes no other seed
+            raise SpecError(f"train.seed must be a whole number from 0 to 2**32 - 1, got {t.seed}")
         for name, value in (("data.seq_len", d.seq_len), ("train.batch_size", t.batch_size),
                             ("train.micro_batch_size", t.micro_batch_size), ("checkpoint.save_every", self.checkpoint.save_every),
                             ("logging.every", self.logging.every)):
@@ -553,6 +555,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is str:
         if isinstance(value, (dict, list)) or value is None:
             raise SpecError(f"{key} must be a string, got {value!r}")
+        if isinstance(value, bool):  # checkpoint.resume=no became 'False', a checkpoint folder of that name
+            raise SpecError(f"{key} must be a string, got {str(value).lower()} (YAML reads an unquoted yes / no / "
+                            "on / off / true / false as true or false): quote the word, or give another value")
         return str(value)
     if tp is list or origin is list:
         if isinstance(value, (list, tuple)):
@@ -609,7 +614,7 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     if not key or not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*", key):
         raise SpecError(f"override key {key!r} must be a dotted path like train.lr")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = parse_yaml(raw) if raw.strip() else None
     except yaml.YAMLError:
         value = raw
     return key.split("."), value
@@ -670,7 +675,7 @@ def load_recipe(path: str | os.PathLike, overrides: list[str] | None = None) -> 
 
     file = _find_recipe(path)
     try:
-        data = yaml.safe_load(file.read_text(encoding="utf-8")) or {}
+        data = parse_yaml(file.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as exc:
         from retrofit.errors import yaml_error_line
 
