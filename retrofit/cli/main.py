@@ -161,6 +161,11 @@ def _main(argv: list[str] | None) -> int:
             print(f"{who}: error: {failed}; free disk space or write somewhere else "
                   "(nothing was published: outputs are written to a temporary folder first)", file=sys.stderr)
             return 1
+        oom = _out_of_memory(exc)  # a size no check caught (a method's width, a batch): the allocator's refusal
+        if oom:
+            print(f"{who}: error: out of memory: {oom}; give smaller sizes (a method's widths, lengths, batch) or "
+                  "run where more memory is free", file=sys.stderr)
+            return 1
         from retrofit.plugins import plugin_failure
 
         blamed = plugin_failure(exc)  # a plugin's method, backend, family or evaluator raised while it ran
@@ -168,6 +173,21 @@ def _main(argv: list[str] | None) -> int:
             print(f"{who}: error: {blamed}", file=sys.stderr)
             return 1
         raise
+
+
+def _out_of_memory(exc: BaseException) -> str | None:
+    """The allocator's refusal in one line (``can't allocate memory: you tried to allocate N bytes``) when ``exc``
+    is an out-of-memory error of the CPU or a GPU, else None."""
+    if "torch" not in sys.modules and not isinstance(exc, MemoryError):
+        return None
+    from retrofit.train.memory import is_out_of_memory
+
+    if not is_out_of_memory(exc):
+        return None
+    import re
+
+    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    return re.sub(r"^\[enforce fail at [^\]]*\] err == 0\. ", "", line)[:300]
 
 
 def error_prefix(args: argparse.Namespace) -> str:
