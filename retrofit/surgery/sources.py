@@ -82,7 +82,11 @@ def first_line(exc: BaseException) -> str:
 
 def read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as exc:  # a ValueError, but no JSONDecodeError: it came out as a traceback
+        bad = exc.object[exc.start:exc.start + 1].hex()
+        raise CheckpointError(f"cannot read {path}: not UTF-8 text (byte {exc.start}: 0x{bad}); JSON files are "
+                              "UTF-8: save it again as UTF-8") from None
     except (OSError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"cannot read {path}: {exc}") from None
 
