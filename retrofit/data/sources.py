@@ -96,6 +96,9 @@ def load_documents(
         if len(formats) > 1:
             raise DataError(f"data files mix formats ({', '.join(sorted(formats))}); use one format per run")
         fmt = formats.pop()
+        if fmt == "parquet":
+            for f in files:
+                _check_parquet(Path(f))
         kwargs: dict[str, Any] = {"sample_by": "document"} if fmt == "text" else {}
         if fmt in ("text", "json"):
             kwargs["encoding_errors"] = errors
@@ -111,6 +114,19 @@ def load_documents(
     except Exception as exc:  # network, unknown dataset or split: one clear message
         raise DataError(f"cannot stream {dataset!r} (split {split!r}): {type(exc).__name__}: {exc}. "
                         "Without hub access, train on local files: data.files=/path/to/*.jsonl") from None
+
+
+def _check_parquet(path: Path) -> None:
+    """``path`` opens as a Parquet file (footer and schema), else one DataError: the reader's own error came
+    out of the streamed dataset's first read, mid-run, as a traceback."""
+    import pyarrow.parquet as pq
+
+    try:
+        pq.ParquetFile(path).close()
+    except Exception as exc:  # pyarrow's ArrowInvalid and kin: a truncated, corrupt or renamed file
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise DataError(f"{path}: not a readable Parquet file ({reason}); replace it with a complete .parquet file "
+                        "or leave it out of the data files") from None
 
 
 def shard_documents(documents: Any, rank: int, world_size: int) -> Any:
