@@ -118,11 +118,13 @@ def _acquire(target: Path, lock: Path) -> tuple[int, tuple[Path, ...]]:
     """Open and lock ``lock``; returns its descriptor (the lock is held while it is open) and the folders
     made for it."""
     made = _missing_folders(lock.parent)
+    unmade: OSError | None = None
     for _ in range(20):  # each retry follows a holder's release: a handful at most in practice
         try:
             lock.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
-        except FileNotFoundError:
+        except FileNotFoundError as exc:
+            unmade = exc  # in a folder that is there, every time: no file can be made in it (/proc)
             continue  # a holder that made the folder released and removed it meanwhile: make it again
         except OSError as exc:
             raise LockError(f"cannot take the lock {lock} for {target}: {exc.strerror or exc}; choose a writable "
@@ -154,6 +156,9 @@ def _acquire(target: Path, lock: Path) -> tuple[int, tuple[Path, ...]]:
                 os.close(fd)
             _remove_empty(made)
             raise
+    if unmade is not None and lock.parent.is_dir():
+        raise LockError(f"cannot take the lock {lock} for {target}: {unmade.strerror or unmade} (no file can be made "
+                        f"in {lock.parent}); choose a writable output folder")
     raise LockError(f"cannot take the lock {lock} for {target}: other runs keep taking it; wait for them to finish")
 
 
