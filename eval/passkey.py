@@ -91,6 +91,19 @@ def build_prompt(
     turn and ``The pass key is`` opens the assistant's; None or a plain frame: the prompt above."""
     if not 0.0 <= depth <= 1.0:
         raise DataError(f"depth {depth} must be in [0, 1]")
+    prefix, intro, needle, question = _instructions(tokenizer, key, bos_id=bos_id, frame=frame)
+    budget = length - len(prefix) - len(intro) - len(needle) - len(question)
+    _check_budget(length, budget)
+    if len(filler) < budget:
+        raise DataError(f"haystack has {len(filler)} tokens, {budget} needed")
+    k = int(round(depth * budget))
+    ids = prefix + intro + filler[:k] + needle + filler[k:budget] + question
+    assert len(ids) == length
+    return ids, len(prefix) + len(intro) + k
+
+
+def _instructions(tokenizer, key: str, *, bos_id: int | None, frame: prompting.Frame | None):
+    """The token ids around the filler: ``(prefix, intro, needle, question)``."""
     intro = encode(tokenizer, INTRO)
     needle = encode(tokenizer, NEEDLE.format(key=key))
     if frame is not None and frame.chat:
@@ -100,17 +113,54 @@ def build_prompt(
     else:
         prefix = [bos_id] if bos_id is not None else []
         question = encode(tokenizer, QUESTION)
-    budget = length - len(prefix) - len(intro) - len(needle) - len(question)
+    return prefix, intro, needle, question
+
+
+def _check_budget(length: int, budget: int) -> None:
     if budget < 0:
         raise DataError(
             f"passkey length {length} is too short: the instructions alone take {length - budget} tokens"
         )
-    if len(filler) < budget:
-        raise DataError(f"haystack has {len(filler)} tokens, {budget} needed")
-    k = int(round(depth * budget))
-    ids = prefix + intro + filler[:k] + needle + filler[k:budget] + question
-    assert len(ids) == length
-    return ids, len(prefix) + len(intro) + k
+
+
+def _grid_keys(lengths: list[int], depths: list[float], trials: int, key_digits: int, seed: int):
+    """``(length, key)`` of each prompt of :func:`prompt_grid`, in its order (the same random keys)."""
+    rng = random.Random(seed)
+    for L in lengths:
+        for _ in depths:
+            for _ in range(trials):
+                yield L, str(rng.randrange(10 ** (key_digits - 1), 10**key_digits))
+
+
+def check_lengths(
+    model: Any,
+    *,
+    tokenizer: Any,
+    lengths: list[int] | tuple[int, ...] = DEFAULT_LENGTHS,
+    depths: list[float] | tuple[float, ...] = DEFAULT_DEPTHS,
+    trials: int = 5,
+    key_digits: int = 5,
+    seed: int = 0,
+    bos: str = "auto",
+    chat_template: str = "auto",
+    **_: Any,
+) -> None:
+    """The ``DataError`` :func:`run_passkey` raises for a length its instructions do not fit, from the loaded
+    model and its tokenizer alone (no haystack, no generation): ``eval all`` calls it before its first part runs,
+    so a too-short ``--passkey-lengths`` is not found after the perplexity part's minutes."""
+    lengths = sorted(set(int(x) for x in lengths))
+    use_bos = loading.needs_bos(model, tokenizer, bos)
+    chat = prompting.use_chat_template(tokenizer, chat_template)
+    bos_id = tokenizer.bos_token_id if use_bos else None
+    frame = prompting.build_frame(tokenizer, chat=chat, bos_id=bos_id, system=None)
+    fixed = None
+    needles: dict[str, int] = {}
+    for L, key in _grid_keys(lengths, list(depths), trials, key_digits, seed):
+        if key not in needles:
+            prefix, intro, needle, question = _instructions(tokenizer, key, bos_id=bos_id, frame=frame)
+            fixed = len(prefix) + len(intro) + len(question) if fixed is None else fixed
+            needles[key] = len(needle)
+        _check_budget(L, L - fixed - needles[key])
 
 
 def prompt_grid(

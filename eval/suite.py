@@ -57,6 +57,10 @@ def run_all(
         common.update(baseline=b, baseline_tokenizer=btok)
     if zero_shot:  # each evaluator that takes them builds its variants (copies of the models loaded here)
         common["zero_shot"] = list(zero_shot)
+    for ev in kinds:  # what needs the tokenizer fails now, before the first kind's minutes and results
+        precheck = None if ev.name in skip else ev.prechecker()
+        if precheck is not None:
+            precheck(m, tokenizer=tok, **(sections.get(ev.name) or {}))
     results: dict[str, dict] = {}
     for ev in kinds:
         if ev.name in skip:

@@ -37,6 +37,9 @@ class Evaluator:
     it (``--ppl-lengths``). kwargs(args): parsed arguments -> keyword arguments of ``run``.
     run: ``"module:function"`` called as ``fn(model, baseline=..., device=..., dtype=..., out=...,
     command=..., **kwargs)``. check(args): flag checks that must fail before any model loads.
+    precheck: ``"module:function"`` called as ``fn(model, tokenizer=..., **kwargs)`` once the models are
+    loaded and before ``eval all`` runs its first kind: checks that need the tokenizer (a passkey length its
+    instructions do not fit), so they fail before another kind's minutes, not after.
     uses_bos / uses_seed: whether it takes the shared ``--bos`` / ``--seed`` flags.
     reads_text: whether it reads local text (then ``--text-errors`` applies around it).
     order: position in ``eval all`` and in the report.
@@ -51,6 +54,7 @@ class Evaluator:
     kwargs: Callable[[argparse.Namespace], dict]
     run: str
     check: Callable[[argparse.Namespace], None] | None = None
+    precheck: str | None = None
     uses_bos: bool = False
     uses_seed: bool = False
     reads_text: bool = False
@@ -59,6 +63,12 @@ class Evaluator:
 
     def runner(self) -> Callable[..., dict]:
         module, _, fn = self.run.partition(":")
+        return getattr(importlib.import_module(module), fn)
+
+    def prechecker(self) -> Callable[..., None] | None:
+        if not self.precheck:
+            return None
+        module, _, fn = self.precheck.partition(":")
         return getattr(importlib.import_module(module), fn)
 
 

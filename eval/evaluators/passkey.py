@@ -41,5 +41,6 @@ EVALUATOR = register_evaluator(Evaluator(
     name="passkey", command="passkey", subdir="passkey", heading="Passkey retrieval",
     help="passkey retrieval over lengths x depths (heat map)",
     add_arguments=add_arguments, kwargs=kwargs, run="retrofit.eval.passkey:run_passkey", check=check,
+    precheck="retrofit.eval.passkey:check_lengths",
     uses_bos=True, uses_seed=True, reads_text=True, order=30,
 ))

@@ -124,3 +124,19 @@ def test_an_output_where_no_file_can_be_made_is_not_blamed_on_other_runs(base, c
     line = fails(["convert", str(base), "--out", "/proc/retrofit-out"], capsys, "no file can be made in /proc",
                  "choose a writable output folder")
     assert "other runs" not in line
+
+
+# ---------------------------------------------------------------------- 8. eval all: a passkey length too short
+def test_eval_all_refuses_a_too_short_passkey_length_before_its_first_part(base, books, tmp_path, capsys,
+                                                                          monkeypatch):
+    # the length needs the tokenizer: it was refused by the passkey part, after the perplexity part's run and results
+    import retrofit.eval.perplexity as perplexity
+
+    started = []
+    real = perplexity.run_perplexity
+    monkeypatch.setattr(perplexity, "run_perplexity", lambda *a, **k: started.append(1) or real(*a, **k))
+    out = tmp_path / "all"
+    fails(["eval", "all", str(base), "--passkey-lengths", "16", "--ppl-lengths", "16", "--datasets", str(books),
+           "--haystack", "noise", "--skip", "harness", "niah", "ruler", "--out", str(out)], capsys,
+          "passkey length 16 is too short: the instructions alone take")
+    assert not started and not (out / "ppl").exists() and not leftovers(tmp_path)
