@@ -20,7 +20,7 @@ from torch import nn
 
 from retrofit.surgery import checkpoint
 from retrofit.surgery.sources import (  # re-exported: the old import paths
-    ALIASES, cache_root, gguf_to_folder, load_plain, load_tokenizer, locate, read_config, resolve_dtype,
+    ALIASES, cache_root, check_model_size, gguf_to_folder, load_plain, load_tokenizer, locate, read_config, resolve_dtype,
 )
 
 __all__ = ["ALIASES", "cache_root", "load_any", "load_tokenizer", "gguf_to_folder", "names_converted", "resolve_dtype"]
@@ -41,6 +41,7 @@ def load_any(
     if folder is not None:
         if checkpoint.is_delta(folder):
             return checkpoint.load_delta(folder, dtype=dtype)
+        check_model_size(folder, read_config(folder), dtype)  # before a build that would run until killed
         if "retrofit" in read_config(folder):
             return checkpoint.load(folder, dtype=dtype, device_map=device_map), load_tokenizer(folder)
     return load_plain(source, alias, dtype, device_map=device_map)

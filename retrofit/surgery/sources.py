@@ -40,7 +40,7 @@ from retrofit.fs.guard import special_kind
 
 __all__ = [
     "ALIASES", "cache_root", "first_line", "gguf_to_folder", "load_plain", "load_tokenizer", "locate", "quiet_transformers",
-    "read_config", "read_json", "resolve_dtype",
+    "check_model_size", "read_config", "read_json", "resolve_dtype",
 ]
 
 
@@ -301,6 +301,72 @@ def read_config(folder: Path) -> dict:
     if not isinstance(raw, dict):
         raise CheckpointError(f"{cfg} does not hold a JSON object: not a model config")
     return raw
+
+
+def _size(cfg: dict, *names: str) -> int | None:
+    """The first of ``names`` in ``cfg`` that is a whole number >= 0 (None: none is; transformers judges the rest)."""
+    for name in names:
+        value = cfg.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return None
+
+
+PER_LAYER_BYTES = 8 * 1024  # a decoder layer's Python objects (a dozen nn.Modules), whatever its widths
+
+
+def machine_bytes() -> int | None:
+    """Memory a model may be built in here: RAM plus swap plus every CUDA device's memory (None: unknown)."""
+    total = 0
+    try:
+        total += os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        return None
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("SwapTotal:"):
+                total += int(line.split()[1]) * 1024
+    with contextlib.suppress(Exception):
+        if torch.cuda.is_available():
+            total += sum(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+    return total
+
+
+def check_model_size(folder: Path, raw: dict, dtype: torch.dtype | str | None = None) -> None:
+    """Refuse a config.json whose sizes imply a model no memory here holds (``num_hidden_layers: 1000000000``,
+    a vocabulary of 10**12), before transformers starts building it: that build ran until killed.
+
+    The bound is a lower one on what the config implies: the embedding, each layer's attention query and
+    output projections and its MLP's two widest matrices, at the dtype's bytes (2 when the dtype is not
+    given: no model runs in less), plus each layer's Python objects, against memory here plus the folder's
+    weight files (which may be paged in from disk); a config the loader fills in from defaults passes."""
+    cfg = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw
+    layers = _size(cfg, "num_hidden_layers", "n_layer", "num_layers")
+    hidden = _size(cfg, "hidden_size", "n_embd", "d_model")
+    if layers is None and hidden is None:
+        return
+    layers, width = layers or 0, hidden or 0
+    heads, head_dim = _size(cfg, "num_attention_heads", "n_head"), _size(cfg, "head_dim")
+    attention = heads * head_dim if heads is not None and head_dim is not None else width
+    inner = _size(cfg, "intermediate_size", "n_inner", "ffn_dim") or 0
+    vocab = _size(cfg, "vocab_size") or 0
+    params = vocab * width + layers * (2 * width * attention + 2 * width * inner)
+    each = torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else 2
+    need = params * each + layers * PER_LAYER_BYTES
+    have = machine_bytes()
+    if have is None:
+        return
+    stored = 0  # weights on disk may be paged in from their files (safetensors are mapped): a real model passes
+    with contextlib.suppress(OSError):
+        stored = sum(f.stat().st_size for f in folder.iterdir() if f.suffix in (".safetensors", ".bin", ".pt"))
+    if need <= have + stored:
+        return
+    sizes = ", ".join(f"{k}={cfg[k]}" for k in ("num_hidden_layers", "hidden_size", "intermediate_size",
+                                                  "vocab_size") if k in cfg)
+    raise CheckpointError(f"{folder / 'config.json'} describes a model this machine cannot hold: {sizes} make at "
+                          f"least {params:.3g} parameters, {need / 2**30:.3g} GiB, and memory, swap and GPUs here "
+                          f"hold {have / 2**30:.3g} GiB (its weight files "
+                          f"{stored / 2**30:.3g} GiB); check the sizes in config.json")
 
 
 def load_plain(

@@ -140,3 +140,35 @@ def test_eval_all_refuses_a_too_short_passkey_length_before_its_first_part(base,
            "--haystack", "noise", "--skip", "harness", "niah", "ruler", "--out", str(out)], capsys,
           "passkey length 16 is too short: the instructions alone take")
     assert not started and not (out / "ppl").exists() and not leftovers(tmp_path)
+
+
+# ---------------------------------------------------------------------- 9. a config.json of absurd sizes
+@pytest.mark.parametrize("key, value", [("num_hidden_layers", 1_000_000_000), ("vocab_size", 10**15)])
+@pytest.mark.parametrize("verb", ["convert", "generate", "eval"])
+def test_a_config_json_of_absurd_sizes_is_refused_before_the_build(base, tmp_path, capsys, verb, key, value):
+    # transformers built num_hidden_layers: 1000000000 layer by layer until killed
+    import json
+
+    model = tmp_path / "model"
+    shutil.copytree(base, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, key: value}))
+    before = snapshot(model)
+    argv = {"convert": ["convert", str(model), "--out", str(tmp_path / "o")],
+            "generate": ["generate", str(model), "--prompt", "hi"],
+            "eval": ["eval", "ppl", str(model), "--out", str(tmp_path / "o")]}[verb]
+    fails(argv, capsys, f"{model / 'config.json'} describes a model this machine cannot hold", f"{key}={value}",
+          "check the sizes in config.json")
+    assert snapshot(model) == before and not (tmp_path / "o").exists()
+
+
+def test_a_config_json_of_ordinary_sizes_passes_the_size_check(base, monkeypatch):
+    from retrofit.errors import CheckpointError
+    from retrofit.surgery import sources
+
+    sources.check_model_size(base, sources.read_config(base))  # the tiny model
+    monkeypatch.setattr(sources, "machine_bytes", lambda: 32 * 2**30)
+    eight_b = {"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336, "vocab_size": 128256}
+    sources.check_model_size(base, eight_b)  # 16 GB at bf16
+    with pytest.raises(CheckpointError, match="cannot hold"):
+        sources.check_model_size(base, {**eight_b, "num_hidden_layers": 320})
