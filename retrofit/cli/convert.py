@@ -286,6 +286,10 @@ def _run(args: argparse.Namespace) -> int:
     args.probe_tokens_given = not isinstance(args.probe_tokens, _Default)
     if args.probe_tokens < 0:
         raise SpecError(f"--probe-tokens must be >= 0 (0 skips the KL probe), got {args.probe_tokens}")
+    if args.rank_layers and args.keep_full:  # the one stops after ranking, the other converts: not both at once
+        raise SpecError(f"--rank-layers and --keep-full {args.keep_full} contradict each other: --rank-layers only "
+                        "writes OUT/layer_ranking.json and saves no conversion, --keep-full ranks the layers and "
+                        "saves a conversion; pass one of them")
     if args.probe_tokens == 0 and (args.rank_layers or args.keep_full):
         flag = "--rank-layers" if args.rank_layers else "--keep-full"
         raise SpecError(f"{flag} scores the layers on the probe text: --probe-tokens 0 leaves none; pass "

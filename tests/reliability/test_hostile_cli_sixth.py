@@ -172,3 +172,12 @@ def test_a_config_json_of_ordinary_sizes_passes_the_size_check(base, monkeypatch
     sources.check_model_size(base, eight_b)  # 16 GB at bf16
     with pytest.raises(CheckpointError, match="cannot hold"):
         sources.check_model_size(base, {**eight_b, "num_hidden_layers": 320})
+
+
+# ---------------------------------------------------------------------- 10. convert --rank-layers with --keep-full
+def test_rank_layers_with_keep_full_is_refused_not_half_ignored(base, tmp_path, capsys):
+    # --keep-full 1 converted and saved, and --rank-layers (rank only, save nothing) was silently dropped
+    out = tmp_path / "o"
+    fails(["convert", str(base), "--out", str(out), "--rank-layers", "--keep-full", "1"], capsys,
+          "--rank-layers and --keep-full 1 contradict each other", "pass one of them")
+    assert not out.exists() and not leftovers(tmp_path)
