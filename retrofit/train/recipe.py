@@ -615,7 +615,11 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
         raise SpecError(f"override key {key!r} must be a dotted path like train.lr")
     try:
         value = parse_yaml(raw) if raw.strip() else None
-    except yaml.YAMLError:
+    except yaml.YAMLError as exc:
+        if hasattr(exc, "duplicate_key"):  # a mapping, not a string: taken as the text it would only be refused later
+            from retrofit.errors import yaml_error_line
+
+            raise SpecError(f"override {item!r}: {yaml_error_line(exc)}") from None
         value = raw
     return key.split("."), value
 

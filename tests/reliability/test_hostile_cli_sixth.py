@@ -1,6 +1,8 @@
 """The hostile re-test, sixth pass: YAML that PyYAML fails on with other exceptions, an allocation the machine
 cannot make, a config.json that is not UTF-8, a seed numpy refuses, a corrupt Parquet file, a YAML false given
-to a string key, and an output folder where no file can be made; each on a tiny random model.
+to a string key, and an output folder where no file can be made; then eval all's too-short passkey length, a
+config.json of absurd sizes, convert's --rank-layers with --keep-full and a YAML key given twice; each on a tiny
+random model.
 
 Every refusal is one ``error:`` line (exit 1, no traceback) that says what to change, and writes nothing.
 """
@@ -181,3 +183,30 @@ def test_rank_layers_with_keep_full_is_refused_not_half_ignored(base, tmp_path, 
     fails(["convert", str(base), "--out", str(out), "--rank-layers", "--keep-full", "1"], capsys,
           "--rank-layers and --keep-full 1 contradict each other", "pass one of them")
     assert not out.exists() and not leftovers(tmp_path)
+
+
+# ---------------------------------------------------------------------- 11. a key given twice in YAML
+def test_a_recipe_with_a_section_given_twice_is_refused(base, books, tmp_path, capsys):
+    # a second train: section replaced the first, silently
+    recipe = recipe_file(tmp_path, base, books)
+    lines = recipe.read_text().splitlines()
+    recipe.write_text("\n".join(lines) + "\ntrain:\n  max_steps: 1\n")
+    first = lines.index("train:") + 1
+    fails(["train", str(recipe)], capsys, f"recipe {recipe} is not valid YAML",
+          f"key 'train' is given twice (lines {first} and {len(lines) + 1}): give each key once")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_key_given_twice_in_a_config_option_or_override_is_refused(base, books, tmp_path, capsys):
+    out = tmp_path / "o"
+    config = tmp_path / "spec.yaml"
+    config.write_text("method: macchiato\nwindow: 8\nwindow: 16\n")
+    fails(["convert", str(base), "--out", str(out), "--config", str(config)], capsys, f"{config} is not valid YAML",
+          "key 'window' is given twice (lines 2 and 3)")
+    fails(["convert", str(base), "--out", str(out), "--option", "window={a: 1, a: 2}"], capsys,
+          "--option window:", "key 'a' is given twice (line 1)")
+    assert not out.exists()
+    recipe = recipe_file(tmp_path, base, books)
+    fails(["train", str(recipe), "conversion={window: 8, window: 16}"], capsys,
+          "override 'conversion={window: 8, window: 16}': key 'window' is given twice")
+    assert not (tmp_path / "out").exists()
