@@ -85,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         # the reader of stdout stopped (retrofit ls | head -1): quiet, like any filter whose reader left
         _drop_stdout()
         return 141  # what a shell reports for a process ended by SIGPIPE
+    except Exception:
+        if _interrupted:  # a Ctrl-C swallowed while the parsers were built (a half-done import) fails later
+            print("interrupted", file=sys.stderr)
+            return 130
+        raise
 
 
 def _stdout_closed() -> bool:

@@ -145,3 +145,19 @@ def test_ctrl_c_in_the_first_seconds_of_convert_prints_interrupted(base, tmp_pat
     assert done.returncode == 130 and "interrupted" in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
     assert not out.exists() and not leftovers(tmp_path)
+
+
+def test_a_failure_while_the_parsers_are_built_after_a_swallowed_interrupt_is_interrupted_130(capsys, monkeypatch):
+    # the import that Ctrl-C half-did fails outside the verb's own error handling (numpy's RecursionError)
+    import retrofit.cli.main as cli_main
+
+    def build_parser():
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+        except KeyboardInterrupt:
+            pass
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(cli_main, "build_parser", build_parser)
+    assert main(["ls"]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted"
