@@ -109,16 +109,21 @@ def test_an_interrupt_while_the_parsers_are_built_is_interrupted_130(base, tmp_p
     assert err.strip() == "interrupted" and not (tmp_path / "out").exists()
 
 
+def _swallow_ctrl_c() -> None:
+    """A Ctrl-C that a library catches (numpy mid-import): the CLI's handler still records it."""
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+    except KeyboardInterrupt:
+        pass
+
+
 def test_a_failure_after_a_swallowed_interrupt_is_interrupted_130(base, tmp_path, capsys, monkeypatch):
     # a library that catches Ctrl-C mid-import (numpy, half set up) makes a later step fail instead
     import retrofit.cli.convert as convert_cli
     from retrofit.errors import RetrofitError
 
     def build_spec(args):
-        try:
-            os.kill(os.getpid(), signal.SIGINT)
-        except KeyboardInterrupt:
-            pass
+        _swallow_ctrl_c()
         raise RetrofitError("cannot load the model folder")
 
     monkeypatch.setattr(convert_cli, "build_spec", build_spec)
@@ -152,10 +157,7 @@ def test_a_failure_while_the_parsers_are_built_after_a_swallowed_interrupt_is_in
     import retrofit.cli.main as cli_main
 
     def build_parser():
-        try:
-            os.kill(os.getpid(), signal.SIGINT)
-        except KeyboardInterrupt:
-            pass
+        _swallow_ctrl_c()
         raise RecursionError("maximum recursion depth exceeded")
 
     monkeypatch.setattr(cli_main, "build_parser", build_parser)
